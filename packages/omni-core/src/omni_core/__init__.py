@@ -1,0 +1,38 @@
+"""omni-core: the runtime that runs stage pipelines, one process per stage."""
+
+from omni_core.collector import RequestHandle, RequestOutput
+from omni_core.config import ConfigError, PipelineConfig, load_config, parse_config
+from omni_core.events import (
+    AnyEvent,
+    Cancelled,
+    Completed,
+    Error,
+    Event,
+    ImageProgress,
+    Segment,
+)
+from omni_core.pipeline import Pipeline
+from omni_core.stage import Output, Stage, StageContext, StageInput
+from omni_core.windows import Window
+
+__all__ = [
+    "AnyEvent",
+    "Cancelled",
+    "Completed",
+    "ConfigError",
+    "Error",
+    "Event",
+    "ImageProgress",
+    "Output",
+    "Pipeline",
+    "PipelineConfig",
+    "RequestHandle",
+    "RequestOutput",
+    "Segment",
+    "Stage",
+    "StageContext",
+    "StageInput",
+    "Window",
+    "load_config",
+    "parse_config",
+]

@@ -1,0 +1,204 @@
+"""The caller's side of a request: what arrives from the stages, turned into one stream.
+
+Both backends (worker processes and in-process) hand every event that reaches the caller
+to a :class:`Collector`. It checks per-stage order, resolves arrays (copied out of shared
+memory so the slot can go back at once), renumbers events strictly per request, and ends
+the request with exactly one terminal event: completed when every sink stage completed,
+else the first error, cancel or timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_core.events import (
+    AnyEvent,
+    Cancelled,
+    Completed,
+    Error,
+    Event,
+    ImageProgress,
+    Segment,
+    ShmHandle,
+)
+from omni_core.serial import ArrayCodec
+
+_DONE = object()
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, as ``Pipeline.generate`` returns it."""
+
+    request_id: str
+    finish_reason: str  # "completed" | "error" | "cancelled" | "timeout"
+    events: list[AnyEvent]  # every non-terminal event, in order
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason == "completed"
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for e in self.events if isinstance(e, Segment) and e.tokens for t in e.tokens]
+
+    @property
+    def final(self) -> AnyEvent | None:
+        """The last non-terminal event (for an image request, the final image)."""
+        return self.events[-1] if self.events else None
+
+    def by_stage(self, stage: str) -> list[AnyEvent]:
+        return [e for e in self.events if e.stage == stage]
+
+
+class RequestHandle:
+    """One request in flight; its events can be read synchronously or with asyncio."""
+
+    def __init__(self, request_id: str, sinks: set[str], loop: asyncio.AbstractEventLoop | None):
+        self.request_id = request_id
+        self.sinks_left = set(sinks)
+        self.stages_done: set[str] = set()
+        self.next_seq: dict[str, int] = {}
+        self.sequence = 0
+        self.done = False
+        self.finish_reason = ""
+        self.submitted = time.monotonic()
+        self.first_event: float | None = None
+        self.finished: float | None = None
+        self.deadline: float | None = None
+        self._loop = loop
+        self._q: queue.SimpleQueue[Any] | asyncio.Queue[Any] = (
+            asyncio.Queue() if loop is not None else queue.SimpleQueue()
+        )
+
+    def _put(self, item: Any) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._q.put_nowait, item)  # type: ignore[arg-type]
+        else:
+            self._q.put(item)  # type: ignore[call-arg]
+
+    def __iter__(self):
+        q = self._q
+        assert isinstance(q, queue.SimpleQueue), "use 'async for' on an async handle"
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            yield item
+
+    async def __aiter__(self):
+        q = self._q
+        assert isinstance(q, asyncio.Queue)
+        while True:
+            item = await q.get()
+            if item is _DONE:
+                return
+            yield item
+
+
+class Collector:
+    """Tracks every open request of one pipeline; thread-safe only through its caller."""
+
+    def __init__(self, sinks: list[str], streaming: list[str], codec: ArrayCodec) -> None:
+        self.sinks = set(sinks)
+        self.streaming = set(streaming)  # stages whose every event comes to the caller
+        self.codec = codec
+        self.handles: dict[str, RequestHandle] = {}
+        self.counts = {"completed": 0, "error": 0, "cancelled": 0, "timeout": 0}
+
+    def open(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        if request_id in self.handles:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        h = self.handles[request_id] = RequestHandle(request_id, self.sinks, loop)
+        return h
+
+    def on_event(self, ev: AnyEvent) -> tuple[list[ShmHandle], bool]:
+        """Take one event from a stage; returns (slots to release, request just failed)."""
+        arrays, shm = self.codec.unpack(ev.device_handles, copy=True) if ev.device_handles else ({}, [])
+        h = self.handles.get(ev.request_id)
+        if h is None or h.done:  # late event of a finished request: just free its slots
+            return shm, False
+        expected = h.next_seq.get(ev.stage, 0)
+        if ev.stage in self.streaming and ev.sequence != expected:
+            self.finish(
+                h,
+                Error(
+                    request_id=h.request_id,
+                    stage=ev.stage,
+                    message=f"stage {ev.stage!r}: event sequence {ev.sequence} where "
+                    f"{expected} was expected (lost event)",
+                    code="sequence_gap",
+                ),
+            )
+            return shm, True
+        h.next_seq[ev.stage] = expected + 1
+        if isinstance(ev, (Segment, ImageProgress)):
+            ev.arrays = arrays
+            self._deliver(h, ev)
+        elif isinstance(ev, Completed):
+            h.stages_done.add(ev.stage)
+            h.sinks_left.discard(ev.stage)
+            if not h.sinks_left:
+                self.finish(h, Completed(request_id=h.request_id, stage=ev.stage))
+        elif isinstance(ev, Error):
+            self.finish(h, ev)
+            return shm, True
+        return shm, False
+
+    def _deliver(self, h: RequestHandle, ev: Event) -> None:
+        if h.first_event is None:
+            h.first_event = time.monotonic()
+        ev.sequence = h.sequence
+        h.sequence += 1
+        if not hasattr(ev, "arrays"):
+            ev.arrays = {}
+        h._put(ev)
+
+    def finish(self, h: RequestHandle, terminal: Completed | Error | Cancelled) -> None:
+        """End a request with its one terminal event (no-op if it already ended)."""
+        if h.done:
+            return
+        h.done = True
+        h.finished = time.monotonic()
+        if isinstance(terminal, Completed):
+            h.finish_reason = "completed"
+        elif isinstance(terminal, Cancelled):
+            h.finish_reason = terminal.reason
+        else:
+            h.finish_reason = "error"
+        self.counts[h.finish_reason] += 1
+        self._deliver(h, terminal)
+        h._put(_DONE)
+        self.handles.pop(h.request_id, None)
+
+    def fail_all(self, message: str, code: str = "pipeline_closed", stage: str = "") -> None:
+        for h in list(self.handles.values()):
+            self.finish(h, Error(request_id=h.request_id, stage=stage, message=message, code=code))
+
+
+def collect(handle: RequestHandle) -> RequestOutput:
+    """Read a handle to its end into a :class:`RequestOutput`."""
+    events: list[AnyEvent] = []
+    error = None
+    for ev in handle:
+        if ev.terminal:
+            if isinstance(ev, Error):
+                error = ev.message
+            break
+        events.append(ev)
+    return RequestOutput(handle.request_id, handle.finish_reason, events, error, request_metrics(handle))
+
+
+def request_metrics(h: RequestHandle) -> dict[str, float]:
+    m: dict[str, float] = {}
+    if h.first_event is not None:
+        m["time_to_first_event_s"] = h.first_event - h.submitted
+    if h.finished is not None:
+        m["latency_s"] = h.finished - h.submitted
+    return m

@@ -1,0 +1,203 @@
+"""The one event schema and the control messages, as small typed msgspec Structs.
+
+Every message that crosses a process boundary is one of the Structs below; nothing on
+the wire is pickled. Large arrays never ride inside a message: ``device_handles`` maps a
+name to either a :class:`ShmHandle` (the bytes sit in a shared-memory slot) or, under the
+inline threshold, an :class:`InlineArray`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+# --------------------------------------------------------------------------- handles
+
+
+class ShmHandle(msgspec.Struct, tag="shm", array_like=True, frozen=True):
+    """Where an array lives in a shared-memory segment owned by the orchestrator."""
+
+    segment: str  # file name under /dev/shm
+    offset: int
+    nbytes: int
+    dtype: str  # numpy dtype string; "bytes" for a raw bytes payload
+    shape: tuple[int, ...]
+    producer: str  # stage that rented the slot and gets the release
+    torch: bool = False  # hand the receiver a torch tensor instead of a numpy array
+
+
+class InlineArray(msgspec.Struct, tag="inline", array_like=True, frozen=True):
+    """A small array (or bytes) carried inside the message itself."""
+
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    torch: bool = False
+
+
+Handle = ShmHandle | InlineArray
+
+# --------------------------------------------------------------------------- events
+
+
+class Event(msgspec.Struct, tag_field="event_type", kw_only=True, dict=True):
+    """Base of every data-plane event.
+
+    On the wire ``sequence`` is strict per (request, emitting stage); the caller sees it
+    renumbered strictly per request. Events handed to the caller also carry ``arrays``
+    (the resolved ``device_handles``), an attribute that never goes on the wire.
+    """
+
+    request_id: str
+    sequence: int = 0
+    ts: float = msgspec.field(default_factory=time.time)
+    stage: str = ""
+    payload: dict[str, Any] = msgspec.field(default_factory=dict)
+    device_handles: dict[str, Handle] = msgspec.field(default_factory=dict)
+
+    @property
+    def event_type(self) -> str:
+        return type(self).__struct_config__.tag  # type: ignore[return-value]
+
+    @property
+    def terminal(self) -> bool:
+        return False
+
+
+class Segment(Event, tag="segment", kw_only=True):
+    """A run of output units (AR tokens, or rows of arrays along axis 0)."""
+
+    tokens: list[int] | None = None
+    logprobs: list[float] | None = None
+    is_last: bool = False
+    # The original request travels with the first event of a request on each edge, so a
+    # downstream stage knows the request's parameters without a second channel.
+    request: dict[str, Any] | None = None
+
+
+class ImageProgress(Event, tag="image", kw_only=True):
+    """A diffusion preview (``is_last=False``) or the final image (``is_last=True``)."""
+
+    step: int = 0
+    is_last: bool = False
+    request: dict[str, Any] | None = None
+
+
+class Completed(Event, tag="completed", kw_only=True):
+    """The emitting stage is done with the request; on an edge it also closes the stream."""
+
+    request: dict[str, Any] | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return True
+
+
+class Error(Event, tag="error", kw_only=True):
+    """The request failed at ``stage``; ends that request only."""
+
+    message: str = ""
+    code: str = "stage_error"
+
+    @property
+    def terminal(self) -> bool:
+        return True
+
+
+class Cancelled(Event, tag="cancelled", kw_only=True):
+    """The request was cancelled (``reason='cancelled'``) or ran out of time (``'timeout'``)."""
+
+    reason: Literal["cancelled", "timeout"] = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return True
+
+
+AnyEvent = Segment | ImageProgress | Completed | Error | Cancelled
+DATA_EVENTS = (Segment, ImageProgress)
+
+# --------------------------------------------------------------------------- control
+
+
+class Submit(msgspec.Struct, tag="submit", tag_field="event_type", kw_only=True):
+    """Orchestrator -> source stage: a new request."""
+
+    request_id: str
+    request: dict[str, Any]
+    deadline: float | None = None  # time.time() after which the request times out
+
+
+class Cancel(msgspec.Struct, tag="cancel", tag_field="event_type", kw_only=True):
+    """Orchestrator -> every stage: drop all work and state of a request."""
+
+    request_id: str
+    reason: str = "cancelled"
+
+
+class Release(msgspec.Struct, tag="release", tag_field="event_type", kw_only=True):
+    """Reader -> producer: these slots (by offset in the producer's arena) are no longer read."""
+
+    offsets: list[int]
+    reader: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", tag_field="event_type", kw_only=True):
+    """Orchestrator -> worker: stop; ``drain`` finishes queued work first (until the deadline)."""
+
+    drain: bool = False
+    deadline: float | None = None
+
+
+class Ready(msgspec.Struct, tag="ready", kw_only=True):
+    """Worker -> orchestrator: the stage loaded and the loop runs."""
+
+    stage: str
+    pid: int
+    load_s: float
+
+
+class LoadFailed(msgspec.Struct, tag="load_failed", kw_only=True):
+    """Worker -> orchestrator: the stage could not start; the worker exits after this."""
+
+    stage: str
+    pid: int
+    message: str
+
+
+class StageStats(msgspec.Struct, kw_only=True):
+    """Counters a worker reports with each heartbeat."""
+
+    received: int = 0  # data events taken in
+    emitted: int = 0  # events sent out
+    window_triggers: int = 0
+    queue_depth: int = 0  # work items waiting
+    inflight: int = 0
+    outbox_depth: int = 0
+    blocked_s: float = 0.0  # time the stage waited on a full outbox / shared-memory pool
+    completed: int = 0
+    errors: int = 0
+    shm_slots_in_use: int = 0
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
+    """Worker -> orchestrator, every ``heartbeat_interval_s``."""
+
+    stage: str
+    pid: int
+    ts: float
+    stats: StageStats
+
+
+class Ack(msgspec.Struct, tag="ack", kw_only=True):
+    """Worker -> orchestrator: a control message took effect (cancel, shutdown)."""
+
+    stage: str
+    kind: str
+    request_id: str = ""
+
+
+ToWorker = Submit | Cancel | Release | Shutdown
+ToOrchestrator = Ready | LoadFailed | Heartbeat | Ack

@@ -1,0 +1,241 @@
+"""The transport-free part of running a stage: windows in, events out.
+
+A :class:`StageHost` owns one stage's per-request state: a :class:`WindowState` per inbound
+edge, fan-in pairing of windows into :class:`WorkItem` s, per-request output sequence
+numbers, and the turning of a stage's :class:`Output` s into events for each destination.
+The worker process and the in-process runner both drive a host; only how events move
+differs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_core.config import PipelineConfig
+from omni_core.events import (
+    AnyEvent,
+    Completed,
+    Error,
+    Event,
+    Handle,
+    ImageProgress,
+    Segment,
+    ShmHandle,
+    Submit,
+)
+from omni_core.serial import ArrayCodec
+from omni_core.stage import Output, Stage, StageInput
+from omni_core.windows import Piece, Window, WindowState
+
+CLIENT = "client"  # the destination name of the caller's collector
+MAX_TOMBSTONES = 65536  # ended requests remembered, so late events for them are dropped
+
+
+class RequestFailed(Exception):
+    """A request cannot go on at this stage (bad stream, stage error); ends that request."""
+
+
+@dataclass
+class WorkItem:
+    inp: StageInput
+    release: list[ShmHandle] = field(default_factory=list)  # after processing
+    droppable_outputs: int = 0
+
+
+@dataclass
+class _Request:
+    request: dict[str, Any] | None = None
+    windows: dict[str, WindowState] = field(default_factory=dict)
+    pending: dict[str, deque[Window]] = field(default_factory=dict)
+    exhausted: set[str] = field(default_factory=set)
+    next_seq: dict[str, int] = field(default_factory=dict)
+    out_seq: int = 0
+    triggers: int = 0
+    cancel: threading.Event = field(default_factory=threading.Event)
+    all_triggered: bool = False
+
+
+class StageHost:
+    def __init__(self, cfg: PipelineConfig, name: str, stage: Stage, codec: ArrayCodec) -> None:
+        self.cfg = cfg
+        self.name = name
+        self.stage = stage
+        self.codec = codec
+        self.inbound = {e.source: cfg.window(e) for e in cfg.inbound(name)}
+        self.downstream = [e.target for e in cfg.outbound(name)]
+        self.to_client = cfg.streams_to_client(cfg.stage(name))
+        self.readers = {d: 1 for d in self.downstream}
+        if self.to_client:
+            self.readers[CLIENT] = 1
+        self.data_destinations = list(self.readers)
+        self.requests: dict[str, _Request] = {}
+        self.ended: OrderedDict[str, int] = OrderedDict()  # request -> next out sequence
+        self.releasable: list[ShmHandle] = []  # slots to hand back; the driver drains it
+        self.window_triggers = 0
+        self.dropped_late = 0
+
+    # ------------------------------------------------------------------ intake
+    def submit(self, msg: Submit) -> list[WorkItem]:
+        """A new request at a source stage."""
+        st = self.requests.setdefault(msg.request_id, _Request())
+        st.request = msg.request
+        st.all_triggered = True
+        st.triggers = 1
+        inp = StageInput(msg.request_id, msg.request, {}, True, True, st.cancel)
+        return [WorkItem(inp)]
+
+    def receive(self, event: AnyEvent) -> list[WorkItem]:
+        """An event from an upstream stage; returns the work it makes ready."""
+        edge = event.stage
+        if edge not in self.inbound:
+            raise RequestFailed(f"stage {self.name!r} got an event from {edge!r}, which has no edge to it")
+        st = self.requests.get(event.request_id)
+        if st is None:
+            if event.request_id in self.ended:  # cancelled or failed here: drop, free slots
+                self.dropped_late += 1
+                self.releasable.extend(
+                    h for h in event.device_handles.values() if isinstance(h, ShmHandle)
+                )
+                return []
+            st = self.requests[event.request_id] = _Request()
+        if st.request is None and getattr(event, "request", None) is not None:
+            st.request = event.request
+        expected = st.next_seq.get(edge, 0)
+        if event.sequence != expected:
+            raise RequestFailed(
+                f"edge {edge} -> {self.name}: event sequence {event.sequence} where "
+                f"{expected} was expected (lost or reordered event)"
+            )
+        st.next_seq[edge] = expected + 1
+        ws = st.windows.get(edge)
+        if ws is None:
+            spec = self.inbound[edge]
+            ws = st.windows[edge] = WindowState(edge, spec.size, spec.overlap)
+        if isinstance(event, (Segment, ImageProgress)):
+            arrays, handles = self.codec.unpack(event.device_handles)
+            piece = Piece(
+                event.sequence,
+                event.tokens if isinstance(event, Segment) else None,
+                arrays,
+                event.payload,
+                handles,
+                event.step if isinstance(event, ImageProgress) else None,
+                event.logprobs if isinstance(event, Segment) else None,
+            )
+            windows = ws.push(piece, event.is_last)
+        elif isinstance(event, Completed):
+            windows = ws.end()
+        else:  # errors and cancels travel on the control plane, never on an edge
+            raise RequestFailed(f"unexpected {type(event).__name__} on edge {edge} -> {self.name}")
+        if windows:
+            self.window_triggers += len(windows)
+            st.pending.setdefault(edge, deque()).extend(windows)
+        return self._pair(event.request_id, st)
+
+    def _pair(self, rid: str, st: _Request) -> list[WorkItem]:
+        items = []
+        while not st.all_triggered:
+            live = [e for e in self.inbound if e not in st.exhausted]
+            if not all(st.pending.get(e) for e in live):
+                break
+            windows = {e: st.pending[e].popleft() for e in live}
+            for e, w in windows.items():
+                if w.is_last:
+                    st.exhausted.add(e)
+            last = len(st.exhausted) == len(self.inbound)
+            st.all_triggered = last
+            release = [h for w in windows.values() for h in w.release]
+            inp = StageInput(rid, st.request or {}, windows, st.triggers == 0, last, st.cancel)
+            st.triggers += 1
+            items.append(WorkItem(inp, release))
+        return items
+
+    # ------------------------------------------------------------------ output
+    def _stamp(self, rid: str, event: Event) -> Event:
+        st = self.requests.get(rid)
+        event.stage = self.name
+        if st is None:
+            if rid in self.ended:
+                event.sequence = self.ended[rid]
+                self.ended[rid] += 1
+                return event
+            st = self.requests[rid] = _Request()
+        event.sequence = st.out_seq
+        if st.out_seq == 0 and hasattr(event, "request"):
+            event.request = st.request  # type: ignore[attr-defined]
+        st.out_seq += 1
+        return event
+
+    def pack(self, out: Output) -> dict[str, Handle]:
+        """Write an output's arrays for every reader (may block on a full pool: no lock held)."""
+        return self.codec.pack(out.arrays, self.readers) if out.arrays else {}
+
+    def emit(self, out: Output, handles: dict[str, Handle] | None = None) -> tuple[Event, list[str]]:
+        """Turn a stage output into one event and the destinations it goes to."""
+        if out.kind == "error":
+            msg = str(out.payload.get("message", "stage reported an error"))
+            return self.error(out.request_id, msg), [CLIENT]
+        if handles is None:
+            handles = self.pack(out)
+        if out.kind == "image":
+            ev: Event = ImageProgress(
+                request_id=out.request_id,
+                payload=out.payload,
+                device_handles=handles,
+                step=out.step,
+                is_last=out.is_last,
+            )
+        else:
+            ev = Segment(
+                request_id=out.request_id,
+                payload=out.payload,
+                device_handles=handles,
+                tokens=out.tokens,
+                logprobs=out.logprobs,
+                is_last=out.is_last,
+            )
+        return self._stamp(out.request_id, ev), self.data_destinations
+
+    def finish(self, item: WorkItem) -> list[tuple[Event, list[str]]]:
+        """After an item ran: close the request's streams if it was the last trigger."""
+        if not item.inp.last:
+            return []
+        rid = item.inp.request_id
+        ev = self._stamp(rid, Completed(request_id=rid))
+        self.forget(rid)
+        return [(ev, [*self.downstream, CLIENT])]
+
+    def error(self, rid: str, message: str, code: str = "stage_error") -> Error:
+        ev = Error(request_id=rid, message=f"stage {self.name!r}: {message}", code=code)
+        return self._stamp(rid, ev)  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ state
+    def is_cancelled(self, rid: str) -> bool:
+        st = self.requests.get(rid)
+        return st is not None and st.cancel.is_set()
+
+    def forget(self, rid: str) -> list[ShmHandle]:
+        """Drop a request's state; returns the slots it still held."""
+        st = self.requests.pop(rid, None)
+        if st is None:
+            return []
+        self.ended[rid] = st.out_seq
+        if len(self.ended) > MAX_TOMBSTONES:
+            self.ended.popitem(last=False)
+        st.cancel.set()
+        freed = [h for ws in st.windows.values() for h in ws.drop()]
+        for q in st.pending.values():
+            for w in q:
+                freed.extend(w.release)
+        try:
+            self.stage.end_request(rid)
+        except Exception:  # a plug-in's cleanup must not take the host down
+            pass
+        return freed
+
+    @property
+    def active_requests(self) -> int:
+        return len(self.requests)

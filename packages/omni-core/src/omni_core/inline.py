@@ -1,0 +1,108 @@
+"""The in-process backend (``mrs.enabled: false``): every stage in the caller's process.
+
+Requests run one after another, each to its end, through the same :class:`StageHost`
+windows and the same event encoding as the process backend, with arrays carried inline
+instead of through shared memory. It is the parity oracle: a pipeline must give the same
+outputs with and without worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from omni_core.collector import Collector, RequestHandle
+from omni_core.config import PipelineConfig
+from omni_core.events import Cancelled, Event, Submit
+from omni_core.host import CLIENT, StageHost, WorkItem
+from omni_core.registry import load_stage_class
+from omni_core.serial import ArrayCodec, decode_event_frame, encode_frame
+from omni_core.stage import StageContext
+
+
+class InlineRunner:
+    def __init__(self, cfg: PipelineConfig) -> None:
+        self.cfg = cfg
+        self.order = cfg.topological_order()
+        self.hosts: dict[str, StageHost] = {}
+        self.collector = Collector(cfg.sinks(), cfg.client_streams(), ArrayCodec(CLIENT))
+
+    def start(self) -> None:
+        for name in self.order:
+            st = self.cfg.stage(name)
+            cls = load_stage_class(st.kind)
+            ctx = StageContext(
+                name=name,
+                kind=st.kind,
+                options=st.options,
+                upstream=tuple(e.source for e in self.cfg.inbound(name)),
+                downstream=tuple(e.target for e in self.cfg.outbound(name)),
+                logger=logging.getLogger(f"omni.stage.{name}"),
+            )
+            stage = cls(ctx)
+            stage.load()
+            codec = ArrayCodec(name, threshold=self.cfg.shm_threshold_bytes)
+            self.hosts[name] = StageHost(self.cfg, name, stage, codec)
+
+    def submit(
+        self,
+        request: dict[str, Any],
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestHandle:
+        """Run the request to its end now; the handle then replays its events."""
+        rid = request_id or uuid.uuid4().hex
+        h = self.collector.open(rid, loop)
+        timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+        work: deque[tuple[str, WorkItem]] = deque()
+        msg = Submit(request_id=rid, request=request)
+        for s in self.cfg.sources():
+            work.extend((s, w) for w in self.hosts[s].submit(msg))
+
+        def route(ev: Event, dests: list[str]) -> None:
+            frame = encode_frame([ev])  # each receiver decodes its own copy, as off the wire
+            for d in dests:
+                received = decode_event_frame(frame)[0]
+                if d == CLIENT:
+                    self.collector.on_event(received)
+                else:
+                    work.extend((d, w) for w in self.hosts[d].receive(received))
+
+        while work and not h.done:
+            name, item = work.popleft()
+            host = self.hosts[name]
+            try:
+                for out in host.stage.process([item.inp]):
+                    if deadline is not None and time.monotonic() > deadline:
+                        self.collector.finish(h, Cancelled(request_id=rid, reason="timeout"))
+                        break
+                    route(*host.emit(out))
+                    if h.done:
+                        break
+            except Exception as e:
+                route(host.error(rid, f"{type(e).__name__}: {e}"), [CLIENT])
+                break
+            if h.done:
+                break
+            for ev, dests in host.finish(item):
+                route(ev, dests)
+        for host in self.hosts.values():
+            host.forget(rid)
+        return h
+
+    def cancel(self, request_id: str) -> bool:
+        return False  # requests have already run to their end when submit returns
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        return {n: {"alive": True, "state": "inline"} for n in self.hosts}
+
+    def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
+        for host in self.hosts.values():
+            host.stage.close()
+        self.collector.fail_all("pipeline closed before the request finished")

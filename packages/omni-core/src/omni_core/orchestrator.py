@@ -1,0 +1,401 @@
+"""The process backend: one worker process per stage, and the control plane around them.
+
+The orchestrator starts the workers (with their devices and environment), waits for the
+ready handshake, seeds requests into the source stages, and owns every shared-memory
+segment. It is not on the data path between stages: workers write straight to each other,
+and the stages that stream to the caller write straight to the caller's collector socket.
+One I/O thread (the pump) owns this process's sockets; caller threads talk to it through
+an outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from omni_core.collector import Collector, RequestHandle
+from omni_core.config import PipelineConfig
+from omni_core.devices import resolve_devices
+from omni_core.events import (
+    Ack,
+    Cancel,
+    Cancelled,
+    Error,
+    Heartbeat,
+    LoadFailed,
+    Ready,
+    Release,
+    ShmHandle,
+    Shutdown,
+    StageStats,
+    Submit,
+)
+from omni_core.host import CLIENT
+from omni_core.serial import ArrayCodec, decode_event_frame, decode_status_frame, encode_json
+from omni_core.shm import SegmentOwner
+from omni_core.transport import Addresses, Outbox, Waker, make_socket_dir, pull_socket, push_socket
+from omni_core.worker import WorkerSpec
+
+log = logging.getLogger("omni.orchestrator")
+_WORKER_BOOT = "import sys; from omni_core.worker import main; sys.exit(main())"
+
+
+class StageStartError(RuntimeError):
+    """A stage worker did not come up (load failure, crash, or ready timeout)."""
+
+
+class StageDeadError(RuntimeError):
+    """A request needs a stage whose worker is dead."""
+
+
+@dataclass
+class StageProc:
+    name: str
+    kind: str
+    proc: subprocess.Popen[bytes]
+    pidfd: int
+    segment: str
+    ready: bool = False
+    dead: bool = False
+    exit_reason: str = ""
+    load_error: str = ""
+    load_s: float = 0.0
+    last_heartbeat: float = 0.0
+    stats: StageStats = field(default_factory=StageStats)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Orchestrator:
+    def __init__(self, cfg: PipelineConfig) -> None:
+        self.cfg = cfg
+        self.sources = cfg.sources()
+        self.sinks = cfg.sinks()
+        self.socket_dir = make_socket_dir()
+        self.addr = Addresses(self.socket_dir)
+        self.segments = SegmentOwner()
+        self.procs: dict[str, StageProc] = {}
+        self.codec = ArrayCodec(CLIENT)
+        self.collector = Collector(self.sinks, cfg.client_streams(), self.codec)
+        self.lock = threading.RLock()  # guards the collector and stage table
+        self.waker = Waker()
+        self.outbox = Outbox(self.waker, capacity=1 << 16)
+        self.zctx = zmq.Context()
+        self.status = pull_socket(self.zctx, self.addr.status, 1 << 20)
+        self.results = pull_socket(self.zctx, self.addr.results, 1 << 16)
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.acks: dict[str, int] = {}
+        self._closing = False
+        self._pump: threading.Thread | None = None
+        self.cancel_acks = 0
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        try:
+            for st in self.cfg.stages:
+                self._spawn(st.name)
+            self._wait_ready()
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        for name in self.procs:
+            self.sockets[f"data:{name}"] = push_socket(
+                self.zctx, self.addr.data(name), self.cfg.setting(self.cfg.stage(name), "queue_capacity")
+            )
+            self.sockets[f"ctl:{name}"] = push_socket(self.zctx, self.addr.control(name), 1 << 16)
+        self._pump = threading.Thread(target=self._pump_loop, name="omni-orchestrator", daemon=True)
+        self._pump.start()
+
+    def _spawn(self, name: str) -> None:
+        st = self.cfg.stage(name)
+        segment = self.segments.create(name, self.cfg.shm_pool_bytes)
+        devices = resolve_devices(st.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        spec = WorkerSpec(
+            stage=name,
+            config=self.cfg,
+            socket_dir=self.socket_dir,
+            arena=segment,
+            owner_pid=os.getpid(),
+            devices=devices,
+        )
+        spec_path = os.path.join(self.socket_dir, f"{name}.spec.json")
+        fd = os.open(spec_path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(encode_json(spec))
+        env = dict(os.environ)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices  # before any import in the worker
+        env.update(st.extra_env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_BOOT, spec_path], env=env, close_fds=True
+        )
+        self.procs[name] = StageProc(name, st.kind, proc, os.pidfd_open(proc.pid), segment)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        poller = zmq.Poller()
+        poller.register(self.status, zmq.POLLIN)
+        for p in self.procs.values():
+            poller.register(p.pidfd, zmq.POLLIN)
+        while not all(p.ready for p in self.procs.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [n for n, p in self.procs.items() if not p.ready]
+                raise StageStartError(
+                    f"stages {waiting} were not ready within ready_timeout_s="
+                    f"{self.cfg.ready_timeout_s}"
+                )
+            events = dict(poller.poll(min(left, 0.5) * 1000))
+            if self.status in events:
+                self._drain_status()
+            for p in self.procs.values():
+                if p.load_error:
+                    raise StageStartError(
+                        f"stage {p.name!r} (kind {p.kind!r}) failed to load: {p.load_error}"
+                    )
+                if not p.ready and p.pidfd in events:
+                    p.proc.wait()
+                    self._drain_status()
+                    detail = p.load_error or _exit_reason(p.proc.returncode)
+                    raise StageStartError(f"stage {p.name!r} (kind {p.kind!r}) failed to start: {detail}")
+
+    # ------------------------------------------------------------------ pump
+    def _pump_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.status, zmq.POLLIN)
+        poller.register(self.results, zmq.POLLIN)
+        poller.register(self.waker.fd, zmq.POLLIN)
+        for p in self.procs.values():
+            poller.register(p.pidfd, zmq.POLLIN)
+        pollout: set[str] = set()
+        while not self._closing:
+            for dest in pollout:
+                poller.register(self.sockets[dest], zmq.POLLOUT)
+            self.waker.idle = True
+            timeout = 0 if (self.outbox.count and not pollout) else 100
+            events = dict(poller.poll(timeout))
+            self.waker.idle = False
+            for dest in pollout:
+                poller.unregister(self.sockets[dest])
+            if self.waker.fd in events:
+                self.waker.clear()
+            if self.results in events:
+                self._drain_results()
+            if self.status in events:
+                self._drain_status()
+            for p in self.procs.values():
+                if not p.dead and p.pidfd in events:
+                    poller.unregister(p.pidfd)
+                    self._on_death(p)
+            self._check_deadlines()
+            pollout = set(self.outbox.flush(self.sockets))
+        self.outbox.flush(self.sockets)
+
+    def _drain_results(self) -> None:
+        for _ in range(256):
+            try:
+                frame = self.results.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            events = decode_event_frame(frame.buffer)
+            releases: list[ShmHandle] = []
+            failed: list[str] = []
+            with self.lock:
+                for ev in events:
+                    shm, did_fail = self.collector.on_event(ev)
+                    releases.extend(shm)
+                    if did_fail:
+                        failed.append(ev.request_id)
+            self._release(releases)
+            for rid in failed:
+                self._broadcast_cancel(rid, "error")
+
+    def _drain_status(self) -> None:
+        while True:
+            try:
+                frame = self.status.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            for msg in decode_status_frame(frame):
+                p = self.procs.get(msg.stage)
+                if p is None:
+                    continue
+                if isinstance(msg, Heartbeat):
+                    p.last_heartbeat = time.monotonic()
+                    p.stats = msg.stats
+                elif isinstance(msg, Ready):
+                    p.ready = True
+                    p.load_s = msg.load_s
+                    p.last_heartbeat = time.monotonic()
+                elif isinstance(msg, LoadFailed):
+                    p.load_error = msg.message
+                elif isinstance(msg, Ack):
+                    self.acks[msg.kind] = self.acks.get(msg.kind, 0) + 1
+
+    def _release(self, handles: list[ShmHandle]) -> None:
+        by_producer: dict[str, list[int]] = {}
+        for h in handles:
+            by_producer.setdefault(h.producer, []).append(h.offset)
+        for producer, offsets in by_producer.items():
+            self.outbox.put(f"ctl:{producer}", Release(offsets=offsets, reader=CLIENT), block=False)
+
+    def _broadcast_cancel(self, rid: str, reason: str) -> None:
+        for name, p in self.procs.items():
+            if not p.dead:
+                self.outbox.put(f"ctl:{name}", Cancel(request_id=rid, reason=reason), block=False)
+
+    def _on_death(self, p: StageProc) -> None:
+        p.proc.wait()
+        p.dead = True
+        p.exit_reason = _exit_reason(p.proc.returncode)
+        os.close(p.pidfd)
+        if self._closing:
+            return
+        log.error("stage %s (pid %d) %s", p.name, p.proc.pid, p.exit_reason)
+        with self.lock:
+            lost = [h for h in self.collector.handles.values() if p.name not in h.stages_done]
+            for h in lost:
+                self.collector.finish(
+                    h,
+                    Error(
+                        request_id=h.request_id,
+                        stage=p.name,
+                        message=f"stage {p.name!r} worker (pid {p.proc.pid}) {p.exit_reason}",
+                        code="stage_died",
+                    ),
+                )
+        for h in lost:
+            self._broadcast_cancel(h.request_id, "error")
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        expired = []
+        with self.lock:
+            for h in list(self.collector.handles.values()):
+                if h.deadline is not None and now >= h.deadline:
+                    self.collector.finish(h, Cancelled(request_id=h.request_id, reason="timeout"))
+                    expired.append(h.request_id)
+        for rid in expired:
+            self._broadcast_cancel(rid, "timeout")
+
+    # ------------------------------------------------------------------ API
+    def submit(
+        self,
+        request: dict[str, Any],
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestHandle:
+        if self._closing or self._pump is None:
+            raise RuntimeError("pipeline is not running")
+        dead = [n for n, p in self.procs.items() if p.dead]
+        if dead:
+            p = self.procs[dead[0]]
+            raise StageDeadError(f"stage {p.name!r} is dead ({p.exit_reason}); the pipeline cannot serve requests")
+        rid = request_id or uuid.uuid4().hex
+        timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
+        with self.lock:
+            h = self.collector.open(rid, loop)
+            if timeout_s is not None:
+                h.deadline = h.submitted + timeout_s
+        msg = Submit(
+            request_id=rid,
+            request=request,
+            deadline=time.time() + timeout_s if timeout_s is not None else None,
+        )
+        for s in self.sources:
+            self.outbox.put(f"data:{s}", msg)
+        return h
+
+    def cancel(self, request_id: str) -> bool:
+        with self.lock:
+            h = self.collector.handles.get(request_id)
+            if h is None:
+                return False
+            self.collector.finish(h, Cancelled(request_id=request_id, reason="cancelled"))
+        self._broadcast_cancel(request_id, "cancelled")
+        return True
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        return {
+            n: {
+                "alive": not p.dead and p.proc.poll() is None,
+                "pid": p.proc.pid,
+                "state": "dead" if p.dead else ("ready" if p.ready else "starting"),
+                "exit": p.exit_reason,
+                "heartbeat_age_s": now - p.last_heartbeat if p.last_heartbeat else None,
+                "load_s": p.load_s,
+            }
+            for n, p in self.procs.items()
+        }
+
+    def stage_stats(self) -> dict[str, StageStats]:
+        return {n: p.stats for n, p in self.procs.items()}
+
+    def pids(self) -> dict[str, int]:
+        return {n: p.proc.pid for n, p in self.procs.items()}
+
+    # ------------------------------------------------------------------ stop
+    def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
+        """Stop workers (draining queued work first when ``graceful``), free everything."""
+        if self._pump is not None and graceful:
+            deadline = time.time() + timeout_s
+            for name in self.procs:
+                self.outbox.put(f"ctl:{name}", Shutdown(drain=False, deadline=deadline), block=False)
+            t_end = time.monotonic() + 0.5
+            while self.outbox.pending() and time.monotonic() < t_end:
+                time.sleep(0.01)
+        self._closing = True
+        if self._pump is not None:
+            self.waker.idle = True
+            self.waker.wake()
+            self._pump.join(timeout=5)
+        t_end = time.monotonic() + (timeout_s if graceful else 0)
+        for p in self.procs.values():
+            try:
+                p.proc.wait(timeout=max(0.0, t_end - time.monotonic()) if graceful else 0.001)
+            except subprocess.TimeoutExpired:
+                p.proc.terminate()
+        for p in self.procs.values():
+            try:
+                p.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()
+            if not p.dead:
+                p.dead = True
+                try:
+                    os.close(p.pidfd)
+                except OSError:
+                    pass
+        with self.lock:
+            self.collector.fail_all("pipeline closed before the request finished")
+        self.segments.unlink_all()
+        for s in [self.status, self.results, *self.sockets.values()]:
+            s.close(linger=0)
+        self.zctx.term()
+        self.waker.close()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)

@@ -1,0 +1,108 @@
+"""The user-facing pipeline: a context manager over one execution backend.
+
+``Pipeline(config)`` picks the process backend (one worker per stage) or, with
+``mrs.enabled: false``, the in-process backend; both take the same requests and give the
+same events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
+
+from omni_core.collector import RequestHandle, RequestOutput, collect
+from omni_core.config import PipelineConfig, load_config, parse_config
+from omni_core.events import AnyEvent
+from omni_core.inline import InlineRunner
+from omni_core.orchestrator import Orchestrator
+
+
+class Pipeline:
+    """Run requests through a pipeline of stages.
+
+    >>> with Pipeline("configs/demo.yaml") as pipe:
+    ...     for event in pipe.stream({"prompt": "hi"}):
+    ...         print(event.event_type, event.tokens)
+    """
+
+    def __init__(self, config: PipelineConfig | str | os.PathLike[str] | dict[str, Any]) -> None:
+        if isinstance(config, PipelineConfig):
+            cfg = config
+        elif isinstance(config, dict):
+            cfg = parse_config(config)
+        else:
+            cfg = load_config(config)
+        self.config = cfg
+        self.backend: Orchestrator | InlineRunner = (
+            Orchestrator(cfg) if cfg.mrs.enabled else InlineRunner(cfg)
+        )
+        self._started = False
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self) -> Pipeline:
+        if not self._started:
+            self.backend.start()
+            self._started = True
+        return self
+
+    def close(self, drain: bool = False, timeout_s: float = 10.0) -> None:
+        """Stop every worker and free every segment; ``drain`` first lets open requests end."""
+        if not self._started:
+            return
+        if drain:
+            end = time.monotonic() + timeout_s
+            while self.backend.collector.handles and time.monotonic() < end:
+                time.sleep(0.01)
+        self.backend.close(graceful=True, timeout_s=timeout_s)
+        self._started = False
+
+    def __enter__(self) -> Pipeline:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests --------------------------------------------------------------
+    def submit(
+        self, request: dict[str, Any], request_id: str | None = None, timeout_s: float | None = None
+    ) -> RequestHandle:
+        """Start a request; iterate the handle for its events."""
+        self.start()
+        return self.backend.submit(request, request_id, timeout_s)
+
+    def stream(
+        self, request: dict[str, Any], request_id: str | None = None, timeout_s: float | None = None
+    ) -> Iterator[AnyEvent]:
+        """Yield the request's events as they happen; the last one is terminal."""
+        yield from self.submit(request, request_id, timeout_s)
+
+    async def astream(
+        self, request: dict[str, Any], request_id: str | None = None, timeout_s: float | None = None
+    ) -> AsyncIterator[AnyEvent]:
+        """``stream`` for asyncio callers."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        handle = self.backend.submit(request, request_id, timeout_s, loop=loop)
+        try:
+            async for ev in handle:
+                yield ev
+        finally:
+            if not handle.done:
+                self.cancel(handle.request_id)
+
+    def generate(
+        self, requests: Iterable[dict[str, Any]], timeout_s: float | None = None
+    ) -> list[RequestOutput]:
+        """Run many requests at once; their final outputs, in the order given."""
+        handles = [self.submit(r, timeout_s=timeout_s) for r in requests]
+        return [collect(h) for h in handles]
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request in flight: it ends with one ``cancelled`` event."""
+        return self.backend.cancel(request_id)
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        return self.backend.health()

@@ -1,0 +1,181 @@
+"""All (de)serialization: message frames (msgpack via msgspec) and arrays <-> handles.
+
+A frame on any socket is a msgpack list of messages, so a sender can coalesce what piled
+up while the socket was busy into one write. Arrays travel as handles: small ones inline,
+large ones written once into a shared-memory slot (see :mod:`omni_core.shm`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from omni_core.events import (
+    AnyEvent,
+    Handle,
+    InlineArray,
+    ShmHandle,
+    Submit,
+    ToOrchestrator,
+    ToWorker,
+)
+from omni_core.shm import Arena, SegmentReader
+
+DEFAULT_SHM_THRESHOLD = 64 * 1024
+BYTES_DTYPE = "bytes"
+
+_encoder = msgspec.msgpack.Encoder()
+_data_decoder = msgspec.msgpack.Decoder(list[AnyEvent | Submit])
+_event_decoder = msgspec.msgpack.Decoder(list[AnyEvent])
+_control_decoder = msgspec.msgpack.Decoder(list[ToWorker])
+_status_decoder = msgspec.msgpack.Decoder(list[ToOrchestrator])
+
+
+def encode_frame(messages: list[Any]) -> bytes:
+    return _encoder.encode(messages)
+
+
+def decode_data_frame(frame: bytes) -> list[AnyEvent | Submit]:
+    return _data_decoder.decode(frame)
+
+
+def decode_event_frame(frame: bytes) -> list[AnyEvent]:
+    return _event_decoder.decode(frame)
+
+
+def decode_control_frame(frame: bytes) -> list[ToWorker]:
+    return _control_decoder.decode(frame)
+
+
+def decode_status_frame(frame: bytes) -> list[ToOrchestrator]:
+    return _status_decoder.decode(frame)
+
+
+def encode_json(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+def decode_json(data: bytes, type_: type) -> Any:
+    return msgspec.json.decode(data, type=type_)
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+def _is_torch(value: Any) -> bool:
+    mod = type(value).__module__
+    return mod.startswith("torch") and "torch" in sys.modules
+
+
+def _as_bytes_view(value: Any) -> tuple[np.ndarray, str, tuple[int, ...], bool]:
+    """(flat uint8 view, dtype string, shape, is_torch) of an array-like payload."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        flat = np.frombuffer(value, dtype=np.uint8)
+        return flat, BYTES_DTYPE, (flat.size,), False
+    if _is_torch(value):
+        import torch
+
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()  # cross-device goes through host memory
+        t = t.contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        flat = t.reshape(-1).view(torch.uint8).numpy()
+        return flat, dtype, tuple(t.shape), True
+    if isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        if arr.dtype.hasobject:
+            raise TypeError("arrays of Python objects cannot go through the data plane")
+        return arr.reshape(-1).view(np.uint8), arr.dtype.str, tuple(arr.shape), False
+    raise TypeError(
+        f"cannot send {type(value).__name__} as an array; use a numpy array, "
+        "a CPU torch tensor or bytes (plain values go in the payload)"
+    )
+
+
+def _from_bytes(
+    raw: np.ndarray, dtype: str, shape: tuple[int, ...], torch_: bool, owned: bool
+) -> Any:
+    """Rebuild an array over ``raw`` (a flat uint8 array) without copying.
+
+    A bytes payload comes back as ``bytes`` when ``raw`` is an owned copy, else as a
+    read-only uint8 view of the slot.
+    """
+    if dtype == BYTES_DTYPE:
+        return raw.tobytes() if owned else raw
+    if torch_:
+        import torch
+
+        t = torch.from_numpy(raw) if raw.flags.writeable else torch.from_numpy(raw.copy())
+        return t.view(getattr(torch, dtype)).reshape(shape)
+    return raw.view(np.dtype(dtype)).reshape(shape)
+
+
+def array_nbytes(value: Any) -> int:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    if _is_torch(value):
+        return value.numel() * value.element_size()
+    return int(value.nbytes)
+
+
+class ArrayCodec:
+    """Packs a stage's arrays into handles and resolves received handles into arrays.
+
+    ``arena`` is the producer's own slot pool (``None``: everything rides inline, as in the
+    in-process runner); ``reader`` maps other producers' segments.
+    """
+
+    def __init__(
+        self,
+        producer: str,
+        arena: Arena | None = None,
+        reader: SegmentReader | None = None,
+        threshold: int = DEFAULT_SHM_THRESHOLD,
+        rent_timeout: float | None = 30.0,
+    ) -> None:
+        self.producer = producer
+        self.arena = arena
+        self.reader = reader or SegmentReader()
+        self.threshold = threshold
+        self.rent_timeout = rent_timeout
+
+    def pack(self, arrays: dict[str, Any], readers: dict[str, int]) -> dict[str, Handle]:
+        """Write each array once; a shared-memory slot is read by every reader in ``readers``."""
+        handles: dict[str, Handle] = {}
+        for key, value in arrays.items():
+            flat, dtype, shape, torch_ = _as_bytes_view(value)
+            n = flat.size
+            if self.arena is None or n < self.threshold:
+                handles[key] = InlineArray(flat.tobytes(), dtype, shape, torch_)
+                continue
+            off = self.arena.rent(n, readers, self.rent_timeout)
+            np.frombuffer(self.arena.buf, dtype=np.uint8, count=n, offset=off)[:] = flat
+            handles[key] = ShmHandle(self.arena.name, off, n, dtype, shape, self.producer, torch_)
+        return handles
+
+    def unpack(
+        self, handles: dict[str, Handle], copy: bool = False
+    ) -> tuple[dict[str, Any], list[ShmHandle]]:
+        """Arrays for ``handles`` plus the shared-memory handles the caller must release."""
+        arrays: dict[str, Any] = {}
+        shm: list[ShmHandle] = []
+        for key, h in handles.items():
+            if isinstance(h, InlineArray):
+                raw = np.frombuffer(h.data, dtype=np.uint8)
+                if copy or h.torch:
+                    raw = raw.copy()
+            else:
+                raw = np.frombuffer(
+                    self.reader.buffer(h.segment), dtype=np.uint8, count=h.nbytes, offset=h.offset
+                )
+                if copy:
+                    raw = raw.copy()
+                elif not h.torch:
+                    raw.flags.writeable = False  # fan-out peers share the slot
+                shm.append(h)
+            arrays[key] = _from_bytes(raw, h.dtype, h.shape, h.torch, copy)
+        return arrays, shm

@@ -1,0 +1,1 @@
+"""Synthetic stages and helpers for tests, demos and benchmarks (no model needed)."""

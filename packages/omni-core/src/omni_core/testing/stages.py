@@ -1,0 +1,177 @@
+"""Synthetic stages, registered under ``omni.stages`` like any plug-in.
+
+They hold a request for a set time (``sleep``), emit counted tokens or arrays, transform
+what they receive, and fail on demand, so the runtime can be tested and measured without
+a model. Each records when it started and ended a trigger in its payload, so tests can
+prove from timestamps that stages overlap.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+
+from omni_core.stage import Output, Stage, StageInput
+
+
+class SourceOptions(msgspec.Struct, forbid_unknown_fields=True):
+    tokens: int = 8  # default count when the request has no "n"
+    segment: int = 4  # tokens per emitted segment
+    delay_s: float = 0.0  # sleep per segment
+    array_bytes: int = 0  # also attach an array of this many bytes per segment
+
+
+class TokenSource(Stage):
+    """Emits ``request["n"]`` tokens (``start + i``) in segments, like a decode loop."""
+
+    Options = SourceOptions
+
+    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+        o = self.options
+        for inp in batch:
+            n = int(inp.request.get("n", o.tokens))
+            start = int(inp.request.get("start", 0))
+            seg = max(1, o.segment)
+            for lo in range(0, n, seg):
+                if o.delay_s:
+                    time.sleep(o.delay_s)
+                toks = list(range(start + lo, start + min(n, lo + seg)))
+                arrays = {}
+                if o.array_bytes:
+                    arrays["data"] = np.full(o.array_bytes, lo % 251, dtype=np.uint8)
+                yield inp.segment(toks, arrays=arrays, is_last=lo + seg >= n, payload={"at": time.time()})
+            if n == 0:
+                yield inp.segment([], is_last=True)
+
+
+class MapOptions(msgspec.Struct, forbid_unknown_fields=True):
+    scale: int = 1
+    offset: int = 0
+    delay_s: float = 0.0  # hold each trigger this long
+
+
+class TokenMap(Stage):
+    """Per window: re-emits the new tokens mapped by ``t * scale + offset``, plus timing."""
+
+    Options = MapOptions
+
+    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+        o = self.options
+        for inp in batch:
+            t0 = time.time()
+            if o.delay_s:
+                time.sleep(o.delay_s)
+            for edge, w in sorted(inp.windows.items()):
+                yield inp.segment(
+                    [t * o.scale + o.offset for t in w.new_tokens],
+                    is_last=inp.last,
+                    payload={
+                        "edge": edge,
+                        "window": w.index,
+                        "context": w.tokens[: w.overlap],
+                        "pid": os.getpid(),
+                        "start": t0,
+                        "end": time.time(),
+                    },
+                )
+
+
+class SleepOptions(msgspec.Struct, forbid_unknown_fields=True):
+    hold_s: float = 0.01
+
+
+class Sleep(Stage):
+    """Holds each request for ``hold_s`` then passes a one-token segment on (pipeline bench)."""
+
+    Options = SleepOptions
+
+    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+        for inp in batch:
+            t0 = time.time()
+            time.sleep(self.options.hold_s)
+            tokens = [t for w in inp.windows.values() for t in w.new_tokens] or [0]
+            yield inp.segment(
+                tokens, is_last=True, payload={"start": t0, "end": time.time(), "pid": os.getpid()}
+            )
+
+
+class Join(Stage):
+    """Fan-in: sums the tokens of every inbound window, position by position."""
+
+    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+        for inp in batch:
+            parts = [w.new_tokens for _, w in sorted(inp.windows.items())]
+            width = max((len(p) for p in parts), default=0)
+            summed = [sum(p[i] for p in parts if i < len(p)) for i in range(width)]
+            yield inp.segment(summed, is_last=inp.last, payload={"edges": sorted(inp.windows)})
+
+
+class ArrayOptions(msgspec.Struct, forbid_unknown_fields=True):
+    nbytes: int = 1 << 20
+    count: int = 1
+
+
+class ArraySource(Stage):
+    """Emits ``count`` arrays of ``request.get("nbytes", nbytes)`` bytes (data-plane bench)."""
+
+    Options = ArrayOptions
+
+    def load(self) -> None:
+        self._cache: dict[int, np.ndarray] = {}
+
+    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+        for inp in batch:
+            nbytes = int(inp.request.get("nbytes", self.options.nbytes))
+            count = int(inp.request.get("count", self.options.count))
+            arr = self._cache.get(nbytes)
+            if arr is None:
+                arr = self._cache[nbytes] = np.arange(nbytes, dtype=np.uint8)
+            for i in range(count):
+                yield inp.segment(None, arrays={"data": arr}, is_last=i == count - 1)
+
+
+class ArraySink(Stage):
+    """Reads what arrives (checksum of first and last byte) and reports the byte count."""
+
+    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+        for inp in batch:
+            total, check = 0, 0
+            for w in inp.windows.values():
+                for p in w.pieces:
+                    for a in p.arrays.values():
+                        total += a.nbytes
+                        check += int(a[0]) + int(a[-1]) if a.size else 0
+            yield inp.segment(None, payload={"bytes": total, "check": check}, is_last=inp.last)
+
+
+class FailOptions(msgspec.Struct, forbid_unknown_fields=True):
+    fail_on_load: bool = False
+    exit_on_load: bool = False
+
+
+class Faulty(Stage):
+    """Passes tokens on; raises for a request with ``"fail": true``, crashes on ``"crash"``."""
+
+    Options = FailOptions
+
+    def load(self) -> None:
+        if self.options.fail_on_load:
+            raise RuntimeError("synthetic load failure")
+        if self.options.exit_on_load:
+            os._exit(7)
+
+    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+        for inp in batch:
+            if inp.request.get("fail"):
+                raise ValueError(f"synthetic failure on request {inp.request_id}")
+            if inp.request.get("crash"):
+                os._exit(9)
+            if inp.request.get("reject"):
+                yield inp.fail("request rejected: field 'reject' is set")
+                continue
+            toks = [t for w in inp.windows.values() for t in w.new_tokens]
+            yield inp.segment(toks, is_last=inp.last)

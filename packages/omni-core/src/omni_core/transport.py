@@ -1,0 +1,167 @@
+"""Sockets and the outbox: how messages move between processes on one machine.
+
+Every process has one I/O thread that owns its zmq sockets (they are not thread-safe);
+other threads hand it messages through an :class:`Outbox` and wake it through an eventfd.
+Messages to one destination that pile up while a socket is busy leave as one frame.
+Sockets are ``ipc://`` files in a directory only the owner can open (mode 0700).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from omni_core.serial import encode_frame
+
+MAX_FRAME_MESSAGES = 256  # coalesce at most this many messages into one frame
+_IPC_PATH_MAX = 100
+
+
+def make_socket_dir() -> str:
+    """A fresh private directory for this pipeline's sockets."""
+    return tempfile.mkdtemp(prefix="omni-")  # mkdtemp creates it 0700
+
+
+class Addresses:
+    """ipc:// endpoints of one pipeline, derived from its socket directory."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def _ep(self, name: str) -> str:
+        path = os.path.join(self.directory, name)
+        if len(path) > _IPC_PATH_MAX:
+            path = os.path.join(self.directory, hashlib.sha1(name.encode()).hexdigest()[:16])
+        return f"ipc://{path}"
+
+    def data(self, stage: str) -> str:
+        return self._ep(f"{stage}.data")
+
+    def control(self, stage: str) -> str:
+        return self._ep(f"{stage}.ctl")
+
+    @property
+    def status(self) -> str:
+        return self._ep("orchestrator.status")
+
+    @property
+    def results(self) -> str:
+        return self._ep("client.results")
+
+
+def push_socket(ctx: zmq.Context, address: str, hwm: int = 1000) -> zmq.Socket:
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, hwm)
+    s.setsockopt(zmq.LINGER, 2000)
+    s.setsockopt(zmq.IMMEDIATE, 0)
+    s.connect(address)
+    return s
+
+
+def pull_socket(ctx: zmq.Context, address: str, hwm: int = 1000) -> zmq.Socket:
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, hwm)
+    s.setsockopt(zmq.LINGER, 0)
+    s.bind(address)
+    return s
+
+
+class Waker:
+    """Wakes an I/O thread blocked in ``poll``; cheap when it is not blocked."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.idle = False
+
+    def wake(self) -> None:
+        if self.idle:
+            os.eventfd_write(self.fd, 1)
+
+    def clear(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class Outbox:
+    """Bounded per-destination message queues drained by the I/O thread.
+
+    ``put`` from the stage thread blocks while more than ``capacity`` messages wait (the
+    time is counted in ``blocked_s``): backpressure reaches the producer instead of memory
+    growing. The I/O thread's own messages (acks, releases, errors) never block.
+    """
+
+    def __init__(self, waker: Waker, capacity: int = 1024) -> None:
+        self.waker = waker
+        self.capacity = capacity
+        self.queues: dict[str, deque[Any]] = {}
+        self.stalled: dict[str, bytes] = {}  # an encoded frame the socket refused
+        self.count = 0
+        self.cond = threading.Condition()
+        self.blocked_s = 0.0
+        self.sent = 0
+
+    def put(self, dest: str, msg: Any, block: bool = True) -> None:
+        with self.cond:
+            q = self.queues.get(dest)
+            if q is None:
+                q = self.queues[dest] = deque()
+            q.append(msg)
+            self.count += 1
+            self.waker.wake()
+            if block and self.count > self.capacity:
+                t0 = time.monotonic()
+                while self.count > self.capacity:
+                    self.cond.wait(0.5)
+                self.blocked_s += time.monotonic() - t0
+
+    def pending(self) -> bool:
+        return self.count > 0 or bool(self.stalled)
+
+    def flush(self, sockets: dict[str, zmq.Socket]) -> list[str]:
+        """Send what waits; returns the destinations whose socket is full (poll POLLOUT)."""
+        stalled = []
+        for dest in list(self.stalled):
+            try:
+                sockets[dest].send(self.stalled[dest], zmq.NOBLOCK, copy=False)
+                del self.stalled[dest]
+            except zmq.Again:
+                stalled.append(dest)
+        for dest, q in list(self.queues.items()):
+            if dest in self.stalled or not q:
+                continue
+            with self.cond:
+                n = min(len(q), MAX_FRAME_MESSAGES)
+                batch = [q.popleft() for _ in range(n)]
+            frame = encode_frame(batch)
+            with self.cond:
+                self.count -= n
+                self.cond.notify_all()
+            self.sent += n
+            sock = sockets.get(dest)
+            if sock is None:  # destination unknown (already closed): drop
+                continue
+            try:
+                sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+            except zmq.Again:
+                self.stalled[dest] = frame
+                stalled.append(dest)
+        return stalled
+
+    def drop(self, dest: str) -> None:
+        with self.cond:
+            q = self.queues.pop(dest, None)
+            self.count -= len(q) if q else 0
+            self.stalled.pop(dest, None)
+            self.cond.notify_all()

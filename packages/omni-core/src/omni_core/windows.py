@@ -1,0 +1,199 @@
+"""Per-edge windows, applied on the consuming side; one :class:`WindowState` per (edge, request).
+
+A *unit* is a token when a piece carries tokens, else a row (axis 0) of its arrays when
+they agree on it, else the whole piece. ``size=-1`` emits one window with every unit once
+the upstream stream ends; ``size=N`` emits every N new units and the remainder at the end;
+``overlap=K`` prefixes each window with the previous K units as left context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from omni_core.events import ShmHandle
+
+
+@dataclass(slots=True)
+class Piece:
+    """One received data event, decoded: what a window is stitched from."""
+
+    sequence: int
+    tokens: list[int] | None
+    arrays: dict[str, Any]
+    payload: dict[str, Any]
+    handles: list[ShmHandle] = field(default_factory=list)  # to release once dropped
+    step: int | None = None
+    logprobs: list[float] | None = None
+
+    @property
+    def units(self) -> int:
+        if self.tokens is not None:
+            return len(self.tokens)
+        rows = self._rows()
+        return 1 if rows is None else rows
+
+    def _rows(self) -> int | None:
+        lengths = {len(a) for a in self.arrays.values() if getattr(a, "ndim", 1) >= 1}
+        if len(lengths) == 1 and len(self.arrays) > 0:
+            return lengths.pop()
+        return None
+
+    def slice(self, lo: int, hi: int) -> Piece:
+        """The units [lo, hi) of this piece (a view, no copy)."""
+        if lo == 0 and hi == self.units:
+            return self
+        tokens = self.tokens[lo:hi] if self.tokens is not None else None
+        arrays = self.arrays
+        if self._rows() is not None and (self.tokens is None or self._rows() == len(self.tokens)):
+            arrays = {k: a[lo:hi] for k, a in self.arrays.items()}
+        lp = self.logprobs[lo:hi] if self.logprobs is not None else None
+        return Piece(self.sequence, tokens, arrays, self.payload, [], self.step, lp)
+
+
+@dataclass
+class Window:
+    """What a downstream stage sees of one upstream edge for one trigger."""
+
+    edge: str  # upstream stage name
+    index: int  # 0, 1, ... per (edge, request)
+    start: int  # unit index of the first new unit
+    overlap: int  # context units prepended before ``start``
+    pieces: list[Piece]
+    is_last: bool
+    release: list[ShmHandle] = field(default_factory=list)  # slots no later window needs
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for p in self.pieces if p.tokens is not None for t in p.tokens]
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.tokens[self.overlap :]
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [x for p in self.pieces if p.logprobs is not None for x in p.logprobs]
+
+    @property
+    def payloads(self) -> list[dict[str, Any]]:
+        return [p.payload for p in self.pieces]
+
+    @property
+    def units(self) -> int:
+        return sum(p.units for p in self.pieces)
+
+    @cached_property
+    def arrays(self) -> dict[str, Any]:
+        """Each array name concatenated along axis 0 across pieces (a view if one piece)."""
+        names: dict[str, list[Any]] = {}
+        for p in self.pieces:
+            for k, a in p.arrays.items():
+                names.setdefault(k, []).append(a)
+        out: dict[str, Any] = {}
+        for k, parts in names.items():
+            if len(parts) == 1:
+                out[k] = parts[0]
+                continue
+            first = parts[0]
+            if type(first).__module__.startswith("torch"):
+                import torch
+
+                out[k] = torch.cat(parts, dim=0)
+            elif isinstance(first, np.ndarray):
+                try:
+                    out[k] = np.concatenate(parts, axis=0)
+                except ValueError as e:
+                    raise ValueError(
+                        f"window on edge {self.edge!r}: array {k!r} has pieces of shapes "
+                        f"{[p.shape for p in parts]} that do not stack along axis 0; "
+                        "read window.pieces instead"
+                    ) from e
+            else:
+                out[k] = b"".join(bytes(p) for p in parts)
+        return out
+
+
+class WindowState:
+    """Stitches the pieces of one (edge, request) and cuts windows from them."""
+
+    def __init__(self, edge: str, size: int = -1, overlap: int = 0) -> None:
+        if size == 0 or size < -1:
+            raise ValueError(f"window size must be -1 or >= 1, got {size}")
+        if overlap < 0:
+            raise ValueError(f"window overlap must be >= 0, got {overlap}")
+        self.edge = edge
+        self.size = size
+        self.overlap = overlap
+        self.pieces: list[Piece] = []
+        self.base = 0  # unit index of pieces[0]
+        self.total = 0  # units received
+        self.emitted = 0  # units emitted as new
+        self.count = 0  # windows emitted
+        self.ended = False
+
+    def push(self, piece: Piece, is_last: bool = False) -> list[Window]:
+        """Add a piece; returns the windows it completes."""
+        if self.ended:
+            raise ValueError(f"edge {self.edge!r}: data after the end of the stream")
+        self.pieces.append(piece)
+        self.total += piece.units
+        out: list[Window] = []
+        if self.size > 0:
+            while self.total - self.emitted >= self.size:
+                out.append(self._cut(self.emitted + self.size, last=False))
+        if is_last:
+            out.extend(self.end())
+        return out
+
+    def end(self) -> list[Window]:
+        """The upstream stream ended: emit what remains, flagged last (empty if nothing does)."""
+        if self.ended:
+            return []
+        self.ended = True
+        return [self._cut(self.total, last=True)]
+
+    def _cut(self, hi: int, last: bool) -> Window:
+        lo_new = self.emitted
+        ctx = min(self.overlap, lo_new - self.base) if self.size > 0 else 0
+        lo = lo_new - ctx
+        pieces: list[Piece] = []
+        pos = self.base
+        for p in self.pieces:
+            n = p.units
+            if n == 0:  # a unit-less piece (an end marker with a payload) goes with its spot
+                if lo_new <= pos and (pos < hi or last):
+                    pieces.append(p)
+            elif pos < hi and pos + n > lo:
+                pieces.append(p.slice(max(lo, pos) - pos, min(hi, pos + n) - pos))
+            pos += n
+        self.emitted = hi
+        window = Window(self.edge, self.count, lo_new, ctx, pieces, last)
+        self.count += 1
+        window.release = self._trim(keep_from=hi if last else hi - self.overlap)
+        return window
+
+    def _trim(self, keep_from: int) -> list[ShmHandle]:
+        """Drop pieces no later window reads; their slots may be released."""
+        freed: list[ShmHandle] = []
+        if self.ended:
+            keep_from = self.total + 1
+        while self.pieces:
+            p = self.pieces[0]
+            end = self.base + p.units
+            if end > keep_from or (p.units == 0 and end == keep_from):
+                break
+            self.pieces.pop(0)
+            self.base = end
+            freed.extend(p.handles)
+        return freed
+
+    def drop(self) -> list[ShmHandle]:
+        """Forget the request (cancel or error); returns slots to release."""
+        freed = [h for p in self.pieces for h in p.handles]
+        self.pieces.clear()
+        self.ended = True
+        return freed

@@ -1,0 +1,428 @@
+"""A stage worker process, started by the orchestrator with the path of its spec.
+
+Two threads. The I/O thread owns the sockets: it takes in upstream events (only while the
+work queue has room, so a slow stage pushes back on its producers), applies control
+messages at once (cancel, slot releases, shutdown) even while the stage computes, sends
+what the stage emitted, and heartbeats. The stage thread is the busy loop: take a batch,
+run the stage's generator, hand each output over; it checks cancellation between yields.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from omni_core.config import PipelineConfig
+from omni_core.events import (
+    Ack,
+    Cancel,
+    Heartbeat,
+    LoadFailed,
+    Ready,
+    Release,
+    ShmHandle,
+    Shutdown,
+    StageStats,
+    Submit,
+)
+from omni_core.host import CLIENT, RequestFailed, StageHost, WorkItem
+from omni_core.registry import load_stage_class
+from omni_core.serial import (
+    ArrayCodec,
+    decode_control_frame,
+    decode_data_frame,
+    decode_json,
+    encode_frame,
+)
+from omni_core.shm import Arena
+from omni_core.stage import Output, StageContext
+from omni_core.transport import Addresses, Outbox, Waker, pull_socket, push_socket
+
+log = logging.getLogger("omni.worker")
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    """Everything a worker needs, written by the orchestrator into its socket directory."""
+
+    stage: str
+    config: PipelineConfig
+    socket_dir: str
+    arena: str  # the shared-memory segment this stage writes into
+    owner_pid: int  # the orchestrator; the worker exits if it goes away
+    devices: str | None = None
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class _Active:
+    gen: Iterator[Output]
+    items: list[WorkItem]
+    rids: set[str] = field(default_factory=set)
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        cfg = spec.config
+        self.name = spec.stage
+        st = cfg.stage(self.name)
+        self.max_inflight = cfg.setting(st, "max_inflight")
+        self.max_batch = cfg.setting(st, "max_batch_size")
+        self.capacity = cfg.setting(st, "queue_capacity")
+        self.addr = Addresses(spec.socket_dir)
+        cls = load_stage_class(st.kind)
+        ctx = StageContext(
+            name=self.name,
+            kind=st.kind,
+            options=st.options,
+            devices=spec.devices,
+            upstream=tuple(e.source for e in cfg.inbound(self.name)),
+            downstream=tuple(e.target for e in cfg.outbound(self.name)),
+            logger=logging.getLogger(f"omni.stage.{self.name}"),
+        )
+        self.stage = cls(ctx)
+        self.arena = Arena(spec.arena)
+        self.codec = ArrayCodec(self.name, self.arena, threshold=cfg.shm_threshold_bytes)
+        self.host = StageHost(cfg, self.name, self.stage, self.codec)
+        self.lock = threading.Lock()  # guards host state (both threads touch it)
+        self.work = threading.Condition(self.lock)
+        self.ready: deque[WorkItem] = deque()
+        self.stopping = False
+        self.drain = False
+        self.deadline: float | None = None
+        self.inflight = 0
+        self.stats = StageStats()
+        self.waker = Waker()
+        self.outbox = Outbox(self.waker, capacity=max(64, self.capacity * 4))
+        self.zctx = zmq.Context()
+
+    # ================================================================ I/O thread
+    def _open_sockets(self) -> None:
+        cfg = self.spec.config
+        hwm = self.capacity
+        self.data_in = pull_socket(self.zctx, self.addr.data(self.name), hwm)
+        self.ctl_in = pull_socket(self.zctx, self.addr.control(self.name), 100_000)
+        self.status = push_socket(self.zctx, self.addr.status, 100_000)
+        self.out: dict[str, zmq.Socket] = {CLIENT: push_socket(self.zctx, self.addr.results, hwm)}
+        for e in cfg.outbound(self.name):
+            hwm_e = cfg.setting(cfg.stage(e.target), "queue_capacity")
+            self.out[e.target] = push_socket(self.zctx, self.addr.data(e.target), hwm_e)
+        for e in cfg.inbound(self.name):  # releases go back to our producers
+            self.out[f"ctl:{e.source}"] = push_socket(self.zctx, self.addr.control(e.source), 100_000)
+
+    def send_status(self, msg: msgspec.Struct) -> None:
+        self.status.send(encode_frame([msg]))
+
+    def io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.ctl_in, zmq.POLLIN)
+        poller.register(self.waker.fd, zmq.POLLIN)
+        data_on = False
+        pollout: set[str] = set()
+        interval = self.spec.config.heartbeat_interval_s
+        next_beat = 0.0
+        while True:
+            with self.lock:
+                room = len(self.ready) < self.capacity and not self.stopping
+            if room != data_on:
+                if room:
+                    poller.register(self.data_in, zmq.POLLIN)
+                else:
+                    poller.unregister(self.data_in)
+                data_on = room
+            for dest in pollout:
+                poller.register(self.out[dest], zmq.POLLOUT)
+            now = time.monotonic()
+            timeout = max(0.0, next_beat - now)
+            self.waker.idle = True
+            if self.outbox.count > 0 and not pollout:
+                timeout = 0.0
+            events = dict(poller.poll(timeout * 1000))
+            self.waker.idle = False
+            for dest in pollout:
+                poller.unregister(self.out[dest])
+            if self.waker.fd in events:
+                self.waker.clear()
+            if self.ctl_in in events:
+                self._drain_control()
+            if data_on and self.data_in in events:
+                self._drain_data()
+            pollout = set(self.outbox.flush(self.out))
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + interval
+                self._heartbeat()
+                if os.getppid() != self.spec.owner_pid:
+                    log.error("orchestrator went away; worker %s exits", self.name)
+                    os._exit(3)
+            if self.io_done:
+                break
+        self.outbox.flush(self.out)
+
+    io_done = False
+
+    def _heartbeat(self) -> None:
+        s = self.stats
+        with self.lock:
+            s.queue_depth = len(self.ready)
+        s.inflight = self.inflight
+        s.outbox_depth = self.outbox.count
+        s.blocked_s = self.outbox.blocked_s + self.arena.blocked_s
+        s.window_triggers = self.host.window_triggers
+        s.emitted = self.outbox.sent
+        s.shm_slots_in_use = self.arena.slots_in_use
+        self.send_status(Heartbeat(stage=self.name, pid=os.getpid(), ts=time.time(), stats=s))
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                frame = self.ctl_in.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            for msg in decode_control_frame(frame.buffer):
+                if isinstance(msg, Release):
+                    self.arena.release(msg.offsets, msg.reader)
+                elif isinstance(msg, Cancel):
+                    with self.work:
+                        freed = self.host.forget(msg.request_id)
+                        kept = [w for w in self.ready if w.inp.request_id != msg.request_id]
+                        for w in self.ready:
+                            if w.inp.request_id == msg.request_id:
+                                freed.extend(w.release)
+                        self.ready = deque(kept)
+                    self._release(freed, block=False)
+                    self.send_status(Ack(stage=self.name, kind="cancel", request_id=msg.request_id))
+                elif isinstance(msg, Shutdown):
+                    with self.work:
+                        self.stopping = True
+                        self.drain = msg.drain
+                        self.deadline = msg.deadline
+                        self.work.notify_all()
+
+    def _drain_data(self) -> None:
+        for _ in range(64):  # bounded, so control messages are not starved
+            try:
+                frame = self.data_in.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msgs = decode_data_frame(frame.buffer)
+            except msgspec.DecodeError as e:
+                log.error("stage %s: undecodable frame dropped: %s", self.name, e)
+                continue
+            with self.work:
+                for msg in msgs:
+                    self.stats.received += 1
+                    try:
+                        if isinstance(msg, Submit):
+                            items = self.host.submit(msg)
+                        else:
+                            items = self.host.receive(msg)
+                    except RequestFailed as e:
+                        self.host.releasable.extend(self.host.forget(msg.request_id))
+                        self.outbox.put(CLIENT, self.host.error(msg.request_id, str(e)), block=False)
+                        continue
+                    self.ready.extend(items)
+                if self.ready:
+                    self.work.notify()
+                freed = self._take_releasable()
+            self._release(freed, block=False)
+
+    # ================================================================ stage thread
+    def _take_releasable(self) -> list[ShmHandle]:
+        freed, self.host.releasable = self.host.releasable, []
+        return freed
+
+    def _release(self, handles: list[ShmHandle], block: bool = True) -> None:
+        by_producer: dict[str, list[int]] = {}
+        for h in handles:
+            by_producer.setdefault(h.producer, []).append(h.offset)
+        for producer, offsets in by_producer.items():
+            self.outbox.put(f"ctl:{producer}", Release(offsets=offsets, reader=self.name), block=block)
+
+    def _take_batch(self, busy: set[str]) -> list[WorkItem]:
+        """First ready item whose request is not running, then up to N-1 more, FIFO."""
+        batch: list[WorkItem] = []
+        rids: set[str] = set()
+        skipped: deque[WorkItem] = deque()
+        while self.ready and len(batch) < self.max_batch:
+            w = self.ready.popleft()
+            rid = w.inp.request_id
+            if w.inp.cancelled:
+                self.host.releasable.extend(w.release)
+                continue
+            if rid in busy or rid in rids:  # keep a request's triggers in order
+                skipped.append(w)
+                continue
+            batch.append(w)
+            rids.add(rid)
+        self.ready.extendleft(reversed(skipped))
+        return batch
+
+    def run(self) -> None:
+        active: list[_Active] = []
+        while True:
+            with self.work:
+                while len(active) < self.max_inflight:
+                    busy = {r for a in active for r in a.rids}
+                    batch = self._take_batch(busy)
+                    if batch:
+                        active.append(self._start(batch))
+                        continue
+                    if active:
+                        break
+                    if self.stopping and (not self.drain or not self.ready):
+                        return
+                    if self.deadline is not None and time.time() > self.deadline:
+                        return
+                    self.work.wait(0.2)
+                self.inflight = len(active)
+                freed = self._take_releasable()
+            self._release(freed)
+            if self.stopping and not self.drain:
+                for a in active:
+                    a.gen.close()
+                return
+            if len(active) == 1 and self.max_inflight == 1:
+                self._run_to_end(active.pop())
+                continue
+            for a in list(active):  # round-robin one output per generator
+                if not self._step(a):
+                    active.remove(a)
+
+    def _start(self, batch: list[WorkItem]) -> _Active:
+        gen = self.stage.process([w.inp for w in batch])
+        return _Active(iter(gen), batch, {w.inp.request_id for w in batch})
+
+    def _run_to_end(self, a: _Active) -> None:
+        while self._step(a):
+            pass
+
+    def _step(self, a: _Active) -> bool:
+        """Advance one output; False when the generator is done (and the items finished)."""
+        if all(w.inp.cancelled for w in a.items):
+            a.gen.close()
+            self._finish(a, failed=True)
+            return False
+        try:
+            out = next(a.gen)
+        except StopIteration:
+            self._finish(a, failed=False)
+            return False
+        except Exception as e:
+            tb = traceback.format_exc(limit=8)
+            log.error("stage %s failed on %s:\n%s", self.name, sorted(a.rids), tb)
+            self._fail_all(a, f"{type(e).__name__}: {e}")
+            return False
+        self._handle(out)
+        return True
+
+    def _handle(self, out: Output) -> None:
+        rid = out.request_id
+        if self.host.is_cancelled(rid) or rid in self.host.ended:
+            return
+        try:
+            handles = self.host.pack(out) if out.kind != "error" else None
+        except Exception as e:
+            self._fail_request(rid, f"cannot send output: {type(e).__name__}: {e}")
+            return
+        with self.lock:
+            ev, dests = self.host.emit(out, handles)
+            if out.kind == "error":
+                self.stats.errors += 1
+                freed = self.host.forget(rid)
+            else:
+                freed = []
+        for d in dests:
+            self.outbox.put(d, ev)
+        self._release(freed)
+
+    def _fail_request(self, rid: str, message: str) -> None:
+        with self.lock:
+            ev = self.host.error(rid, message)
+            freed = self.host.forget(rid)
+            self.stats.errors += 1
+        self.outbox.put(CLIENT, ev)
+        self._release(freed)
+
+    def _fail_all(self, a: _Active, message: str) -> None:
+        for w in a.items:
+            if not w.inp.cancelled:
+                self._fail_request(w.inp.request_id, message)
+        self._finish(a, failed=True)
+
+    def _finish(self, a: _Active, failed: bool) -> None:
+        freed: list[ShmHandle] = []
+        sends = []
+        with self.lock:
+            for w in a.items:
+                freed.extend(w.release)
+                if not failed and not w.inp.cancelled:
+                    sends.extend(self.host.finish(w))
+                    if w.inp.last:
+                        self.stats.completed += 1
+            freed.extend(self._take_releasable())
+        for ev, dests in sends:
+            for d in dests:
+                self.outbox.put(d, ev)
+        self._release(freed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _die_with_parent()
+    logging.basicConfig(
+        level=os.environ.get("OMNI_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    with open(argv[0], "rb") as f:
+        spec = decode_json(f.read(), WorkerSpec)
+    t0 = time.monotonic()
+    zctx = zmq.Context.instance()
+    status = push_socket(zctx, Addresses(spec.socket_dir).status)
+    try:
+        worker = Worker(spec)
+        worker.stage.load()
+        worker._open_sockets()
+    except BaseException as e:  # report any load failure, then exit non-zero
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        status.send(
+            encode_frame([LoadFailed(stage=spec.stage, pid=os.getpid(), message=detail)])
+        )
+        status.close(linger=2000)
+        return 1
+    status.close(linger=2000)
+    # Ready goes out before the I/O thread owns the status socket
+    worker.send_status(Ready(stage=spec.stage, pid=os.getpid(), load_s=time.monotonic() - t0))
+    io = threading.Thread(target=worker.io_loop, name=f"omni-io-{spec.stage}", daemon=True)
+    io.start()
+    try:
+        worker.run()
+    finally:
+        try:
+            worker.stage.close()
+        finally:
+            worker.io_done = True
+            worker.waker.idle = True
+            worker.waker.wake()
+            io.join(timeout=5)
+    return 0
+

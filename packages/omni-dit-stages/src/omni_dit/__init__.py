@@ -1,0 +1,3 @@
+"""omni DiT stage family (filled by its own issue)."""
+
+__version__ = "0.1.0"
