@@ -164,9 +164,11 @@ def load_config(path: str | os.PathLike[str], check_kinds: bool = True) -> Pipel
     """Read and validate a pipeline YAML file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: cannot read: not UTF-8 ({e.reason} at byte {e.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

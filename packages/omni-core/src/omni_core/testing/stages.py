@@ -95,7 +95,9 @@ class Sleep(Stage):
             time.sleep(self.options.hold_s)
             tokens = [t for w in inp.windows.values() for t in w.new_tokens] or [0]
             yield inp.segment(
-                tokens, is_last=True, payload={"start": t0, "end": time.time(), "pid": os.getpid()}
+                tokens,
+                is_last=True,
+                payload={"start": t0, "end": time.time(), "pid": os.getpid(), "batch": len(batch)},
             )
 
 
@@ -175,3 +177,13 @@ class Faulty(Stage):
                 continue
             toks = [t for w in inp.windows.values() for t in w.new_tokens]
             yield inp.segment(toks, is_last=inp.last)
+
+
+class Environment(Stage):
+    """Reports the worker's pid and the environment variables named in ``request["env"]``."""
+
+    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+        for inp in batch:
+            names = inp.request.get("env", ["CUDA_VISIBLE_DEVICES"])
+            env = {n: os.environ.get(n) for n in names}
+            yield inp.segment([], is_last=True, payload={"pid": os.getpid(), "env": env})

@@ -1,0 +1,182 @@
+"""The ``omni`` command: ``omni stages``, ``omni run CONFIG``, ``omni bench NAME``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from omni_core.registry import RegistryError, benchmark_registry, default_registry
+
+
+def _cmd_stages(args: argparse.Namespace) -> int:
+    reg = default_registry()
+    rows = []
+    for claims in reg.entries():
+        for e in claims:
+            rows.append(
+                {
+                    "name": e.name,
+                    "value": e.value,
+                    "distribution": e.distribution,
+                    "version": e.version,
+                    "conflict": len(claims) > 1,
+                }
+            )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no stages installed (entry-point group 'omni.stages')")
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        flag = "  CONFLICT: registered by more than one distribution" if r["conflict"] else ""
+        print(f"{r['name']:<{width}}  {r['distribution']} {r['version']}  {r['value']}{flag}")
+    return 1 if any(r["conflict"] for r in rows) else 0
+
+
+def _request_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    request: dict[str, Any] = {}
+    if args.input:
+        try:
+            request = json.loads(args.input)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"omni run: --input is not valid JSON: {e}") from None
+        if not isinstance(request, dict):
+            raise SystemExit("omni run: --input must be a JSON object")
+    if args.prompt is not None:
+        request["prompt"] = args.prompt
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"omni run: --set expects KEY=VALUE, got {item!r}")
+        try:
+            request[key] = json.loads(value)
+        except json.JSONDecodeError:
+            request[key] = value
+    return request
+
+
+def _describe(ev: Any) -> str:
+    parts = [f"[{ev.stage}] {ev.event_type} #{ev.sequence}"]
+    tokens = getattr(ev, "tokens", None)
+    if tokens is not None:
+        shown = tokens if len(tokens) <= 16 else [*tokens[:16], "..."]
+        parts.append(f"tokens={shown}")
+    if getattr(ev, "step", None) is not None and ev.event_type == "image":
+        parts.append(f"step={ev.step}")
+    for k, a in getattr(ev, "arrays", {}).items():
+        shape = getattr(a, "shape", None)
+        parts.append(f"{k}={'x'.join(map(str, shape)) if shape else len(a)}")
+    if getattr(ev, "message", ""):
+        parts.append(ev.message)
+    text = ev.payload.get("text") if isinstance(ev.payload, dict) else None
+    if text:
+        parts.append(repr(text))
+    return " ".join(parts)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from omni_core.config import ConfigError, load_config
+    from omni_core.pipeline import Pipeline
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"omni run: {e}", file=sys.stderr)
+        return 2
+    request = _request_from_args(args)
+    tty = sys.stderr.isatty() and not args.json
+    counts: dict[str, int] = {}
+    t0 = time.monotonic()
+    status = 0
+    with Pipeline(cfg) as pipe:
+        started = time.monotonic()
+        if not args.json:
+            print(f"pipeline {cfg.name!r}: {len(cfg.stages)} stages ready in {started - t0:.2f}s", file=sys.stderr)
+        for i in range(args.repeat):
+            for ev in pipe.stream(request, timeout_s=args.timeout):
+                counts[ev.stage] = counts.get(ev.stage, 0) + 1
+                if args.json:
+                    print(json.dumps(_event_json(ev)), flush=True)
+                else:
+                    if tty:
+                        print("\r\033[K", end="", file=sys.stderr)
+                    print(_describe(ev), flush=True)
+                    if tty:
+                        progress = "  ".join(f"{s}:{n}" for s, n in counts.items())
+                        print(f"  {progress}  {time.monotonic() - started:.2f}s", end="", file=sys.stderr, flush=True)
+                if ev.terminal and ev.event_type != "completed":
+                    status = 1
+        if tty:
+            print("\r\033[K", end="", file=sys.stderr)
+        if not args.json:
+            print(f"done in {time.monotonic() - started:.3f}s ({args.repeat} request(s))", file=sys.stderr)
+    return status
+
+
+def _event_json(ev: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "event_type": ev.event_type,
+        "request_id": ev.request_id,
+        "sequence": ev.sequence,
+        "stage": ev.stage,
+        "ts": ev.ts,
+        "payload": ev.payload,
+    }
+    for key in ("tokens", "step", "is_last", "message", "code", "reason"):
+        if hasattr(ev, key):
+            out[key] = getattr(ev, key)
+    out["arrays"] = {
+        k: list(getattr(a, "shape", (len(a),))) for k, a in getattr(ev, "arrays", {}).items()
+    }
+    return out
+
+
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    reg = benchmark_registry()
+    if args.name is None:
+        print("benchmarks:", ", ".join(reg.names()) or "none installed (install omni-bench)")
+        return 0
+    try:
+        fn = reg.load(args.name)
+    except RegistryError as e:
+        print(f"omni bench: {e}", file=sys.stderr)
+        return 2
+    return int(fn(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni", description="omni pipeline runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("stages", help="list the installed stage kinds")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("run", help="run a request through a pipeline and stream its events")
+    p.add_argument("config", help="pipeline YAML file")
+    p.add_argument("--input", help="the request as a JSON object")
+    p.add_argument("--prompt", help="shorthand for a request with this prompt")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="set one request field")
+    p.add_argument("--repeat", type=int, default=1, help="run the request this many times")
+    p.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
+    p.add_argument("--json", action="store_true", help="print events as JSON lines")
+
+    p = sub.add_parser("bench", help="run a benchmark (prints one JSON object)")
+    p.add_argument("name", nargs="?", help="benchmark name; none lists them")
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return _cmd_bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "stages":
+        return _cmd_stages(args)
+    return _cmd_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
