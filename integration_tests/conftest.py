@@ -1,7 +1,6 @@
 import os
 
 import pytest
-
 from omni_core.shm import list_segments
 
 

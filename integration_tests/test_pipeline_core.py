@@ -5,7 +5,6 @@ import time
 
 import numpy as np
 import pytest
-
 from omni_core import Pipeline
 from omni_core.orchestrator import StageStartError
 from omni_core.shm import list_segments
@@ -22,7 +21,9 @@ def test_stages_overlap_across_requests(no_leaked_segments):
         outs = pipe.generate([{"i": i} for i in range(4)])
     assert all(o.ok for o in outs)
     spans = {
-        (o.request_id, e.stage): (e.payload["start"], e.payload["end"]) for o in outs for e in o.events
+        (o.request_id, e.stage): (e.payload["start"], e.payload["end"])
+        for o in outs
+        for e in o.events
     }
     pids = {e.stage: e.payload["pid"] for o in outs for e in o.events}
     assert pids["a"] != pids["b"] != os.getpid()
@@ -50,7 +51,7 @@ def test_windows_with_overlap_end_to_end():
 def test_fan_out_and_fan_in():
     with Pipeline("configs/demo.yaml") as pipe:
         outs = pipe.generate([{"n": n} for n in (5, 16, 0)])
-    for o, n in zip(outs, (5, 16, 0)):
+    for o, n in zip(outs, (5, 16, 0), strict=False):
         assert o.ok, o.error
         # join sums double (2t) and shift (t + 1000) position by position
         assert o.tokens == [3 * t + 1000 for t in range(n)]
@@ -143,7 +144,9 @@ def test_error_in_one_request_leaves_others_alone():
 
 def test_load_failure_names_the_stage():
     cfg = chain(("ok", "synthetic.source", {}), ("bad", "synthetic.faulty", {"fail_on_load": True}))
-    with pytest.raises(StageStartError, match=r"stage 'bad' \(kind 'synthetic.faulty'\).*synthetic load failure"):
+    with pytest.raises(
+        StageStartError, match=r"stage 'bad' \(kind 'synthetic.faulty'\).*synthetic load failure"
+    ):
         Pipeline(cfg).start()
     assert list_segments(os.getpid()) == []
 
@@ -201,7 +204,12 @@ def test_micro_batching_and_devices_env():
     assert max(sizes) > 1 and max(sizes) <= 4
 
     cfg = chain(
-        ("a", "synthetic.env", {}, {"devices": "1,2", "extra_env": {"OMNI_X": "y"}, "client_stream": True}),
+        (
+            "a",
+            "synthetic.env",
+            {},
+            {"devices": "1,2", "extra_env": {"OMNI_X": "y"}, "client_stream": True},
+        ),
         ("b", "synthetic.env", {}, {"devices": "cpu", "client_stream": True}),
     )
     with Pipeline(cfg) as pipe:

@@ -96,8 +96,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with Pipeline(cfg) as pipe:
         started = time.monotonic()
         if not args.json:
-            print(f"pipeline {cfg.name!r}: {len(cfg.stages)} stages ready in {started - t0:.2f}s", file=sys.stderr)
-        for i in range(args.repeat):
+            print(
+                f"pipeline {cfg.name!r}: {len(cfg.stages)} stages ready in {started - t0:.2f}s",
+                file=sys.stderr,
+            )
+        for _i in range(args.repeat):
             for ev in pipe.stream(request, timeout_s=args.timeout):
                 counts[ev.stage] = counts.get(ev.stage, 0) + 1
                 if args.json:
@@ -108,13 +111,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     print(_describe(ev), flush=True)
                     if tty:
                         progress = "  ".join(f"{s}:{n}" for s, n in counts.items())
-                        print(f"  {progress}  {time.monotonic() - started:.2f}s", end="", file=sys.stderr, flush=True)
+                        print(
+                            f"  {progress}  {time.monotonic() - started:.2f}s",
+                            end="",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 if ev.terminal and ev.event_type != "completed":
                     status = 1
         if tty:
             print("\r\033[K", end="", file=sys.stderr)
         if not args.json:
-            print(f"done in {time.monotonic() - started:.3f}s ({args.repeat} request(s))", file=sys.stderr)
+            print(
+                f"done in {time.monotonic() - started:.3f}s ({args.repeat} request(s))",
+                file=sys.stderr,
+            )
     return status
 
 

@@ -120,12 +120,14 @@ class Collector:
 
     def on_event(self, ev: AnyEvent) -> tuple[list[ShmHandle], bool]:
         """Take one event from a stage; returns (slots to release, request just failed)."""
-        arrays, shm = self.codec.unpack(ev.device_handles, copy=True) if ev.device_handles else ({}, [])
+        arrays, shm = (
+            self.codec.unpack(ev.device_handles, copy=True) if ev.device_handles else ({}, [])
+        )
         h = self.handles.get(ev.request_id)
         if h is None or h.done:  # late event of a finished request: just free its slots
             return shm, False
         expected = h.next_seq.get(ev.stage, 0)
-        if ev.stage in self.streaming and ev.sequence != expected:
+        if ev.stage in self.streaming and ev.sequence != expected and not isinstance(ev, Error):
             self.finish(
                 h,
                 Error(
@@ -192,7 +194,9 @@ def collect(handle: RequestHandle) -> RequestOutput:
                 error = ev.message
             break
         events.append(ev)
-    return RequestOutput(handle.request_id, handle.finish_reason, events, error, request_metrics(handle))
+    return RequestOutput(
+        handle.request_id, handle.finish_reason, events, error, request_metrics(handle)
+    )
 
 
 def request_metrics(h: RequestHandle) -> dict[str, float]:

@@ -104,8 +104,10 @@ class PipelineConfig(_Spec, kw_only=True):
         return getattr(self.mrs.defaults, key) if value is None else value
 
     def streams_to_client(self, stage: StageSpec) -> bool:
-        return stage.client_stream if stage.client_stream is not None else not self.outbound(
-            stage.name
+        return (
+            stage.client_stream
+            if stage.client_stream is not None
+            else not self.outbound(stage.name)
         )
 
     def client_streams(self) -> list[str]:
@@ -192,7 +194,7 @@ def _check(cfg: PipelineConfig, src: str, check_kinds: bool) -> None:
             raise _fail(
                 src,
                 f"stages[{i}].devices",
-                f"expected a device list like \"0\" or \"1,2\", a logical index, or \"cpu\"; "
+                f'expected a device list like "0" or "1,2", a logical index, or "cpu"; '
                 f"got {s.devices!r}",
             )
     known = ", ".join(names)
@@ -200,14 +202,17 @@ def _check(cfg: PipelineConfig, src: str, check_kinds: bool) -> None:
     for i, e in enumerate(cfg.edges):
         for key, value in (("from", e.source), ("to", e.target)):
             if value not in names:
-                raise _fail(src, f"edges[{i}].{key}", f"unknown stage {value!r}; stages are: {known}")
+                raise _fail(
+                    src, f"edges[{i}].{key}", f"unknown stage {value!r}; stages are: {known}"
+                )
         if e.source == e.target:
             raise _fail(src, f"edges[{i}]", f"stage {e.source!r} cannot feed itself")
         if (e.source, e.target) in seen_edges:
             raise _fail(
                 src,
                 f"edges[{i}]",
-                f"duplicate edge {e.source} -> {e.target} (first at edges[{seen_edges[e.source, e.target]}])",
+                f"duplicate edge {e.source} -> {e.target} "
+                f"(first at edges[{seen_edges[e.source, e.target]}])",
             )
         seen_edges[e.source, e.target] = i
     _check_window(cfg.mrs.defaults.window, src, "mrs.defaults.window")
@@ -239,7 +244,9 @@ def _check(cfg: PipelineConfig, src: str, check_kinds: bool) -> None:
 
 def _check_window(w: WindowSpec, src: str, where: str) -> None:
     if w.size == 0 or w.size < -1:
-        raise _fail(src, f"{where}.size", f"expected -1 (whole stream) or an integer >= 1, got {w.size}")
+        raise _fail(
+            src, f"{where}.size", f"expected -1 (whole stream) or an integer >= 1, got {w.size}"
+        )
     if w.size == -1 and w.overlap:
         raise _fail(src, f"{where}.overlap", "an overlap needs a window size >= 1 (size is -1)")
 

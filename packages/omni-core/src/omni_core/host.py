@@ -88,21 +88,23 @@ class StageHost:
         return [WorkItem(inp)]
 
     def receive(self, event: AnyEvent) -> list[WorkItem]:
-        """An event from an upstream stage; returns the work it makes ready."""
+        """An event from an upstream stage; returns the work it makes ready (hot path)."""
         edge = event.stage
-        if edge not in self.inbound:
-            raise RequestFailed(f"stage {self.name!r} got an event from {edge!r}, which has no edge to it")
-        st = self.requests.get(event.request_id)
+        spec = self.inbound.get(edge)
+        if spec is None:
+            raise RequestFailed(
+                f"stage {self.name!r} got an event from {edge!r}, which has no edge to it"
+            )
+        rid = event.request_id
+        st = self.requests.get(rid)
         if st is None:
-            if event.request_id in self.ended:  # cancelled or failed here: drop, free slots
+            if rid in self.ended:  # cancelled or failed here: drop, free its slots
                 self.dropped_late += 1
                 self.releasable.extend(
                     h for h in event.device_handles.values() if isinstance(h, ShmHandle)
                 )
                 return []
-            st = self.requests[event.request_id] = _Request()
-        if st.request is None and getattr(event, "request", None) is not None:
-            st.request = event.request
+            st = self.requests[rid] = _Request()
         expected = st.next_seq.get(edge, 0)
         if event.sequence != expected:
             raise RequestFailed(
@@ -110,30 +112,42 @@ class StageHost:
                 f"{expected} was expected (lost or reordered event)"
             )
         st.next_seq[edge] = expected + 1
+        if expected == 0 and st.request is None:
+            st.request = getattr(event, "request", None)
         ws = st.windows.get(edge)
         if ws is None:
-            spec = self.inbound[edge]
             ws = st.windows[edge] = WindowState(edge, spec.size, spec.overlap)
-        if isinstance(event, (Segment, ImageProgress)):
-            arrays, handles = self.codec.unpack(event.device_handles)
-            piece = Piece(
-                event.sequence,
-                event.tokens if isinstance(event, Segment) else None,
-                arrays,
-                event.payload,
-                handles,
-                event.step if isinstance(event, ImageProgress) else None,
-                event.logprobs if isinstance(event, Segment) else None,
-            )
+        kind = type(event)
+        if kind is Segment or kind is ImageProgress:
+            if event.device_handles:
+                arrays, handles = self.codec.unpack(event.device_handles)
+            else:
+                arrays, handles = {}, []
+            if kind is Segment:
+                piece = Piece(
+                    event.sequence,
+                    event.tokens,
+                    arrays,
+                    event.payload,
+                    handles,
+                    None,
+                    event.logprobs,
+                )
+            else:
+                piece = Piece(event.sequence, None, arrays, event.payload, handles, event.step)
             windows = ws.push(piece, event.is_last)
-        elif isinstance(event, Completed):
+        elif kind is Completed:
             windows = ws.end()
         else:  # errors and cancels travel on the control plane, never on an edge
-            raise RequestFailed(f"unexpected {type(event).__name__} on edge {edge} -> {self.name}")
-        if windows:
-            self.window_triggers += len(windows)
-            st.pending.setdefault(edge, deque()).extend(windows)
-        return self._pair(event.request_id, st)
+            raise RequestFailed(f"unexpected {kind.__name__} on edge {edge} -> {self.name}")
+        if not windows:
+            return []
+        self.window_triggers += len(windows)
+        pending = st.pending.get(edge)
+        if pending is None:
+            pending = st.pending[edge] = deque()
+        pending.extend(windows)
+        return self._pair(rid, st)
 
     def _pair(self, rid: str, st: _Request) -> list[WorkItem]:
         items = []
@@ -173,7 +187,9 @@ class StageHost:
         """Write an output's arrays for every reader (may block on a full pool: no lock held)."""
         return self.codec.pack(out.arrays, self.readers) if out.arrays else {}
 
-    def emit(self, out: Output, handles: dict[str, Handle] | None = None) -> tuple[Event, list[str]]:
+    def emit(
+        self, out: Output, handles: dict[str, Handle] | None = None
+    ) -> tuple[Event, list[str]]:
         """Turn a stage output into one event and the destinations it goes to."""
         if out.kind == "error":
             msg = str(out.payload.get("message", "stage reported an error"))

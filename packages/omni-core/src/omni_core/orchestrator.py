@@ -122,7 +122,9 @@ class Orchestrator:
             raise
         for name in self.procs:
             self.sockets[f"data:{name}"] = push_socket(
-                self.zctx, self.addr.data(name), self.cfg.setting(self.cfg.stage(name), "queue_capacity")
+                self.zctx,
+                self.addr.data(name),
+                self.cfg.setting(self.cfg.stage(name), "queue_capacity"),
             )
             self.sockets[f"ctl:{name}"] = push_socket(self.zctx, self.addr.control(name), 1 << 16)
         self._pump = threading.Thread(target=self._pump_loop, name="omni-orchestrator", daemon=True)
@@ -179,7 +181,9 @@ class Orchestrator:
                     p.proc.wait()
                     self._drain_status()
                     detail = p.load_error or _exit_reason(p.proc.returncode)
-                    raise StageStartError(f"stage {p.name!r} (kind {p.kind!r}) failed to start: {detail}")
+                    raise StageStartError(
+                        f"stage {p.name!r} (kind {p.kind!r}) failed to start: {detail}"
+                    )
 
     # ------------------------------------------------------------------ pump
     def _pump_loop(self) -> None:
@@ -313,7 +317,9 @@ class Orchestrator:
         dead = [n for n, p in self.procs.items() if p.dead]
         if dead:
             p = self.procs[dead[0]]
-            raise StageDeadError(f"stage {p.name!r} is dead ({p.exit_reason}); the pipeline cannot serve requests")
+            raise StageDeadError(
+                f"stage {p.name!r} is dead ({p.exit_reason}); the pipeline cannot serve requests"
+            )
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
         with self.lock:
@@ -364,7 +370,9 @@ class Orchestrator:
         if self._pump is not None and graceful:
             deadline = time.time() + timeout_s
             for name in self.procs:
-                self.outbox.put(f"ctl:{name}", Shutdown(drain=False, deadline=deadline), block=False)
+                self.outbox.put(
+                    f"ctl:{name}", Shutdown(drain=False, deadline=deadline), block=False
+                )
             t_end = time.monotonic() + 0.5
             while self.outbox.pending() and time.monotonic() < t_end:
                 time.sleep(0.01)

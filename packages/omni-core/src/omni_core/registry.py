@@ -55,7 +55,9 @@ class Registry:
                 e = _entry(ep)
                 same = index.setdefault(ep.name, [])
                 # one distribution seen twice on sys.path is not a conflict
-                if not any(x.distribution == e.distribution and x.value == e.value for x, _ in same):
+                if not any(
+                    x.distribution == e.distribution and x.value == e.value for x, _ in same
+                ):
                     same.append((e, ep))
             self._index = index
         return self._index

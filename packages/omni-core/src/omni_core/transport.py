@@ -94,6 +94,86 @@ class Waker:
         os.close(self.fd)
 
 
+class Sender:
+    """The stage thread's own sockets to its data destinations, with adaptive batching.
+
+    An event that follows the previous send by more than ``gap_s`` goes out at once (a
+    sparse stream adds no latency); events that come faster are coalesced into frames of up
+    to ``MAX_FRAME_MESSAGES``, and the I/O thread sends any tail left waiting after
+    ``gap_s`` (:meth:`flush_due`). A full socket blocks the stage thread: that is the
+    backpressure, and the time is counted in ``blocked_s``.
+    """
+
+    def __init__(self, sockets: dict[str, zmq.Socket], waker: Waker, gap_s: float = 2e-4) -> None:
+        self.sockets = sockets
+        self.waker = waker
+        self.gap_s = gap_s
+        self.lock = threading.Lock()
+        self.buffers: dict[str, list[Any]] = {d: [] for d in sockets}
+        self.waiting = 0
+        self.last_flush = 0.0
+        self.blocked_s = 0.0
+        self.sent = 0
+        self.stop = False
+
+    def put(self, dest: str, msg: Any) -> None:
+        with self.lock:
+            self.buffers[dest].append(msg)
+            self.waiting += 1
+            now = time.perf_counter()
+            if self.waiting >= MAX_FRAME_MESSAGES or now - self.last_flush > self.gap_s:
+                self._flush(now)
+                return
+        self.waker.wake()  # the I/O thread sends the tail if no further event comes
+
+    def due(self) -> float | None:
+        """Seconds until the I/O thread should flush, or None when nothing waits."""
+        if not self.waiting:
+            return None
+        return max(0.0, self.last_flush + self.gap_s - time.perf_counter())
+
+    def flush_due(self) -> None:
+        if self.waiting and self.lock.acquire(blocking=False):
+            try:
+                if self.waiting and time.perf_counter() - self.last_flush >= self.gap_s:
+                    self._flush(time.perf_counter())
+            finally:
+                self.lock.release()
+
+    def flush(self) -> None:
+        with self.lock:
+            self._flush(time.perf_counter())
+
+    def _flush(self, now: float) -> None:
+        for dest, buf in self.buffers.items():
+            if not buf:
+                continue
+            frame = encode_frame(buf)
+            self.sent += len(buf)
+            buf.clear()
+            self._send(self.sockets[dest], frame)
+        self.waiting = 0
+        self.last_flush = now
+
+    def _send(self, sock: zmq.Socket, frame: bytes) -> None:
+        try:
+            sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+            return
+        except zmq.Again:
+            pass
+        t0 = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLOUT)
+        while not self.stop:
+            if poller.poll(200):
+                try:
+                    sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+                    break
+                except zmq.Again:
+                    continue
+        self.blocked_s += time.monotonic() - t0
+
+
 class Outbox:
     """Bounded per-destination message queues drained by the I/O thread.
 

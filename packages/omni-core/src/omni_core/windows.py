@@ -31,8 +31,9 @@ class Piece:
 
     @property
     def units(self) -> int:
-        if self.tokens is not None:
-            return len(self.tokens)
+        tokens = self.tokens
+        if tokens is not None:
+            return len(tokens)
         rows = self._rows()
         return 1 if rows is None else rows
 
@@ -141,13 +142,15 @@ class WindowState:
             raise ValueError(f"edge {self.edge!r}: data after the end of the stream")
         self.pieces.append(piece)
         self.total += piece.units
-        out: list[Window] = []
-        if self.size > 0:
-            while self.total - self.emitted >= self.size:
-                out.append(self._cut(self.emitted + self.size, last=False))
-        if is_last:
-            out.extend(self.end())
-        return out
+        size = self.size
+        if size > 0 and self.total - self.emitted >= size:
+            out = []
+            while self.total - self.emitted >= size:
+                out.append(self._cut(self.emitted + size, last=False))
+            if is_last:
+                out.extend(self.end())
+            return out
+        return self.end() if is_last else []
 
     def end(self) -> list[Window]:
         """The upstream stream ended: emit what remains, flagged last (empty if nothing does)."""

@@ -10,6 +10,7 @@ run the stage's generator, hand each output over; it checks cancellation between
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -48,7 +49,7 @@ from omni_core.serial import (
 )
 from omni_core.shm import Arena
 from omni_core.stage import Output, StageContext
-from omni_core.transport import Addresses, Outbox, Waker, pull_socket, push_socket
+from omni_core.transport import Addresses, Outbox, Sender, Waker, pull_socket, push_socket
 
 log = logging.getLogger("omni.worker")
 
@@ -122,12 +123,20 @@ class Worker:
         self.data_in = pull_socket(self.zctx, self.addr.data(self.name), hwm)
         self.ctl_in = pull_socket(self.zctx, self.addr.control(self.name), 100_000)
         self.status = push_socket(self.zctx, self.addr.status, 100_000)
-        self.out: dict[str, zmq.Socket] = {CLIENT: push_socket(self.zctx, self.addr.results, hwm)}
+        # the stage thread's sockets: events to downstream stages and to the caller
+        data = {CLIENT: push_socket(self.zctx, self.addr.results, hwm)}
         for e in cfg.outbound(self.name):
             hwm_e = cfg.setting(cfg.stage(e.target), "queue_capacity")
-            self.out[e.target] = push_socket(self.zctx, self.addr.data(e.target), hwm_e)
-        for e in cfg.inbound(self.name):  # releases go back to our producers
-            self.out[f"ctl:{e.source}"] = push_socket(self.zctx, self.addr.control(e.source), 100_000)
+            data[e.target] = push_socket(self.zctx, self.addr.data(e.target), hwm_e)
+        self.sender = Sender(data, self.waker)
+        # the I/O thread's sockets: its own errors to the caller, releases to producers
+        self.out: dict[str, zmq.Socket] = {
+            CLIENT: push_socket(self.zctx, self.addr.results, 100_000)
+        }
+        for e in cfg.inbound(self.name):
+            self.out[f"ctl:{e.source}"] = push_socket(
+                self.zctx, self.addr.control(e.source), 100_000
+            )
 
     def send_status(self, msg: msgspec.Struct) -> None:
         self.status.send(encode_frame([msg]))
@@ -153,7 +162,11 @@ class Worker:
                 poller.register(self.out[dest], zmq.POLLOUT)
             now = time.monotonic()
             timeout = max(0.0, next_beat - now)
-            self.waker.idle = True
+            due = self.sender.due()
+            if due is not None:
+                timeout = min(timeout, due)
+            # wake-ups are only needed while nothing is pending (saves GIL ping-pong)
+            self.waker.idle = due is None and self.outbox.count == 0
             if self.outbox.count > 0 and not pollout:
                 timeout = 0.0
             events = dict(poller.poll(timeout * 1000))
@@ -166,6 +179,7 @@ class Worker:
                 self._drain_control()
             if data_on and self.data_in in events:
                 self._drain_data()
+            self.sender.flush_due()
             pollout = set(self.outbox.flush(self.out))
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + interval
@@ -184,10 +198,10 @@ class Worker:
         with self.lock:
             s.queue_depth = len(self.ready)
         s.inflight = self.inflight
-        s.outbox_depth = self.outbox.count
-        s.blocked_s = self.outbox.blocked_s + self.arena.blocked_s
+        s.outbox_depth = self.sender.waiting
+        s.blocked_s = self.sender.blocked_s + self.arena.blocked_s
         s.window_triggers = self.host.window_triggers
-        s.emitted = self.outbox.sent
+        s.emitted = self.sender.sent
         s.shm_slots_in_use = self.arena.slots_in_use
         self.send_status(Heartbeat(stage=self.name, pid=os.getpid(), ts=time.time(), stats=s))
 
@@ -208,7 +222,7 @@ class Worker:
                             if w.inp.request_id == msg.request_id:
                                 freed.extend(w.release)
                         self.ready = deque(kept)
-                    self._release(freed, block=False)
+                    self._release(freed)
                     self.send_status(Ack(stage=self.name, kind="cancel", request_id=msg.request_id))
                 elif isinstance(msg, Shutdown):
                     with self.work:
@@ -238,25 +252,30 @@ class Worker:
                             items = self.host.receive(msg)
                     except RequestFailed as e:
                         self.host.releasable.extend(self.host.forget(msg.request_id))
-                        self.outbox.put(CLIENT, self.host.error(msg.request_id, str(e)), block=False)
+                        self.outbox.put(
+                            CLIENT, self.host.error(msg.request_id, str(e)), block=False
+                        )
                         continue
                     self.ready.extend(items)
                 if self.ready:
                     self.work.notify()
                 freed = self._take_releasable()
-            self._release(freed, block=False)
+            self._release(freed)
 
     # ================================================================ stage thread
     def _take_releasable(self) -> list[ShmHandle]:
         freed, self.host.releasable = self.host.releasable, []
         return freed
 
-    def _release(self, handles: list[ShmHandle], block: bool = True) -> None:
+    def _release(self, handles: list[ShmHandle]) -> None:
+        """Hand slots back to their producers (through the I/O thread; never blocks)."""
         by_producer: dict[str, list[int]] = {}
         for h in handles:
             by_producer.setdefault(h.producer, []).append(h.offset)
         for producer, offsets in by_producer.items():
-            self.outbox.put(f"ctl:{producer}", Release(offsets=offsets, reader=self.name), block=block)
+            self.outbox.put(
+                f"ctl:{producer}", Release(offsets=offsets, reader=self.name), block=False
+            )
 
     def _take_batch(self, busy: set[str]) -> list[WorkItem]:
         """First ready item whose request is not running, then up to N-1 more, FIFO."""
@@ -352,7 +371,7 @@ class Worker:
             else:
                 freed = []
         for d in dests:
-            self.outbox.put(d, ev)
+            self.sender.put(d, ev)
         self._release(freed)
 
     def _fail_request(self, rid: str, message: str) -> None:
@@ -360,7 +379,7 @@ class Worker:
             ev = self.host.error(rid, message)
             freed = self.host.forget(rid)
             self.stats.errors += 1
-        self.outbox.put(CLIENT, ev)
+        self.sender.put(CLIENT, ev)
         self._release(freed)
 
     def _fail_all(self, a: _Active, message: str) -> None:
@@ -382,13 +401,14 @@ class Worker:
             freed.extend(self._take_releasable())
         for ev, dests in sends:
             for d in dests:
-                self.outbox.put(d, ev)
+                self.sender.put(d, ev)
         self._release(freed)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
+    sys.setswitchinterval(0.001)  # bound how long the I/O thread waits for the GIL
     logging.basicConfig(
         level=os.environ.get("OMNI_LOG_LEVEL", "WARNING"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -404,12 +424,15 @@ def main(argv: list[str] | None = None) -> int:
         worker._open_sockets()
     except BaseException as e:  # report any load failure, then exit non-zero
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
-        status.send(
-            encode_frame([LoadFailed(stage=spec.stage, pid=os.getpid(), message=detail)])
-        )
+        status.send(encode_frame([LoadFailed(stage=spec.stage, pid=os.getpid(), message=detail)]))
         status.close(linger=2000)
         return 1
     status.close(linger=2000)
+    # Long-lived objects from the load step never need scanning again, and a stream of
+    # short-lived events should not trigger a full collection every few hundred objects.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
     # Ready goes out before the I/O thread owns the status socket
     worker.send_status(Ready(stage=spec.stage, pid=os.getpid(), load_s=time.monotonic() - t0))
     io = threading.Thread(target=worker.io_loop, name=f"omni-io-{spec.stage}", daemon=True)
@@ -418,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.run()
     finally:
         try:
+            worker.sender.flush()
             worker.stage.close()
         finally:
             worker.io_done = True
@@ -425,4 +449,3 @@ def main(argv: list[str] | None = None) -> int:
             worker.waker.wake()
             io.join(timeout=5)
     return 0
-

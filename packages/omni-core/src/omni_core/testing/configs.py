@@ -15,5 +15,7 @@ def chain(*stages: tuple[Any, ...], edges: list[dict[str, Any]] | None = None, *
             spec.update(extra[0])
         specs.append(spec)
     if edges is None:
-        edges = [{"from": a["name"], "to": b["name"]} for a, b in zip(specs, specs[1:])]
+        edges = [
+            {"from": a["name"], "to": b["name"]} for a, b in zip(specs, specs[1:], strict=False)
+        ]
     return {"stages": specs, "edges": edges, **top}

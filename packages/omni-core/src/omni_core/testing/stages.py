@@ -43,7 +43,9 @@ class TokenSource(Stage):
                 arrays = {}
                 if o.array_bytes:
                     arrays["data"] = np.full(o.array_bytes, lo % 251, dtype=np.uint8)
-                yield inp.segment(toks, arrays=arrays, is_last=lo + seg >= n, payload={"at": time.time()})
+                yield inp.segment(
+                    toks, arrays=arrays, is_last=lo + seg >= n, payload={"at": time.time()}
+                )
             if n == 0:
                 yield inp.segment([], is_last=True)
 
@@ -187,3 +189,72 @@ class Environment(Stage):
             names = inp.request.get("env", ["CUDA_VISIBLE_DEVICES"])
             env = {n: os.environ.get(n) for n in names}
             yield inp.segment([], is_last=True, payload={"pid": os.getpid(), "env": env})
+
+
+class BurstOptions(msgspec.Struct, forbid_unknown_fields=True):
+    count: int = 1000
+    nbytes: int = 1024
+
+
+class Burst(Stage):
+    """Emits ``count`` events of ``nbytes`` as fast as it can: inline bytes in the payload
+    below the shared-memory threshold, else an array through shared memory (ipc bench).
+    The first event carries ``t0``, the time the burst started."""
+
+    Options = BurstOptions
+
+    def load(self) -> None:
+        self._blobs: dict[int, tuple[bytes, np.ndarray]] = {}
+
+    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+        for inp in batch:
+            count = int(inp.request.get("count", self.options.count))
+            nbytes = int(inp.request.get("nbytes", self.options.nbytes))
+            inline = bool(inp.request.get("inline", nbytes < 65536))
+            blob = self._blobs.get(nbytes)
+            if blob is None:
+                arr = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
+                blob = self._blobs[nbytes] = (arr.tobytes(), arr)
+            rid = inp.request_id
+            t0 = time.time()
+            for i in range(count):
+                last = i == count - 1
+                if inline:
+                    payload = {"data": blob[0], "t0": t0} if i == 0 else {"data": blob[0]}
+                    yield Output(rid, tokens=[i], payload=payload, is_last=last)
+                else:
+                    payload = {"t0": t0} if i == 0 else {}
+                    yield Output(
+                        rid, tokens=[i], payload=payload, arrays={"data": blob[1]}, is_last=last
+                    )
+
+
+class Count(Stage):
+    """Counts the units and bytes it receives; at the end reports them with the burst's
+    ``t0`` and the time the last unit arrived."""
+
+    def load(self) -> None:
+        self._acc: dict[str, list[float]] = {}
+
+    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+        for inp in batch:
+            acc = self._acc.setdefault(inp.request_id, [0, 0, 0.0])
+            for w in inp.windows.values():
+                for p in w.pieces:
+                    if acc[0] == 0 and "t0" in p.payload:
+                        acc[2] = p.payload["t0"]
+                    acc[0] += p.units
+                    data = p.payload.get("data")
+                    acc[1] += (
+                        len(data) if data is not None else sum(a.nbytes for a in p.arrays.values())
+                    )
+            if inp.last:
+                count, nbytes, t0 = self._acc.pop(inp.request_id)
+                yield inp.segment(
+                    None,
+                    is_last=True,
+                    payload={"count": count, "bytes": nbytes, "t0": t0, "t_end": time.time()},
+                )
+
+    def end_request(self, request_id: str) -> None:
+        self._acc.pop(request_id, None)

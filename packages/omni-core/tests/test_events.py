@@ -1,0 +1,101 @@
+import msgspec
+import pytest
+from omni_core.events import (
+    Ack,
+    Cancel,
+    Cancelled,
+    Completed,
+    Error,
+    Heartbeat,
+    ImageProgress,
+    InlineArray,
+    LoadFailed,
+    Ready,
+    Release,
+    Segment,
+    ShmHandle,
+    Shutdown,
+    StageStats,
+    Submit,
+)
+from omni_core.serial import (
+    decode_control_frame,
+    decode_data_frame,
+    decode_event_frame,
+    decode_status_frame,
+    encode_frame,
+)
+
+EVENTS = [
+    Segment(request_id="r", sequence=0, tokens=[1, 2], logprobs=[-0.5, -1.0], request={"p": 1}),
+    Segment(
+        request_id="r",
+        sequence=1,
+        is_last=True,
+        device_handles={
+            "h": ShmHandle("omni-1-x", 128, 4096, "<f4", (32, 32), "prefill"),
+            "k": InlineArray(b"\x00" * 8, "<i4", (2,)),
+        },
+    ),
+    ImageProgress(request_id="r", sequence=2, step=5, payload={"w": 64}),
+    Completed(request_id="r", sequence=3, stage="s"),
+    Error(request_id="q", message="boom", code="stage_error"),
+    Cancelled(request_id="c", reason="timeout"),
+]
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: e.event_type)
+def test_event_round_trip(event):
+    (back,) = decode_event_frame(encode_frame([event]))
+    assert type(back) is type(event)
+    assert back == event
+    assert back.event_type == event.event_type
+
+
+def test_event_kinds_and_terminal_flags():
+    assert [e.event_type for e in EVENTS] == [
+        "segment",
+        "segment",
+        "image",
+        "completed",
+        "error",
+        "cancelled",
+    ]
+    assert [e.terminal for e in EVENTS] == [False, False, False, True, True, True]
+
+
+def test_frame_keeps_order():
+    events = [Segment(request_id="r", sequence=i, tokens=[i]) for i in range(100)]
+    back = decode_event_frame(encode_frame(events))
+    assert [e.sequence for e in back] == list(range(100))
+
+
+def test_control_and_status_round_trip():
+    ctl = [Cancel(request_id="r"), Release(offsets=[0, 64], reader="b"), Shutdown(drain=True)]
+    assert decode_control_frame(encode_frame(ctl)) == ctl
+    data = [Submit(request_id="r", request={"prompt": "x"}), EVENTS[0]]
+    assert decode_data_frame(encode_frame(data)) == data
+    status = [
+        Ready(stage="a", pid=1, load_s=0.1),
+        LoadFailed(stage="a", pid=1, message="x"),
+        Heartbeat(stage="a", pid=1, ts=0.0, stats=StageStats(received=3)),
+        Ack(stage="a", kind="cancel", request_id="r"),
+    ]
+    assert decode_status_frame(encode_frame(status)) == status
+
+
+def test_nothing_is_unpickled():
+    """A frame that is not one of our Structs is rejected, never executed."""
+    import pickle
+
+    with pytest.raises(msgspec.DecodeError):
+        decode_event_frame(pickle.dumps([1]))
+    with pytest.raises(msgspec.ValidationError):
+        decode_event_frame(encode_frame([{"event_type": "os.system", "request_id": "x"}]))
+
+
+def test_caller_side_arrays_attribute_is_not_serialized():
+    e = Segment(request_id="r", tokens=[1])
+    e.arrays = {"x": object()}
+    (back,) = decode_event_frame(encode_frame([e]))
+    assert not hasattr(back, "arrays")

@@ -1,0 +1,130 @@
+import numpy as np
+import pytest
+from omni_core.events import ShmHandle
+from omni_core.windows import Piece, WindowState
+
+
+def piece(seq, tokens, handles=()):
+    return Piece(seq, list(tokens), {}, {"seq": seq}, list(handles))
+
+
+def feed(ws, chunks, last_on_final=True):
+    out = []
+    for i, c in enumerate(chunks):
+        out += ws.push(piece(i, c), is_last=last_on_final and i == len(chunks) - 1)
+    return out
+
+
+def test_full_window_triggers_only_at_end():
+    ws = WindowState("a", -1)
+    assert ws.push(piece(0, [1, 2])) == []
+    assert ws.push(piece(1, [3])) == []
+    (w,) = ws.push(piece(2, [4]), is_last=True)
+    assert w.tokens == [1, 2, 3, 4] and w.is_last and w.index == 0 and w.overlap == 0
+
+
+def test_full_window_on_completed_without_is_last():
+    ws = WindowState("a", -1)
+    ws.push(piece(0, [1, 2]))
+    (w,) = ws.end()
+    assert w.tokens == [1, 2] and w.is_last
+    assert ws.end() == []
+
+
+def test_size_n_windows_and_remainder():
+    ws = WindowState("a", 4)
+    windows = feed(ws, [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9, 10]])
+    assert [w.tokens for w in windows] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert [w.is_last for w in windows] == [False, False, True]
+    assert [w.start for w in windows] == [0, 4, 8]
+
+
+def test_exact_multiple_ends_with_an_empty_last_window():
+    ws = WindowState("a", 2)
+    windows = feed(ws, [[0, 1], [2, 3]])
+    assert [w.tokens for w in windows] == [[0, 1], [2, 3], []]
+    assert windows[-1].is_last and not windows[1].is_last
+
+
+def test_overlap_prepends_left_context():
+    ws = WindowState("a", 3, overlap=2)
+    windows = feed(ws, [[0, 1, 2, 3, 4, 5, 6, 7]])
+    assert [w.tokens for w in windows] == [[0, 1, 2], [1, 2, 3, 4, 5], [4, 5, 6, 7]]
+    assert [w.overlap for w in windows] == [0, 2, 2]
+    assert [w.new_tokens for w in windows] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_one_big_piece_yields_many_windows():
+    ws = WindowState("a", 1)
+    windows = ws.push(piece(0, range(5)), is_last=True)
+    assert [w.tokens for w in windows] == [[0], [1], [2], [3], [4], []]
+
+
+def test_array_rows_are_units_and_windows_are_views():
+    ws = WindowState("a", 2)
+    arr = np.arange(10).reshape(5, 2)
+    windows = ws.push(Piece(0, None, {"h": arr}, {}), is_last=True)
+    assert [w.arrays["h"].tolist() for w in windows] == [
+        [[0, 1], [2, 3]],
+        [[4, 5], [6, 7]],
+        [[8, 9]],
+    ]
+    assert np.shares_memory(windows[0].arrays["h"], arr)
+
+
+def test_arrays_concatenate_across_pieces():
+    ws = WindowState("a", -1)
+    ws.push(Piece(0, None, {"h": np.ones((2, 3))}, {}))
+    (w,) = ws.push(Piece(1, None, {"h": np.zeros((1, 3))}, {}), is_last=True)
+    assert w.arrays["h"].shape == (3, 3)
+
+
+def test_mismatched_array_shapes_name_the_edge():
+    ws = WindowState("up", -1)
+    ws.push(Piece(0, None, {"img": np.ones((1, 4, 4))}, {}))
+    (w,) = ws.push(Piece(1, None, {"img": np.ones((1, 8, 8))}, {}), is_last=True)
+    with pytest.raises(ValueError, match="edge 'up'"):
+        _ = w.arrays
+    assert len(w.pieces) == 2
+
+
+def test_pieces_without_units_ride_with_their_window():
+    ws = WindowState("a", 2)
+    out = ws.push(piece(0, [1, 2]))
+    out += ws.push(Piece(1, [], {}, {"final": True}), is_last=True)
+    assert out[-1].is_last and out[-1].payloads == [{"final": True}]
+
+
+def _h(off):
+    return ShmHandle("seg", off, 10, "|u1", (10,), "up")
+
+
+def test_slots_are_released_once_no_window_needs_them():
+    ws = WindowState("a", 2, overlap=1)
+    w0 = ws.push(piece(0, [0, 1], [_h(0)]))[0]
+    assert w0.release == []  # token 1 is context for the next window
+    w1 = ws.push(piece(1, [2, 3], [_h(64)]))[0]
+    assert w1.release == [_h(0)]
+    (end,) = ws.end()
+    assert end.release == [_h(64)]
+
+
+def test_drop_returns_every_held_slot_and_blocks_later_data():
+    ws = WindowState("a", -1)
+    ws.push(piece(0, [1], [_h(0)]))
+    ws.push(piece(1, [2], [_h(64)]))
+    assert ws.drop() == [_h(0), _h(64)]
+    with pytest.raises(ValueError, match="after the end"):
+        ws.push(piece(2, [3]))
+
+
+@pytest.mark.parametrize("size", [0, -2])
+def test_bad_sizes(size):
+    with pytest.raises(ValueError):
+        WindowState("a", size)
+
+
+def test_states_are_independent_per_request():
+    a, b = WindowState("e", 2), WindowState("e", 2)
+    assert a.push(piece(0, [1, 2]))[0].tokens == [1, 2]
+    assert b.push(piece(0, [9])) == []

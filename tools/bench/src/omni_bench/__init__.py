@@ -1,0 +1,1 @@
+"""omni benchmarks; each module's ``main(argv)`` prints one JSON object."""

@@ -1,0 +1,119 @@
+"""``omni bench ipc``: stage-to-stage throughput of the runtime next to its baselines.
+
+The runtime figures go through the real path: a ``synthetic.burst`` worker emits events,
+they leave through its outbox and socket (small payloads inline, large arrays written once
+into a shared-memory slot), and a ``synthetic.count`` worker takes them in through its
+windows. Time runs from the burst's start to the last unit's arrival at the counter.
+Baselines in the same run: ``multiprocessing.Queue`` between two processes, and a plain
+numpy copy of the same size (what one write into shared memory costs at best).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+
+import numpy as np
+from omni_core import Pipeline
+from omni_core.testing.configs import chain
+
+from omni_bench.report import emit
+
+MB = 1 << 20
+
+
+def _runtime_run(pipe: Pipeline, count: int, nbytes: int) -> tuple[float, int]:
+    out = pipe.generate([{"count": count, "nbytes": nbytes}])[0]
+    if not out.ok:
+        raise RuntimeError(f"bench request failed: {out.error}")
+    p = out.events[-1].payload
+    if p["count"] != count or p["bytes"] != count * nbytes:
+        raise RuntimeError(f"bench lost data: {p}")
+    return p["t_end"] - p["t0"], p["bytes"]
+
+
+def runtime_figures(events_1k: int, count_1m: int, count_64m: int, repeat: int) -> dict[str, float]:
+    cfg = chain(
+        ("burst", "synthetic.burst", {}),
+        ("count", "synthetic.count", {}),
+        edges=[{"from": "burst", "to": "count", "window": {"size": 256}}],
+        shm_pool_bytes=1 << 30,
+    )
+
+    res: dict[str, float] = {}
+    with Pipeline(cfg) as pipe:
+        _runtime_run(pipe, 2000, 1024)  # warm up
+        best = min(_runtime_run(pipe, events_1k, 1024)[0] for _ in range(repeat))
+        res["events_per_s_1k"] = events_1k / best
+    arrays = chain(
+        ("burst", "synthetic.burst", {}),
+        ("count", "synthetic.count", {}),
+        edges=[{"from": "burst", "to": "count", "window": {"size": 1}}],
+        shm_pool_bytes=1 << 30,
+    )
+    with Pipeline(arrays) as pipe:
+        for key, count, nbytes in (("gbps_1m", count_1m, MB), ("gbps_64m", count_64m, 64 * MB)):
+            _runtime_run(pipe, max(2, count // 4), nbytes)  # warm the slots' pages
+            best = min(_runtime_run(pipe, count, nbytes)[0] for _ in range(repeat))
+            res[key] = count * nbytes / best / 1e9
+    return res
+
+
+def _mp_producer(q: mp.Queue, count: int, nbytes: int) -> None:
+    blob = bytes(nbytes)
+    q.put(time.time())
+    for _ in range(count):
+        q.put(blob)
+    q.put(None)
+
+
+def mpqueue_figure(count: int, nbytes: int, repeat: int) -> float:
+    """Items per second of ``nbytes`` bytes through a multiprocessing.Queue (spawned)."""
+    ctx = mp.get_context("spawn")
+    best = float("inf")
+    for _ in range(repeat):
+        q = ctx.Queue(maxsize=1024)
+        p = ctx.Process(target=_mp_producer, args=(q, count, nbytes))
+        p.start()
+        t0 = q.get()
+        while q.get() is not None:
+            pass
+        best = min(best, time.time() - t0)
+        p.join()
+    return count / best
+
+
+def memcpy_figure(nbytes: int, repeat: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omni bench ipc", description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--events", type=int, default=100_000, help="1 KB events per run")
+    ap.add_argument("--count-1m", type=int, default=400)
+    ap.add_argument("--count-64m", type=int, default=12)
+    ap.add_argument("--repeat", type=int, default=3, help="best of this many runs")
+    args = ap.parse_args(argv)
+    res = runtime_figures(args.events, args.count_1m, args.count_64m, args.repeat)
+    res["mpqueue_events_per_s_1k"] = mpqueue_figure(args.events, 1024, args.repeat)
+    res["mpqueue_gbps_64m"] = mpqueue_figure(args.count_64m, 64 * MB, args.repeat) * 64 * MB / 1e9
+    res["memcpy_gbps"] = memcpy_figure(64 * MB, 5)
+    res["events_ratio"] = res["events_per_s_1k"] / res["mpqueue_events_per_s_1k"]
+    res["gbps_64m_vs_memcpy"] = res["gbps_64m"] / res["memcpy_gbps"]
+    res = {k: round(v, 3) for k, v in res.items()}
+    res["targets_met"] = {
+        "events_per_s_1k >= 3 x mpqueue": res["events_ratio"] >= 3,
+        "gbps_64m >= 0.6 x memcpy": res["gbps_64m_vs_memcpy"] >= 0.6,
+    }
+    emit(res, args.json)
+    return 0
