@@ -1,0 +1,42 @@
+"""The benchmarks run through ``omni bench`` and print one JSON object with their keys.
+
+Figures are not asserted (shared machines are noisy); the keys and their sanity are.
+"""
+
+import json
+import subprocess
+import sys
+
+OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
+
+
+def bench(*args):
+    out = subprocess.run(
+        [*OMNI, "bench", *args, "--json"], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_ipc_keys():
+    r = bench("ipc", "--events", "2000", "--count-1m", "8", "--count-64m", "2", "--repeat", "1")
+    for key in (
+        "events_per_s_1k",
+        "mpqueue_events_per_s_1k",
+        "gbps_1m",
+        "gbps_64m",
+        "mpqueue_gbps_64m",
+        "memcpy_gbps",
+    ):
+        assert r[key] > 0, key
+
+
+def test_pipeline_keys():
+    r = bench("pipeline", "--hold", "0.02", "--requests", "8", "--serial-requests", "4")
+    assert r["ideal_rps"] == 50.0
+    assert r["throughput_rps"] > r["serial_rps"] > 0
+
+
+def test_unknown_benchmark_is_an_error():
+    out = subprocess.run([*OMNI, "bench", "nope"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown benchmark 'nope'" in out.stderr
