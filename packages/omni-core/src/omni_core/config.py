@@ -130,6 +130,20 @@ class PipelineConfig(_Spec, kw_only=True):
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 
 
+def _explain(e: msgspec.ValidationError, word: str) -> tuple[str, str]:
+    """(key path below ``$``, message) of a msgspec validation error, in our words."""
+    m = _AT.match(str(e))
+    assert m is not None
+    msg, path = m.group("msg"), m.group("path") or ""
+    field = re.search(r"unknown field `([^`]+)`", msg)
+    if field:
+        return f"{path}.{field.group(1)}", f"unknown {word}"
+    missing = re.search(r"missing required field `([^`]+)`", msg)
+    if missing:
+        return f"{path}.{missing.group(1)}", f"required {word} is missing"
+    return path, msg
+
+
 def _where(path: str) -> str:
     return path.lstrip(".") or "<top>"
 
@@ -145,17 +159,7 @@ def parse_config(data: Any, source: str = "<config>", check_kinds: bool = True) 
     try:
         cfg = msgspec.convert(data, PipelineConfig)
     except msgspec.ValidationError as e:
-        m = _AT.match(str(e))
-        assert m is not None
-        msg, path = m.group("msg"), m.group("path") or ""
-        field = re.search(r"unknown field `([^`]+)`", msg)
-        if field:
-            path = f"{path}.{field.group(1)}"
-            msg = "unknown key"
-        missing = re.search(r"missing required field `([^`]+)`", msg)
-        if missing:
-            path = f"{path}.{missing.group(1)}"
-            msg = "required key is missing"
+        path, msg = _explain(e, "key")
         raise _fail(source, _where(path), msg) from None
     cfg.source_file = source
     _check(cfg, source, check_kinds)
@@ -233,12 +237,7 @@ def _check(cfg: PipelineConfig, src: str, check_kinds: bool) -> None:
                 try:
                     msgspec.convert(s.options, options_type)
                 except msgspec.ValidationError as e:
-                    m = _AT.match(str(e))
-                    assert m is not None
-                    msg, path = m.group("msg"), m.group("path") or ""
-                    field = re.search(r"unknown field `([^`]+)`", msg)
-                    if field:
-                        path, msg = f"{path}.{field.group(1)}", "unknown option"
+                    path, msg = _explain(e, "option")
                     raise _fail(src, f"stages[{i}].options{path}".rstrip("."), msg) from None
 
 

@@ -9,6 +9,7 @@ differs.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from omni_core.events import (
     Submit,
 )
 from omni_core.serial import ArrayCodec
-from omni_core.stage import Output, Stage, StageInput
+from omni_core.stage import Output, Stage, StageContext, StageInput
 from omni_core.windows import Piece, Window, WindowState
 
 CLIENT = "client"  # the destination name of the caller's collector
@@ -36,6 +37,20 @@ MAX_TOMBSTONES = 65536  # ended requests remembered, so late events for them are
 
 class RequestFailed(Exception):
     """A request cannot go on at this stage (bad stream, stage error); ends that request."""
+
+
+def stage_context(cfg: PipelineConfig, name: str, devices: str | None = None) -> StageContext:
+    """What a stage of ``cfg`` is told about where it runs."""
+    st = cfg.stage(name)
+    return StageContext(
+        name=name,
+        kind=st.kind,
+        options=st.options,
+        devices=devices,
+        upstream=tuple(e.source for e in cfg.inbound(name)),
+        downstream=tuple(e.target for e in cfg.outbound(name)),
+        logger=logging.getLogger(f"omni.stage.{name}"),
+    )
 
 
 @dataclass

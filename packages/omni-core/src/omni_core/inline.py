@@ -9,7 +9,6 @@ outputs with and without worker processes.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections import deque
@@ -18,10 +17,9 @@ from typing import Any
 from omni_core.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
 from omni_core.events import Cancelled, Event, Submit
-from omni_core.host import CLIENT, StageHost, WorkItem
+from omni_core.host import CLIENT, StageHost, WorkItem, stage_context
 from omni_core.registry import load_stage_class
 from omni_core.serial import ArrayCodec, decode_event_frame, encode_frame
-from omni_core.stage import StageContext
 
 
 class InlineRunner:
@@ -35,15 +33,7 @@ class InlineRunner:
         for name in self.order:
             st = self.cfg.stage(name)
             cls = load_stage_class(st.kind)
-            ctx = StageContext(
-                name=name,
-                kind=st.kind,
-                options=st.options,
-                upstream=tuple(e.source for e in self.cfg.inbound(name)),
-                downstream=tuple(e.target for e in self.cfg.outbound(name)),
-                logger=logging.getLogger(f"omni.stage.{name}"),
-            )
-            stage = cls(ctx)
+            stage = cls(stage_context(self.cfg, name))
             stage.load()
             codec = ArrayCodec(name, threshold=self.cfg.shm_threshold_bytes)
             self.hosts[name] = StageHost(self.cfg, name, stage, codec)

@@ -35,14 +35,19 @@ from omni_core.events import (
     Heartbeat,
     LoadFailed,
     Ready,
-    Release,
     ShmHandle,
     Shutdown,
     StageStats,
     Submit,
 )
 from omni_core.host import CLIENT
-from omni_core.serial import ArrayCodec, decode_event_frame, decode_status_frame, encode_json
+from omni_core.serial import (
+    ArrayCodec,
+    decode_event_frame,
+    decode_status_frame,
+    encode_json,
+    releases,
+)
 from omni_core.shm import SegmentOwner
 from omni_core.transport import Addresses, Outbox, Waker, make_socket_dir, pull_socket, push_socket
 from omni_core.worker import WorkerSpec
@@ -259,11 +264,8 @@ class Orchestrator:
                     self.acks[msg.kind] = self.acks.get(msg.kind, 0) + 1
 
     def _release(self, handles: list[ShmHandle]) -> None:
-        by_producer: dict[str, list[int]] = {}
-        for h in handles:
-            by_producer.setdefault(h.producer, []).append(h.offset)
-        for producer, offsets in by_producer.items():
-            self.outbox.put(f"ctl:{producer}", Release(offsets=offsets, reader=CLIENT), block=False)
+        for producer, msg in releases(handles, CLIENT):
+            self.outbox.put(f"ctl:{producer}", msg, block=False)
 
     def _broadcast_cancel(self, rid: str, reason: str) -> None:
         for name, p in self.procs.items():

@@ -17,6 +17,7 @@ from omni_core.events import (
     AnyEvent,
     Handle,
     InlineArray,
+    Release,
     ShmHandle,
     Submit,
     ToOrchestrator,
@@ -179,3 +180,11 @@ class ArrayCodec:
                 shm.append(h)
             arrays[key] = _from_bytes(raw, h.dtype, h.shape, h.torch, copy)
         return arrays, shm
+
+
+def releases(handles: list[ShmHandle], reader: str) -> list[tuple[str, Release]]:
+    """One :class:`Release` per producer for the slots ``reader`` is done with."""
+    by_producer: dict[str, list[int]] = {}
+    for h in handles:
+        by_producer.setdefault(h.producer, []).append(h.offset)
+    return [(p, Release(offsets=o, reader=reader)) for p, o in by_producer.items()]

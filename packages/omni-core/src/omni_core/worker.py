@@ -38,7 +38,7 @@ from omni_core.events import (
     StageStats,
     Submit,
 )
-from omni_core.host import CLIENT, RequestFailed, StageHost, WorkItem
+from omni_core.host import CLIENT, RequestFailed, StageHost, WorkItem, stage_context
 from omni_core.registry import load_stage_class
 from omni_core.serial import (
     ArrayCodec,
@@ -46,9 +46,10 @@ from omni_core.serial import (
     decode_data_frame,
     decode_json,
     encode_frame,
+    releases,
 )
 from omni_core.shm import Arena
-from omni_core.stage import Output, StageContext
+from omni_core.stage import Output
 from omni_core.transport import Addresses, Outbox, Sender, Waker, pull_socket, push_socket
 
 log = logging.getLogger("omni.worker")
@@ -91,16 +92,7 @@ class Worker:
         self.capacity = cfg.setting(st, "queue_capacity")
         self.addr = Addresses(spec.socket_dir)
         cls = load_stage_class(st.kind)
-        ctx = StageContext(
-            name=self.name,
-            kind=st.kind,
-            options=st.options,
-            devices=spec.devices,
-            upstream=tuple(e.source for e in cfg.inbound(self.name)),
-            downstream=tuple(e.target for e in cfg.outbound(self.name)),
-            logger=logging.getLogger(f"omni.stage.{self.name}"),
-        )
-        self.stage = cls(ctx)
+        self.stage = cls(stage_context(cfg, self.name, spec.devices))
         self.arena = Arena(spec.arena)
         self.codec = ArrayCodec(self.name, self.arena, threshold=cfg.shm_threshold_bytes)
         self.host = StageHost(cfg, self.name, self.stage, self.codec)
@@ -269,13 +261,8 @@ class Worker:
 
     def _release(self, handles: list[ShmHandle]) -> None:
         """Hand slots back to their producers (through the I/O thread; never blocks)."""
-        by_producer: dict[str, list[int]] = {}
-        for h in handles:
-            by_producer.setdefault(h.producer, []).append(h.offset)
-        for producer, offsets in by_producer.items():
-            self.outbox.put(
-                f"ctl:{producer}", Release(offsets=offsets, reader=self.name), block=False
-            )
+        for producer, msg in releases(handles, self.name):
+            self.outbox.put(f"ctl:{producer}", msg, block=False)
 
     def _take_batch(self, busy: set[str]) -> list[WorkItem]:
         """First ready item whose request is not running, then up to N-1 more, FIFO."""
