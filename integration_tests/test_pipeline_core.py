@@ -54,7 +54,9 @@ def test_fan_out_and_fan_in():
     for o, n in zip(outs, (5, 16, 0), strict=False):
         assert o.ok, o.error
         # join sums double (2t) and shift (t + 1000) position by position
-        assert o.tokens == [3 * t + 1000 for t in range(n)]
+        join = [t for e in o.by_stage("join") for t in e.tokens]
+        assert join == [3 * t + 1000 for t in range(n)]
+        assert [t for e in o.by_stage("source") for t in e.tokens] == list(range(n))
 
 
 @pytest.mark.parametrize("config", ["configs/demo.yaml"])
@@ -68,8 +70,13 @@ def test_parity_mrs_enabled_and_disabled(config):
         cfg.mrs.enabled = enabled
         with Pipeline(cfg) as pipe:
             outs = pipe.generate(requests)
+        # per stage, the same events in the same order (stages interleave differently)
         results[enabled] = [
-            [(e.event_type, e.stage, e.tokens, e.is_last) for e in o.events] for o in outs
+            {
+                stage: [(e.event_type, e.tokens, e.is_last) for e in o.by_stage(stage)]
+                for stage in ("source", "join")
+            }
+            for o in outs
         ]
     assert results[True] == results[False]
     assert all(results[True])
