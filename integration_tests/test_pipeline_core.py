@@ -236,3 +236,13 @@ def test_async_stream():
     events = asyncio.run(run())
     assert [e.tokens for e in events[:-1]] == [[0, 1], [2, 3], [4]]
     assert events[-1].event_type == "completed"
+
+
+def test_unserializable_input_and_output_fail_only_their_request():
+    cfg = chain(("src", "synthetic.source", {"segment": 2}), ("f", "synthetic.faulty", {}))
+    with Pipeline(cfg) as pipe:
+        with pytest.raises(TypeError, match="cannot be serialized"):
+            pipe.submit({"x": object()})
+        outs = pipe.generate([{"n": 2}, {"n": 2, "bad_output": True}, {"n": 3}])
+    assert [o.finish_reason for o in outs] == ["completed", "error", "completed"]
+    assert "stage 'f': output cannot be serialized" in outs[1].error

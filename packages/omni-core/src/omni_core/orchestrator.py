@@ -45,6 +45,7 @@ from omni_core.serial import (
     ArrayCodec,
     decode_event_frame,
     decode_status_frame,
+    encode_frame,
     encode_json,
     releases,
 )
@@ -324,6 +325,10 @@ class Orchestrator:
             )
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
+        try:
+            encode_frame([request])
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TypeError(f"request {rid}: cannot be serialized: {e}") from None
         with self.lock:
             h = self.collector.open(rid, loop)
             if timeout_s is not None:

@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -104,8 +105,15 @@ class Sender:
     backpressure, and the time is counted in ``blocked_s``.
     """
 
-    def __init__(self, sockets: dict[str, zmq.Socket], waker: Waker, gap_s: float = 2e-4) -> None:
+    def __init__(
+        self,
+        sockets: dict[str, zmq.Socket],
+        waker: Waker,
+        gap_s: float = 2e-4,
+        on_unencodable: Callable[[Any, Exception], Any] | None = None,
+    ) -> None:
         self.sockets = sockets
+        self.on_unencodable = on_unencodable  # message -> replacement (e.g. an error event)
         self.waker = waker
         self.gap_s = gap_s
         self.lock = threading.Lock()
@@ -148,12 +156,27 @@ class Sender:
         for dest, buf in self.buffers.items():
             if not buf:
                 continue
-            frame = encode_frame(buf)
+            try:
+                frame = encode_frame(buf)
+            except (TypeError, ValueError, OverflowError):
+                frame = self._encode_each(buf)
             self.sent += len(buf)
             buf.clear()
             self._send(self.sockets[dest], frame)
         self.waiting = 0
         self.last_flush = now
+
+    def _encode_each(self, buf: list[Any]) -> bytes:
+        """A message in ``buf`` cannot be encoded: replace it, keep the others."""
+        good = []
+        for msg in buf:
+            try:
+                encode_frame([msg])
+                good.append(msg)
+            except (TypeError, ValueError, OverflowError) as e:
+                if self.on_unencodable is not None:
+                    good.append(self.on_unencodable(msg, e))
+        return encode_frame(good)
 
     def _send(self, sock: zmq.Socket, frame: bytes) -> None:
         try:

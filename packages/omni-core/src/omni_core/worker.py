@@ -21,6 +21,7 @@ import traceback
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
@@ -29,6 +30,7 @@ from omni_core.config import PipelineConfig
 from omni_core.events import (
     Ack,
     Cancel,
+    Error,
     Heartbeat,
     LoadFailed,
     Ready,
@@ -120,7 +122,7 @@ class Worker:
         for e in cfg.outbound(self.name):
             hwm_e = cfg.setting(cfg.stage(e.target), "queue_capacity")
             data[e.target] = push_socket(self.zctx, self.addr.data(e.target), hwm_e)
-        self.sender = Sender(data, self.waker)
+        self.sender = Sender(data, self.waker, on_unencodable=self._unencodable)
         # the I/O thread's sockets: its own errors to the caller, releases to producers
         self.out: dict[str, zmq.Socket] = {
             CLIENT: push_socket(self.zctx, self.addr.results, 100_000)
@@ -129,6 +131,16 @@ class Worker:
             self.out[f"ctl:{e.source}"] = push_socket(
                 self.zctx, self.addr.control(e.source), 100_000
             )
+
+    def _unencodable(self, msg: Any, exc: Exception) -> Error:
+        """An output that cannot go on the wire fails its request (only)."""
+        self.stats.errors += 1
+        return Error(
+            request_id=msg.request_id,
+            stage=self.name,
+            message=f"stage {self.name!r}: output cannot be serialized: {exc}",
+            code="bad_output",
+        )
 
     def send_status(self, msg: msgspec.Struct) -> None:
         self.status.send(encode_frame([msg]))

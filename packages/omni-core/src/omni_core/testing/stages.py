@@ -174,6 +174,9 @@ class Faulty(Stage):
                 raise ValueError(f"synthetic failure on request {inp.request_id}")
             if inp.request.get("crash"):
                 os._exit(9)
+            if inp.request.get("bad_output"):
+                yield inp.segment([1], payload={"x": object()}, is_last=True)
+                continue
             if inp.request.get("reject"):
                 yield inp.fail("request rejected: field 'reject' is set")
                 continue
