@@ -266,7 +266,3 @@ class StageHost:
         except Exception:  # a plug-in's cleanup must not take the host down
             pass
         return freed
-
-    @property
-    def active_requests(self) -> int:
-        return len(self.requests)

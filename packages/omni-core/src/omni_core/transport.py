@@ -261,10 +261,3 @@ class Outbox:
                 self.stalled[dest] = frame
                 stalled.append(dest)
         return stalled
-
-    def drop(self, dest: str) -> None:
-        with self.cond:
-            q = self.queues.pop(dest, None)
-            self.count -= len(q) if q else 0
-            self.stalled.pop(dest, None)
-            self.cond.notify_all()

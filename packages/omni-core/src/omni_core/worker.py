@@ -102,6 +102,7 @@ class Worker:
         self.work = threading.Condition(self.lock)
         self.ready: deque[WorkItem] = deque()
         self.stopping = False
+        self.io_done = False  # set by the stage thread when the I/O thread may exit
         self.drain = False
         self.deadline: float | None = None
         self.inflight = 0
@@ -194,8 +195,6 @@ class Worker:
             if self.io_done:
                 break
         self.outbox.flush(self.out)
-
-    io_done = False
 
     def _heartbeat(self) -> None:
         s = self.stats
