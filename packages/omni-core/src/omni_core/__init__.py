@@ -12,7 +12,7 @@ from omni_core.events import (
     Segment,
 )
 from omni_core.pipeline import Pipeline
-from omni_core.stage import Output, Stage, StageContext, StageInput
+from omni_core.stage import Stage, StageContext, StageEvent, StageInput
 from omni_core.windows import Window
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "Error",
     "Event",
     "ImageProgress",
-    "Output",
     "Pipeline",
     "PipelineConfig",
     "RequestHandle",
@@ -31,6 +30,7 @@ __all__ = [
     "Segment",
     "Stage",
     "StageContext",
+    "StageEvent",
     "StageInput",
     "Window",
     "load_config",

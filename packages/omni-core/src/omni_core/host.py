@@ -2,7 +2,7 @@
 
 A :class:`StageHost` owns one stage's per-request state: a :class:`WindowState` per inbound
 edge, fan-in pairing of windows into :class:`WorkItem` s, per-request output sequence
-numbers, and the turning of a stage's :class:`Output` s into events for each destination.
+numbers, and the stamping of a stage's events for each destination.
 The worker process and the in-process runner both drive a host; only how events move
 differs.
 """
@@ -28,7 +28,7 @@ from omni_core.events import (
     Submit,
 )
 from omni_core.serial import ArrayCodec
-from omni_core.stage import Output, Stage, StageContext, StageInput
+from omni_core.stage import Stage, StageContext, StageInput
 from omni_core.windows import Piece, Window, WindowState
 
 CLIENT = "client"  # the destination name of the caller's collector
@@ -198,37 +198,23 @@ class StageHost:
         st.out_seq += 1
         return event
 
-    def pack(self, out: Output) -> dict[str, Handle]:
-        """Write an output's arrays for every reader (may block on a full pool: no lock held)."""
-        return self.codec.pack(out.arrays, self.readers) if out.arrays else {}
+    def pack(self, ev: Event) -> dict[str, Handle]:
+        """Write an event's arrays for every reader (may block on a full pool: no lock held)."""
+        arrays = ev.__dict__.get("arrays")
+        return self.codec.pack(arrays, self.readers) if arrays else {}
 
     def emit(
-        self, out: Output, handles: dict[str, Handle] | None = None
+        self, ev: Segment | ImageProgress | Error, handles: dict[str, Handle] | None = None
     ) -> tuple[Event, list[str]]:
-        """Turn a stage output into one event and the destinations it goes to."""
-        if out.kind == "error":
-            msg = str(out.payload.get("message", "stage reported an error"))
-            return self.error(out.request_id, msg), [CLIENT]
+        """Stamp a stage's event; returns it with the destinations it goes to."""
+        if type(ev) is Error:
+            ev.message = f"stage {self.name!r}: {ev.message}"
+            return self._stamp(ev.request_id, ev), [CLIENT]
         if handles is None:
-            handles = self.pack(out)
-        if out.kind == "image":
-            ev: Event = ImageProgress(
-                request_id=out.request_id,
-                payload=out.payload,
-                device_handles=handles,
-                step=out.step,
-                is_last=out.is_last,
-            )
-        else:
-            ev = Segment(
-                request_id=out.request_id,
-                payload=out.payload,
-                device_handles=handles,
-                tokens=out.tokens,
-                logprobs=out.logprobs,
-                is_last=out.is_last,
-            )
-        return self._stamp(out.request_id, ev), self.data_destinations
+            handles = self.pack(ev)
+        if handles:
+            ev.device_handles = handles
+        return self._stamp(ev.request_id, ev), self.data_destinations
 
     def finish(self, item: WorkItem) -> list[tuple[Event, list[str]]]:
         """After an item ran: close the request's streams if it was the last trigger."""

@@ -226,10 +226,10 @@ class Orchestrator:
     def _drain_results(self) -> None:
         for _ in range(256):
             try:
-                frame = self.results.recv(zmq.NOBLOCK, copy=False)
+                frame = self.results.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            events = decode_event_frame(frame.buffer)
+            events = decode_event_frame(frame)
             releases: list[ShmHandle] = []
             failed: list[str] = []
             with self.lock:

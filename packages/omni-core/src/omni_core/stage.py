@@ -2,9 +2,10 @@
 
 A stage is a class registered under the ``omni.stages`` entry-point group. The runtime
 builds it inside its own worker process, calls :meth:`Stage.load` once (models load there,
-never in the orchestrator), then feeds it batches of :class:`StageInput` and forwards what
-:meth:`Stage.process` yields. Between two yields the runtime may cancel a request, so a
-stage that yields often can be stopped quickly.
+never in the orchestrator), then feeds it batches of :class:`StageInput` and forwards the
+events :meth:`Stage.process` yields (the runtime stamps their sequence and stage).
+Between two yields the runtime may cancel a request, so a stage that yields often can be
+stopped quickly.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import msgspec
 
+from omni_core.events import Error, ImageProgress, Segment
 from omni_core.windows import Window
+
+StageEvent = Segment | ImageProgress | Error  # what Stage.process yields
 
 
 @dataclass
@@ -31,21 +35,6 @@ class StageContext:
     upstream: tuple[str, ...] = ()
     downstream: tuple[str, ...] = ()
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("omni.stage"))
-
-
-@dataclass
-class Output:
-    """One thing a stage emits for one request; the runtime turns it into an event."""
-
-    request_id: str
-    kind: Literal["segment", "image", "error"] = "segment"
-    tokens: list[int] | None = None
-    logprobs: list[float] | None = None
-    payload: dict[str, Any] = field(default_factory=dict)
-    arrays: dict[str, Any] = field(default_factory=dict)  # numpy, CPU torch, or bytes
-    is_last: bool = False
-    step: int = 0
-    droppable: bool = False  # a preview: may be coalesced under backpressure
 
 
 @dataclass
@@ -74,15 +63,50 @@ class StageInput:
             )
         return next(iter(self.windows.values()))
 
-    def segment(self, tokens: list[int] | None = None, **kw: Any) -> Output:
-        return Output(self.request_id, "segment", tokens=tokens, **kw)
+    def segment(
+        self,
+        tokens: list[int] | None = None,
+        *,
+        logprobs: list[float] | None = None,
+        payload: dict[str, Any] | None = None,
+        arrays: dict[str, Any] | None = None,
+        is_last: bool = False,
+    ) -> Segment:
+        """A segment event for this request; ``arrays`` (numpy, CPU torch, bytes) go
+        inline or through shared memory, by size."""
+        ev = Segment(
+            request_id=self.request_id,
+            tokens=tokens,
+            logprobs=logprobs,
+            payload=payload if payload is not None else {},
+            is_last=is_last,
+        )
+        if arrays:
+            ev.arrays = arrays
+        return ev
 
-    def image(self, step: int, **kw: Any) -> Output:
-        return Output(self.request_id, "image", step=step, **kw)
+    def image(
+        self,
+        step: int,
+        *,
+        payload: dict[str, Any] | None = None,
+        arrays: dict[str, Any] | None = None,
+        is_last: bool = False,
+    ) -> ImageProgress:
+        """A preview (``is_last=False``, droppable under backpressure) or the final image."""
+        ev = ImageProgress(
+            request_id=self.request_id,
+            step=step,
+            payload=payload if payload is not None else {},
+            is_last=is_last,
+        )
+        if arrays:
+            ev.arrays = arrays
+        return ev
 
-    def fail(self, message: str) -> Output:
-        """End this request (only) with an error naming the stage."""
-        return Output(self.request_id, "error", payload={"message": message})
+    def fail(self, message: str) -> Error:
+        """End this request (only) with an error; the runtime prefixes the stage's name."""
+        return Error(request_id=self.request_id, message=message)
 
 
 class Stage:
@@ -105,8 +129,9 @@ class Stage:
     def load(self) -> None:
         """Load models and warm up; runs once, inside the worker process."""
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
-        """Yield outputs for the inputs in ``batch`` (one unless ``max_batch_size`` > 1)."""
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        """Yield events for the inputs in ``batch`` (one unless ``max_batch_size`` > 1),
+        made with ``inp.segment``, ``inp.image`` or ``inp.fail``."""
         raise NotImplementedError
 
     def end_request(self, request_id: str) -> None:

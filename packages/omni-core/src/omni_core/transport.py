@@ -22,6 +22,9 @@ import zmq
 from omni_core.serial import encode_frame
 
 MAX_FRAME_MESSAGES = 256  # coalesce at most this many messages into one frame
+# Zero-copy sends hand the buffer to zmq's garbage-collector thread; below this size a
+# plain copy is cheaper than that bookkeeping.
+_ZERO_COPY_MIN = 4 << 20
 _IPC_PATH_MAX = 100
 
 
@@ -109,7 +112,7 @@ class Sender:
         self,
         sockets: dict[str, zmq.Socket],
         waker: Waker,
-        gap_s: float = 2e-4,
+        gap_s: float = 1e-3,
         on_unencodable: Callable[[Any, Exception], Any] | None = None,
     ) -> None:
         self.sockets = sockets
@@ -132,7 +135,7 @@ class Sender:
             if self.waiting >= MAX_FRAME_MESSAGES or now - self.last_flush > self.gap_s:
                 self._flush(now)
                 return
-        self.waker.wake()  # the I/O thread sends the tail if no further event comes
+        self.waker.wake()  # no-op while the I/O thread already ticks for the tail
 
     def due(self) -> float | None:
         """Seconds until the I/O thread should flush, or None when nothing waits."""
@@ -149,8 +152,9 @@ class Sender:
                 self.lock.release()
 
     def flush(self) -> None:
-        with self.lock:
-            self._flush(time.perf_counter())
+        if self.waiting:
+            with self.lock:
+                self._flush(time.perf_counter())
 
     def _flush(self, now: float) -> None:
         for dest, buf in self.buffers.items():
@@ -180,7 +184,7 @@ class Sender:
 
     def _send(self, sock: zmq.Socket, frame: bytes) -> None:
         try:
-            sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+            sock.send(frame, zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_MIN)
             return
         except zmq.Again:
             pass
@@ -190,7 +194,7 @@ class Sender:
         while not self.stop:
             if poller.poll(200):
                 try:
-                    sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+                    sock.send(frame, zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_MIN)
                     break
                 except zmq.Again:
                     continue
@@ -256,7 +260,7 @@ class Outbox:
             if sock is None:  # destination unknown (already closed): drop
                 continue
             try:
-                sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+                sock.send(frame, zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_MIN)
             except zmq.Again:
                 self.stalled[dest] = frame
                 stalled.append(dest)

@@ -51,7 +51,7 @@ from omni_core.serial import (
     releases,
 )
 from omni_core.shm import Arena
-from omni_core.stage import Output
+from omni_core.stage import StageEvent
 from omni_core.transport import Addresses, Outbox, Sender, Waker, pull_socket, push_socket
 
 log = logging.getLogger("omni.worker")
@@ -78,9 +78,10 @@ def _die_with_parent() -> None:
 
 @dataclass
 class _Active:
-    gen: Iterator[Output]
+    gen: Iterator[StageEvent]
     items: list[WorkItem]
     rids: set[str] = field(default_factory=set)
+    cancels: list[threading.Event] = field(default_factory=list)
 
 
 class Worker:
@@ -103,6 +104,7 @@ class Worker:
         self.ready: deque[WorkItem] = deque()
         self.stopping = False
         self.io_done = False  # set by the stage thread when the I/O thread may exit
+        self.idle_stage = False  # the stage thread waits for work (only then notify)
         self.drain = False
         self.deadline: float | None = None
         self.inflight = 0
@@ -167,11 +169,12 @@ class Worker:
                 poller.register(self.out[dest], zmq.POLLOUT)
             now = time.monotonic()
             timeout = max(0.0, next_beat - now)
-            due = self.sender.due()
-            if due is not None:
-                timeout = min(timeout, due)
-            # wake-ups are only needed while nothing is pending (saves GIL ping-pong)
-            self.waker.idle = due is None and self.outbox.count == 0
+            # While the stage runs, look every gap_s for a batched tail to send, rather
+            # than being woken per frame (a wake-up costs a GIL round trip per frame).
+            busy = self.inflight > 0 or self.sender.waiting > 0
+            if busy:
+                timeout = min(timeout, self.sender.gap_s)
+            self.waker.idle = not busy and self.outbox.count == 0
             if self.outbox.count > 0 and not pollout:
                 timeout = 0.0
             events = dict(poller.poll(timeout * 1000))
@@ -237,11 +240,11 @@ class Worker:
     def _drain_data(self) -> None:
         for _ in range(64):  # bounded, so control messages are not starved
             try:
-                frame = self.data_in.recv(zmq.NOBLOCK, copy=False)
+                frame = self.data_in.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                msgs = decode_data_frame(frame.buffer)
+                msgs = decode_data_frame(frame)
             except msgspec.DecodeError as e:
                 log.error("stage %s: undecodable frame dropped: %s", self.name, e)
                 continue
@@ -260,7 +263,7 @@ class Worker:
                         )
                         continue
                     self.ready.extend(items)
-                if self.ready:
+                if self.ready and self.idle_stage:
                     self.work.notify()
                 freed = self._take_releasable()
             self._release(freed)
@@ -272,6 +275,8 @@ class Worker:
 
     def _release(self, handles: list[ShmHandle]) -> None:
         """Hand slots back to their producers (through the I/O thread; never blocks)."""
+        if not handles:
+            return
         for producer, msg in releases(handles, self.name):
             self.outbox.put(f"ctl:{producer}", msg, block=False)
 
@@ -297,12 +302,16 @@ class Worker:
     def run(self) -> None:
         active: list[_Active] = []
         while True:
+            if not active:
+                self.inflight = 0
+                self.sender.flush()  # nothing runs: send the tail now, not at the next tick
             with self.work:
                 while len(active) < self.max_inflight:
                     busy = {r for a in active for r in a.rids}
                     batch = self._take_batch(busy)
                     if batch:
                         active.append(self._start(batch))
+                        self.inflight = len(active)
                         continue
                     if active:
                         break
@@ -310,7 +319,9 @@ class Worker:
                         return
                     if self.deadline is not None and time.time() > self.deadline:
                         return
+                    self.idle_stage = True
                     self.work.wait(0.2)
+                    self.idle_stage = False
                 self.inflight = len(active)
                 freed = self._take_releasable()
             self._release(freed)
@@ -327,7 +338,8 @@ class Worker:
 
     def _start(self, batch: list[WorkItem]) -> _Active:
         gen = self.stage.process([w.inp for w in batch])
-        return _Active(iter(gen), batch, {w.inp.request_id for w in batch})
+        rids = {w.inp.request_id for w in batch}
+        return _Active(iter(gen), batch, rids, [w.inp._cancelled for w in batch])
 
     def _run_to_end(self, a: _Active) -> None:
         while self._step(a):
@@ -335,7 +347,7 @@ class Worker:
 
     def _step(self, a: _Active) -> bool:
         """Advance one output; False when the generator is done (and the items finished)."""
-        if all(w.inp.cancelled for w in a.items):
+        if a.cancels[0].is_set() and all(c.is_set() for c in a.cancels):
             a.gen.close()
             self._finish(a, failed=True)
             return False
@@ -352,25 +364,24 @@ class Worker:
         self._handle(out)
         return True
 
-    def _handle(self, out: Output) -> None:
-        rid = out.request_id
-        if self.host.is_cancelled(rid) or rid in self.host.ended:
+    def _handle(self, ev: StageEvent) -> None:
+        st = self.host.requests.get(ev.request_id)
+        if st is None or st.cancel.is_set():  # ended, cancelled or failed here
             return
+        error = type(ev) is Error
         try:
-            handles = self.host.pack(out) if out.kind != "error" else None
+            handles = None if error else self.host.pack(ev)
         except Exception as e:
-            self._fail_request(rid, f"cannot send output: {type(e).__name__}: {e}")
+            self._fail_request(ev.request_id, f"cannot send output: {type(e).__name__}: {e}")
             return
         with self.lock:
-            ev, dests = self.host.emit(out, handles)
-            if out.kind == "error":
-                self.stats.errors += 1
-                freed = self.host.forget(rid)
-            else:
-                freed = []
+            ev, dests = self.host.emit(ev, handles)
+            freed = self.host.forget(ev.request_id) if error else None
         for d in dests:
             self.sender.put(d, ev)
-        self._release(freed)
+        if error:
+            self.stats.errors += 1
+            self._release(freed)
 
     def _fail_request(self, rid: str, message: str) -> None:
         with self.lock:

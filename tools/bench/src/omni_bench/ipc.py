@@ -73,7 +73,7 @@ def mpqueue_figure(count: int, nbytes: int, repeat: int) -> float:
     ctx = mp.get_context("spawn")
     best = float("inf")
     for _ in range(repeat):
-        q = ctx.Queue(maxsize=1024)
+        q = ctx.Queue()
         p = ctx.Process(target=_mp_producer, args=(q, count, nbytes))
         p.start()
         t0 = q.get()

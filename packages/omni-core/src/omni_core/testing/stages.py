@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import msgspec
 import numpy as np
 
-from omni_core.stage import Output, Stage, StageInput
+from omni_core.stage import Stage, StageEvent, StageInput
 
 
 class SourceOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -30,7 +30,7 @@ class TokenSource(Stage):
 
     Options = SourceOptions
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         o = self.options
         for inp in batch:
             n = int(inp.request.get("n", o.tokens))
@@ -61,7 +61,7 @@ class TokenMap(Stage):
 
     Options = MapOptions
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         o = self.options
         for inp in batch:
             t0 = time.time()
@@ -91,7 +91,7 @@ class Sleep(Stage):
 
     Options = SleepOptions
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             t0 = time.time()
             time.sleep(self.options.hold_s)
@@ -106,7 +106,7 @@ class Sleep(Stage):
 class Join(Stage):
     """Fan-in: sums the tokens of every inbound window, position by position."""
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             parts = [w.new_tokens for _, w in sorted(inp.windows.items())]
             width = max((len(p) for p in parts), default=0)
@@ -127,7 +127,7 @@ class ArraySource(Stage):
     def load(self) -> None:
         self._cache: dict[int, np.ndarray] = {}
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             nbytes = int(inp.request.get("nbytes", self.options.nbytes))
             count = int(inp.request.get("count", self.options.count))
@@ -141,7 +141,7 @@ class ArraySource(Stage):
 class ArraySink(Stage):
     """Reads what arrives (checksum of first and last byte) and reports the byte count."""
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             total, check = 0, 0
             for w in inp.windows.values():
@@ -168,7 +168,7 @@ class Faulty(Stage):
         if self.options.exit_on_load:
             os._exit(7)
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             if inp.request.get("fail"):
                 raise ValueError(f"synthetic failure on request {inp.request_id}")
@@ -187,7 +187,7 @@ class Faulty(Stage):
 class Environment(Stage):
     """Reports the worker's pid and the environment variables named in ``request["env"]``."""
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             names = inp.request.get("env", ["CUDA_VISIBLE_DEVICES"])
             env = {n: os.environ.get(n) for n in names}
@@ -209,7 +209,7 @@ class Burst(Stage):
     def load(self) -> None:
         self._blobs: dict[int, tuple[bytes, np.ndarray]] = {}
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             count = int(inp.request.get("count", self.options.count))
             nbytes = int(inp.request.get("nbytes", self.options.nbytes))
@@ -218,18 +218,15 @@ class Burst(Stage):
             if blob is None:
                 arr = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
                 blob = self._blobs[nbytes] = (arr.tobytes(), arr)
-            rid = inp.request_id
             t0 = time.time()
             for i in range(count):
                 last = i == count - 1
                 if inline:
                     payload = {"data": blob[0], "t0": t0} if i == 0 else {"data": blob[0]}
-                    yield Output(rid, tokens=[i], payload=payload, is_last=last)
+                    yield inp.segment([i], payload=payload, is_last=last)
                 else:
                     payload = {"t0": t0} if i == 0 else {}
-                    yield Output(
-                        rid, tokens=[i], payload=payload, arrays={"data": blob[1]}, is_last=last
-                    )
+                    yield inp.segment([i], payload=payload, arrays={"data": blob[1]}, is_last=last)
 
 
 class Count(Stage):
@@ -239,7 +236,7 @@ class Count(Stage):
     def load(self) -> None:
         self._acc: dict[str, list[float]] = {}
 
-    def process(self, batch: list[StageInput]) -> Iterator[Output]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             acc = self._acc.setdefault(inp.request_id, [0, 0, 0.0])
             for w in inp.windows.values():
