@@ -24,6 +24,7 @@ from omni_core.events import (
     ImageProgress,
     Segment,
     ShmHandle,
+    is_droppable,
 )
 from omni_core.serial import ArrayCodec
 
@@ -139,7 +140,8 @@ class Collector:
                 ),
             )
             return shm, True
-        h.next_seq[ev.stage] = expected + 1
+        if not is_droppable(ev):
+            h.next_seq[ev.stage] = expected + 1
         if isinstance(ev, (Segment, ImageProgress)):
             ev.arrays = arrays
             self._deliver(h, ev)

@@ -63,6 +63,9 @@ class EdgeSpec(_Spec, kw_only=True):
     source: str = msgspec.field(name="from")
     target: str = msgspec.field(name="to")
     window: WindowSpec | None = None
+    capacity: PositiveInt | None = (
+        None  # frames in flight on this edge (default: target's queue_capacity)
+    )
 
 
 class PipelineConfig(_Spec, kw_only=True):

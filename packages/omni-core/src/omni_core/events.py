@@ -117,6 +117,17 @@ class Cancelled(Event, tag="cancelled", kw_only=True):
 
 
 AnyEvent = Segment | ImageProgress | Completed | Error | Cancelled
+
+
+def is_droppable(ev: Event) -> bool:
+    """A preview after a request's first event: may be coalesced under backpressure.
+
+    It carries the sequence number of the next must-deliver event and does not consume it,
+    so dropping it leaves no gap in the per-request order.
+    """
+    return type(ev) is ImageProgress and not ev.is_last and ev.sequence > 0
+
+
 DATA_EVENTS = (Segment, ImageProgress)
 
 # --------------------------------------------------------------------------- control
@@ -176,7 +187,8 @@ class StageStats(msgspec.Struct, kw_only=True):
     queue_depth: int = 0  # work items waiting
     inflight: int = 0
     outbox_depth: int = 0
-    blocked_s: float = 0.0  # time the stage waited on a full outbox / shared-memory pool
+    blocked_s: float = 0.0  # time the stage waited on a full socket / shared-memory pool
+    dropped: int = 0  # previews coalesced away under backpressure
     completed: int = 0
     errors: int = 0
     shm_slots_in_use: int = 0

@@ -26,6 +26,7 @@ from omni_core.events import (
     Segment,
     ShmHandle,
     Submit,
+    is_droppable,
 )
 from omni_core.serial import ArrayCodec
 from omni_core.stage import Stage, StageContext, StageInput
@@ -126,7 +127,8 @@ class StageHost:
                 f"edge {edge} -> {self.name}: event sequence {event.sequence} where "
                 f"{expected} was expected (lost or reordered event)"
             )
-        st.next_seq[edge] = expected + 1
+        if not is_droppable(event):
+            st.next_seq[edge] = expected + 1
         if expected == 0 and st.request is None:
             st.request = getattr(event, "request", None)
         ws = st.windows.get(edge)
@@ -195,7 +197,8 @@ class StageHost:
         event.sequence = st.out_seq
         if st.out_seq == 0 and hasattr(event, "request"):
             event.request = st.request  # type: ignore[attr-defined]
-        st.out_seq += 1
+        if not is_droppable(event):
+            st.out_seq += 1
         return event
 
     def pack(self, ev: Event) -> dict[str, Handle]:

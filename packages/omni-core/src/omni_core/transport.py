@@ -99,13 +99,17 @@ class Waker:
 
 
 class Sender:
-    """The stage thread's own sockets to its data destinations, with adaptive batching.
+    """The stage thread's own sockets to its data destinations: batching and backpressure.
 
-    An event that follows the previous send by more than ``gap_s`` goes out at once (a
-    sparse stream adds no latency); events that come faster are coalesced into frames of up
-    to ``MAX_FRAME_MESSAGES``, and the I/O thread sends any tail left waiting after
-    ``gap_s`` (:meth:`flush_due`). A full socket blocks the stage thread: that is the
-    backpressure, and the time is counted in ``blocked_s``.
+    Batching: an event that follows the previous flush by more than ``gap_s`` goes out at
+    once (a sparse stream adds no latency); faster events are coalesced into frames of up
+    to ``MAX_FRAME_MESSAGES``; the I/O thread sends a tail left waiting (:meth:`flush_due`).
+
+    Backpressure: when a destination's socket is full (its high watermark reached), frames
+    wait here. Must-deliver events keep queueing until ``max_pending`` of them wait for one
+    destination; then the stage thread blocks until the socket takes them (counted in
+    ``blocked_s``). Droppable events (previews) never block: while a destination is
+    congested, a newer preview of a request replaces the waiting one (counted in ``drops``).
     """
 
     def __init__(
@@ -113,62 +117,112 @@ class Sender:
         sockets: dict[str, zmq.Socket],
         waker: Waker,
         gap_s: float = 1e-3,
+        max_pending: int = 4 * MAX_FRAME_MESSAGES,
         on_unencodable: Callable[[Any, Exception], Any] | None = None,
     ) -> None:
         self.sockets = sockets
         self.on_unencodable = on_unencodable  # message -> replacement (e.g. an error event)
         self.waker = waker
         self.gap_s = gap_s
+        self.max_pending = max_pending
         self.lock = threading.Lock()
         self.buffers: dict[str, list[Any]] = {d: [] for d in sockets}
+        self.must: dict[str, int] = dict.fromkeys(sockets, 0)  # must-deliver waiting
+        self.stalled: dict[str, bytes] = {}  # a frame the socket refused, sent first
+        self.previews: dict[tuple[str, str], int] = {}  # (dest, request) -> buffer index
         self.waiting = 0
         self.last_flush = 0.0
         self.blocked_s = 0.0
+        self.drops = 0
         self.sent = 0
         self.stop = False
 
-    def put(self, dest: str, msg: Any) -> None:
+    def put(self, dest: str, msg: Any, droppable: bool = False) -> None:
         with self.lock:
-            self.buffers[dest].append(msg)
+            buf = self.buffers[dest]
+            if droppable and dest in self.stalled:
+                key = (dest, msg.request_id)
+                old = self.previews.get(key)
+                if old is not None:  # newest kept
+                    buf[old] = None
+                    self.drops += 1
+                    self.waiting -= 1
+                self.previews[key] = len(buf)
+            elif not droppable:
+                self.must[dest] += 1
+            buf.append(msg)
             self.waiting += 1
             now = time.perf_counter()
             if self.waiting >= MAX_FRAME_MESSAGES or now - self.last_flush > self.gap_s:
                 self._flush(now)
+                if self.must[dest] >= self.max_pending:
+                    self._block(dest)
                 return
         self.waker.wake()  # no-op while the I/O thread already ticks for the tail
 
     def due(self) -> float | None:
         """Seconds until the I/O thread should flush, or None when nothing waits."""
-        if not self.waiting:
+        if not self.waiting and not self.stalled:
             return None
         return max(0.0, self.last_flush + self.gap_s - time.perf_counter())
 
     def flush_due(self) -> None:
-        if self.waiting and self.lock.acquire(blocking=False):
+        if (self.waiting or self.stalled) and self.lock.acquire(blocking=False):
             try:
-                if self.waiting and time.perf_counter() - self.last_flush >= self.gap_s:
+                if time.perf_counter() - self.last_flush >= self.gap_s:
                     self._flush(time.perf_counter())
             finally:
                 self.lock.release()
 
     def flush(self) -> None:
-        if self.waiting:
+        if self.waiting or self.stalled:
             with self.lock:
                 self._flush(time.perf_counter())
 
+    @property
+    def pending(self) -> int:
+        return self.waiting + len(self.stalled)
+
     def _flush(self, now: float) -> None:
+        """Send what each destination's socket takes without blocking."""
         for dest, buf in self.buffers.items():
+            frame = self.stalled.get(dest)
+            if frame is not None:
+                if not self._try_send(dest, frame):
+                    continue  # still full: keep buffering (previews coalesce meanwhile)
+                del self.stalled[dest]
             if not buf:
                 continue
+            msgs = [m for m in buf if m is not None]
             try:
-                frame = encode_frame(buf)
+                frame = encode_frame(msgs)
             except (TypeError, ValueError, OverflowError):
-                frame = self._encode_each(buf)
-            self.sent += len(buf)
+                frame = self._encode_each(msgs)
+            self.sent += len(msgs)
+            self.waiting -= len(msgs)
+            self.must[dest] = 0
             buf.clear()
-            self._send(self.sockets[dest], frame)
-        self.waiting = 0
+            if not self._try_send(dest, frame):
+                self.stalled[dest] = frame
+        self.previews = {k: i for k, i in self.previews.items() if self.buffers[k[0]]}
         self.last_flush = now
+
+    def _try_send(self, dest: str, frame: bytes) -> bool:
+        try:
+            self.sockets[dest].send(frame, zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_MIN)
+            return True
+        except zmq.Again:
+            return False
+
+    def _block(self, dest: str) -> None:
+        """Wait until ``dest`` takes what waits for it (the must-deliver high watermark)."""
+        t0 = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(self.sockets[dest], zmq.POLLOUT)
+        while not self.stop and (dest in self.stalled or self.must[dest] >= self.max_pending):
+            poller.poll(100)
+            self._flush(time.perf_counter())
+        self.blocked_s += time.monotonic() - t0
 
     def _encode_each(self, buf: list[Any]) -> bytes:
         """A message in ``buf`` cannot be encoded: replace it, keep the others."""
@@ -181,24 +235,6 @@ class Sender:
                 if self.on_unencodable is not None:
                     good.append(self.on_unencodable(msg, e))
         return encode_frame(good)
-
-    def _send(self, sock: zmq.Socket, frame: bytes) -> None:
-        try:
-            sock.send(frame, zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_MIN)
-            return
-        except zmq.Again:
-            pass
-        t0 = time.monotonic()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLOUT)
-        while not self.stop:
-            if poller.poll(200):
-                try:
-                    sock.send(frame, zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_MIN)
-                    break
-                except zmq.Again:
-                    continue
-        self.blocked_s += time.monotonic() - t0
 
 
 class Outbox:

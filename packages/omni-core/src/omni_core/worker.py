@@ -39,6 +39,7 @@ from omni_core.events import (
     Shutdown,
     StageStats,
     Submit,
+    is_droppable,
 )
 from omni_core.host import CLIENT, RequestFailed, StageHost, WorkItem, stage_context
 from omni_core.registry import load_stage_class
@@ -102,6 +103,7 @@ class Worker:
         self.lock = threading.Lock()  # guards host state (both threads touch it)
         self.work = threading.Condition(self.lock)
         self.ready: deque[WorkItem] = deque()
+        self.stash: deque[Any] = deque()  # decoded upstream messages not yet taken in
         self.stopping = False
         self.io_done = False  # set by the stage thread when the I/O thread may exit
         self.idle_stage = False  # the stage thread waits for work (only then notify)
@@ -123,7 +125,7 @@ class Worker:
         # the stage thread's sockets: events to downstream stages and to the caller
         data = {CLIENT: push_socket(self.zctx, self.addr.results, hwm)}
         for e in cfg.outbound(self.name):
-            hwm_e = cfg.setting(cfg.stage(e.target), "queue_capacity")
+            hwm_e = e.capacity or cfg.setting(cfg.stage(e.target), "queue_capacity")
             data[e.target] = push_socket(self.zctx, self.addr.data(e.target), hwm_e)
         self.sender = Sender(data, self.waker, on_unencodable=self._unencodable)
         # the I/O thread's sockets: its own errors to the caller, releases to producers
@@ -159,6 +161,8 @@ class Worker:
         while True:
             with self.lock:
                 room = len(self.ready) < self.capacity and not self.stopping
+            if room and self.stash:
+                self._intake()
             if room != data_on:
                 if room:
                     poller.register(self.data_in, zmq.POLLIN)
@@ -204,7 +208,8 @@ class Worker:
         with self.lock:
             s.queue_depth = len(self.ready)
         s.inflight = self.inflight
-        s.outbox_depth = self.sender.waiting
+        s.outbox_depth = self.sender.pending
+        s.dropped = self.sender.drops
         s.blocked_s = self.sender.blocked_s + self.arena.blocked_s
         s.window_triggers = self.host.window_triggers
         s.emitted = self.sender.sent
@@ -231,6 +236,7 @@ class Worker:
                     self._release(freed)
                     self.send_status(Ack(stage=self.name, kind="cancel", request_id=msg.request_id))
                 elif isinstance(msg, Shutdown):
+                    self.sender.stop = True  # a producer blocked on a full socket gives up
                     with self.work:
                         self.stopping = True
                         self.drain = msg.drain
@@ -238,35 +244,41 @@ class Worker:
                         self.work.notify_all()
 
     def _drain_data(self) -> None:
+        """Take in upstream messages while the work queue has room; the rest of a frame
+        waits in ``stash`` so the queue never holds more than ``queue_capacity`` items."""
         for _ in range(64):  # bounded, so control messages are not starved
+            if self.stash:
+                self._intake()
+                if self.stash:
+                    return
             try:
                 frame = self.data_in.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                msgs = decode_data_frame(frame)
+                self.stash.extend(decode_data_frame(frame))
             except msgspec.DecodeError as e:
                 log.error("stage %s: undecodable frame dropped: %s", self.name, e)
-                continue
-            with self.work:
-                for msg in msgs:
-                    self.stats.received += 1
-                    try:
-                        if isinstance(msg, Submit):
-                            items = self.host.submit(msg)
-                        else:
-                            items = self.host.receive(msg)
-                    except RequestFailed as e:
-                        self.host.releasable.extend(self.host.forget(msg.request_id))
-                        self.outbox.put(
-                            CLIENT, self.host.error(msg.request_id, str(e)), block=False
-                        )
-                        continue
-                    self.ready.extend(items)
-                if self.ready and self.idle_stage:
-                    self.work.notify()
-                freed = self._take_releasable()
-            self._release(freed)
+
+    def _intake(self) -> None:
+        with self.work:
+            while self.stash and len(self.ready) < self.capacity:
+                msg = self.stash.popleft()
+                self.stats.received += 1
+                try:
+                    if isinstance(msg, Submit):
+                        items = self.host.submit(msg)
+                    else:
+                        items = self.host.receive(msg)
+                except RequestFailed as e:
+                    self.host.releasable.extend(self.host.forget(msg.request_id))
+                    self.outbox.put(CLIENT, self.host.error(msg.request_id, str(e)), block=False)
+                    continue
+                self.ready.extend(items)
+            if self.ready and self.idle_stage:
+                self.work.notify()
+            freed = self._take_releasable()
+        self._release(freed)
 
     # ================================================================ stage thread
     def _take_releasable(self) -> list[ShmHandle]:
@@ -377,8 +389,9 @@ class Worker:
         with self.lock:
             ev, dests = self.host.emit(ev, handles)
             freed = self.host.forget(ev.request_id) if error else None
+        droppable = is_droppable(ev)
         for d in dests:
-            self.sender.put(d, ev)
+            self.sender.put(d, ev, droppable)
         if error:
             self.stats.errors += 1
             self._release(freed)
