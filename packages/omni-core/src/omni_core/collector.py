@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,12 @@ class RequestHandle:
 
     def __init__(self, request_id: str, sinks: set[str], loop: asyncio.AbstractEventLoop | None):
         self.request_id = request_id
+        self.wire_id = request_id  # the id the stages know this attempt by
+        self.attempt = 0
+        self.request: dict[str, Any] = {}
+        self.deadline_wall: float | None = None
+        self.delivered: dict[str, int] = {}  # per stage: must-deliver events the caller has
+        self.last_event = 0.0
         self.sinks_left = set(sinks)
         self.stages_done: set[str] = set()
         self.next_seq: dict[str, int] = {}
@@ -104,27 +111,52 @@ class RequestHandle:
 
 
 class Collector:
-    """Tracks every open request of one pipeline; thread-safe only through its caller."""
+    """Tracks every open request of one pipeline; thread-safe only through its caller.
+
+    A request is known to the stages by its *wire id*: the caller's id, or a fresh one
+    per replay after a crash, so the stages never mix two attempts of one request.
+    """
+
+    MAX_REPLAYS = 2
 
     def __init__(self, sinks: list[str], streaming: list[str], codec: ArrayCodec) -> None:
         self.sinks = set(sinks)
         self.streaming = set(streaming)  # stages whose every event comes to the caller
         self.codec = codec
-        self.handles: dict[str, RequestHandle] = {}
-        self.counts = {"completed": 0, "error": 0, "cancelled": 0, "timeout": 0}
+        self.handles: dict[str, RequestHandle] = {}  # by the caller's request id
+        self.wire: dict[str, RequestHandle] = {}  # by wire id
+        self.counts = {"completed": 0, "error": 0, "cancelled": 0, "timeout": 0, "replayed": 0}
+        self.metrics = RequestMetrics()
 
     def open(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         if request_id in self.handles:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        h = self.handles[request_id] = RequestHandle(request_id, self.sinks, loop)
+        h = self.handles[request_id] = self.wire[request_id] = RequestHandle(
+            request_id, self.sinks, loop
+        )
         return h
+
+    def replay(self, h: RequestHandle) -> str | None:
+        """Start a new attempt of ``h`` (its stage crashed); the new wire id, or None when
+        it was replayed too often. Events the caller already has are not sent again."""
+        if h.attempt >= self.MAX_REPLAYS:
+            return None
+        self.wire.pop(h.wire_id, None)
+        h.attempt += 1
+        h.wire_id = f"{h.request_id}~{h.attempt}"
+        h.next_seq.clear()
+        h.stages_done.clear()
+        h.sinks_left = set(self.sinks)
+        self.wire[h.wire_id] = h
+        self.counts["replayed"] += 1
+        return h.wire_id
 
     def on_event(self, ev: AnyEvent) -> tuple[list[ShmHandle], bool]:
         """Take one event from a stage; returns (slots to release, request just failed)."""
         arrays, shm = (
             self.codec.unpack(ev.device_handles, copy=True) if ev.device_handles else ({}, [])
         )
-        h = self.handles.get(ev.request_id)
+        h = self.wire.get(ev.request_id)
         if h is None or h.done:  # late event of a finished request: just free its slots
             return shm, False
         expected = h.next_seq.get(ev.stage, 0)
@@ -140,9 +172,15 @@ class Collector:
                 ),
             )
             return shm, True
-        if not is_droppable(ev):
+        droppable = is_droppable(ev)
+        if not droppable:
             h.next_seq[ev.stage] = expected + 1
         if isinstance(ev, (Segment, ImageProgress)):
+            seen = h.delivered.get(ev.stage, 0)
+            if ev.sequence < seen:  # a replay re-made what the caller already has
+                return shm, False
+            if not droppable:
+                h.delivered[ev.stage] = ev.sequence + 1
             ev.arrays = arrays
             self._deliver(h, ev)
         elif isinstance(ev, Completed):
@@ -156,8 +194,14 @@ class Collector:
         return shm, False
 
     def _deliver(self, h: RequestHandle, ev: Event) -> None:
+        now = time.monotonic()
         if h.first_event is None:
-            h.first_event = time.monotonic()
+            h.first_event = now
+            self.metrics.first_event_s.add(now - h.submitted)
+        elif not ev.terminal:
+            self.metrics.between_events_s.add(now - h.last_event)
+        h.last_event = now
+        ev.request_id = h.request_id
         ev.sequence = h.sequence
         h.sequence += 1
         if not hasattr(ev, "arrays"):
@@ -172,6 +216,7 @@ class Collector:
         h.finished = time.monotonic()
         if isinstance(terminal, Completed):
             h.finish_reason = "completed"
+            self.metrics.latency_s.add(h.finished - h.submitted)
         elif isinstance(terminal, Cancelled):
             h.finish_reason = terminal.reason
         else:
@@ -180,10 +225,52 @@ class Collector:
         self._deliver(h, terminal)
         h._put(_DONE)
         self.handles.pop(h.request_id, None)
+        self.wire.pop(h.wire_id, None)
 
     def fail_all(self, message: str, code: str = "pipeline_closed", stage: str = "") -> None:
         for h in list(self.handles.values()):
             self.finish(h, Error(request_id=h.request_id, stage=stage, message=message, code=code))
+
+
+class Summary:
+    """Count, mean and percentiles of the last ``keep`` samples of one quantity."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.samples: deque[float] = deque(maxlen=keep)
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+        self.count += 1
+        self.total += x
+
+    def report(self) -> dict[str, float]:
+        if not self.count:
+            return {"count": 0}
+        xs = sorted(self.samples)
+        pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+        return {
+            "count": self.count,
+            "mean": self.total / self.count,
+            "p50": pick(0.5),
+            "p95": pick(0.95),
+            "max": xs[-1],
+        }
+
+
+@dataclass
+class RequestMetrics:
+    first_event_s: Summary = field(default_factory=Summary)  # time to first event (TTFT)
+    between_events_s: Summary = field(default_factory=Summary)  # time between events
+    latency_s: Summary = field(default_factory=Summary)  # completion latency
+
+    def report(self) -> dict[str, dict[str, float]]:
+        return {
+            "time_to_first_event_s": self.first_event_s.report(),
+            "time_between_events_s": self.between_events_s.report(),
+            "completion_latency_s": self.latency_s.report(),
+        }
 
 
 def collect(handle: RequestHandle) -> RequestOutput:

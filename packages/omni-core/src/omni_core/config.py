@@ -56,6 +56,8 @@ class StageSpec(_Spec, kw_only=True):
     max_batch_size: PositiveInt | None = None
     queue_capacity: PositiveInt | None = None
     client_stream: bool | None = None  # stream this stage's events to the caller (sinks do)
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3  # then the stage is dead
+    restart_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5  # doubles per restart
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
 

@@ -155,6 +155,18 @@ class Release(msgspec.Struct, tag="release", tag_field="event_type", kw_only=Tru
     reader: str
 
 
+class ReaderLost(msgspec.Struct, tag="reader_lost", tag_field="event_type", kw_only=True):
+    """Orchestrator -> producer: a reader's worker died; drop every slot reference it held."""
+
+    reader: str
+
+
+class SegmentGone(msgspec.Struct, tag="segment_gone", tag_field="event_type", kw_only=True):
+    """Orchestrator -> reader: a producer died and its segment was unlinked; unmap it."""
+
+    segment: str
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", tag_field="event_type", kw_only=True):
     """Orchestrator -> worker: stop; ``drain`` finishes queued work first (until the deadline)."""
 
@@ -181,7 +193,8 @@ class LoadFailed(msgspec.Struct, tag="load_failed", kw_only=True):
 class StageStats(msgspec.Struct, kw_only=True):
     """Counters a worker reports with each heartbeat."""
 
-    received: int = 0  # data events taken in
+    received: int = 0  # data events taken in (enqueued)
+    dequeued: int = 0  # work items the stage took
     emitted: int = 0  # events sent out
     window_triggers: int = 0
     queue_depth: int = 0  # work items waiting
@@ -211,5 +224,5 @@ class Ack(msgspec.Struct, tag="ack", kw_only=True):
     request_id: str = ""
 
 
-ToWorker = Submit | Cancel | Release | Shutdown
+ToWorker = Submit | Cancel | Release | ReaderLost | SegmentGone | Shutdown
 ToOrchestrator = Ready | LoadFailed | Heartbeat | Ack

@@ -90,7 +90,15 @@ class InlineRunner:
         return False  # requests have already run to their end when submit returns
 
     def health(self) -> dict[str, dict[str, Any]]:
-        return {n: {"alive": True, "state": "inline"} for n in self.hosts}
+        return {n: {"alive": True, "healthy": True, "state": "inline"} for n in self.hosts}
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "stages": {n: {"window_triggers": h.window_triggers} for n, h in self.hosts.items()},
+            "requests": self.collector.metrics.report(),
+            "counts": dict(self.collector.counts),
+            "in_flight": 0,
+        }
 
     def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
         for host in self.hosts.values():

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from omni_core.collector import Collector, RequestHandle
@@ -34,13 +35,16 @@ from omni_core.events import (
     Error,
     Heartbeat,
     LoadFailed,
+    ReaderLost,
     Ready,
+    SegmentGone,
     ShmHandle,
     Shutdown,
     StageStats,
     Submit,
 )
 from omni_core.host import CLIENT
+from omni_core.registry import load_stage_class
 from omni_core.serial import (
     ArrayCodec,
     decode_event_frame,
@@ -54,7 +58,15 @@ from omni_core.transport import Addresses, Outbox, Waker, make_socket_dir, pull_
 from omni_core.worker import WorkerSpec
 
 log = logging.getLogger("omni.orchestrator")
-_WORKER_BOOT = "import sys; from omni_core.worker import main; sys.exit(main())"
+# The worker dies with the orchestrator (PR_SET_PDEATHSIG) from its first statement, not
+# only once its imports are done; a worker whose parent is already gone exits at once.
+_WORKER_BOOT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
+    "os.getppid() == int(sys.argv[2]) or sys.exit(3); "
+    "from omni_core.worker import main; sys.exit(main(sys.argv[1:2]))"
+)
+MAX_BACKOFF_S = 10.0
 
 
 class StageStartError(RuntimeError):
@@ -67,18 +79,25 @@ class StageDeadError(RuntimeError):
 
 @dataclass
 class StageProc:
+    """One stage's worker: the current process, and the stage's life across restarts."""
+
     name: str
     kind: str
     proc: subprocess.Popen[bytes]
     pidfd: int
     segment: str
+    idempotent: bool = False
     ready: bool = False
-    dead: bool = False
+    dead: bool = False  # this process has exited
+    state: str = "starting"  # starting | ready | restarting | dead (for good)
+    restarts: int = 0
+    restart_at: float = 0.0
     exit_reason: str = ""
     load_error: str = ""
     load_s: float = 0.0
     last_heartbeat: float = 0.0
     stats: StageStats = field(default_factory=StageStats)
+    rates: dict[str, float] = field(default_factory=dict)
 
 
 def _exit_reason(code: int | None) -> str:
@@ -136,7 +155,7 @@ class Orchestrator:
         self._pump = threading.Thread(target=self._pump_loop, name="omni-orchestrator", daemon=True)
         self._pump.start()
 
-    def _spawn(self, name: str) -> None:
+    def _spawn(self, name: str) -> StageProc:
         st = self.cfg.stage(name)
         segment = self.segments.create(name, self.cfg.shm_pool_bytes)
         devices = resolve_devices(st.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -148,7 +167,7 @@ class Orchestrator:
             owner_pid=os.getpid(),
             devices=devices,
         )
-        spec_path = os.path.join(self.socket_dir, f"{name}.spec.json")
+        spec_path = os.path.join(self.socket_dir, f"{segment}.spec.json")  # one per process
         fd = os.open(spec_path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(encode_json(spec))
@@ -157,9 +176,17 @@ class Orchestrator:
             env["CUDA_VISIBLE_DEVICES"] = devices  # before any import in the worker
         env.update(st.extra_env)
         proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_BOOT, spec_path], env=env, close_fds=True
+            [sys.executable, "-c", _WORKER_BOOT, spec_path, str(os.getpid())],
+            env=env,
+            close_fds=True,
         )
-        self.procs[name] = StageProc(name, st.kind, proc, os.pidfd_open(proc.pid), segment)
+        idempotent = bool(getattr(load_stage_class(st.kind), "idempotent", False))
+        p = StageProc(name, st.kind, proc, os.pidfd_open(proc.pid), segment, idempotent)
+        old = self.procs.get(name)
+        if old is not None:
+            p.restarts = old.restarts
+        self.procs[name] = p
+        return p
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.cfg.ready_timeout_s
@@ -193,7 +220,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ pump
     def _pump_loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self.poller = zmq.Poller()
         poller.register(self.status, zmq.POLLIN)
         poller.register(self.results, zmq.POLLIN)
         poller.register(self.waker.fd, zmq.POLLIN)
@@ -215,10 +242,12 @@ class Orchestrator:
                 self._drain_results()
             if self.status in events:
                 self._drain_status()
-            for p in self.procs.values():
+            for p in list(self.procs.values()):
                 if not p.dead and p.pidfd in events:
                     poller.unregister(p.pidfd)
                     self._on_death(p)
+                elif p.state == "restarting" and time.monotonic() >= p.restart_at:
+                    self._restart(p)
             self._check_deadlines()
             pollout = set(self.outbox.flush(self.sockets))
         self.outbox.flush(self.sockets)
@@ -239,8 +268,8 @@ class Orchestrator:
                     if did_fail:
                         failed.append(ev.request_id)
             self._release(releases)
-            for rid in failed:
-                self._broadcast_cancel(rid, "error")
+            for wire_id in failed:
+                self._broadcast_cancel(wire_id, "error")
 
     def _drain_status(self) -> None:
         while True:
@@ -253,10 +282,18 @@ class Orchestrator:
                 if p is None:
                     continue
                 if isinstance(msg, Heartbeat):
-                    p.last_heartbeat = time.monotonic()
+                    now = time.monotonic()
+                    if p.last_heartbeat and now > p.last_heartbeat:
+                        dt = now - p.last_heartbeat
+                        p.rates = {
+                            "enqueue_per_s": (msg.stats.received - p.stats.received) / dt,
+                            "dequeue_per_s": (msg.stats.dequeued - p.stats.dequeued) / dt,
+                        }
+                    p.last_heartbeat = now
                     p.stats = msg.stats
                 elif isinstance(msg, Ready):
                     p.ready = True
+                    p.state = "ready"
                     p.load_s = msg.load_s
                     p.last_heartbeat = time.monotonic()
                 elif isinstance(msg, LoadFailed):
@@ -268,33 +305,66 @@ class Orchestrator:
         for producer, msg in releases(handles, CLIENT):
             self.outbox.put(f"ctl:{producer}", msg, block=False)
 
-    def _broadcast_cancel(self, rid: str, reason: str) -> None:
+    def _broadcast_cancel(self, wire_id: str, reason: str, include_dead: bool = False) -> None:
         for name, p in self.procs.items():
-            if not p.dead:
-                self.outbox.put(f"ctl:{name}", Cancel(request_id=rid, reason=reason), block=False)
+            if include_dead or not p.dead:
+                msg = Cancel(request_id=wire_id, reason=reason)
+                self.outbox.put(f"ctl:{name}", msg, block=False)
 
     def _on_death(self, p: StageProc) -> None:
+        """A worker exited: end or replay its requests, reclaim its slots, restart it."""
         p.proc.wait()
         p.dead = True
+        p.ready = False
         p.exit_reason = _exit_reason(p.proc.returncode)
         os.close(p.pidfd)
         if self._closing:
             return
+        st = self.cfg.stage(p.name)
         log.error("stage %s (pid %d) %s", p.name, p.proc.pid, p.exit_reason)
+        # slots the dead worker was reading go back to its producers; its own arena goes
+        for e in self.cfg.inbound(p.name):
+            self.outbox.put(f"ctl:{e.source}", ReaderLost(reader=p.name), block=False)
+        self.segments.unlink(p.segment)
+        self.codec.reader.forget(p.segment)
+        for e in self.cfg.outbound(p.name):
+            self.outbox.put(f"ctl:{e.target}", SegmentGone(segment=p.segment), block=False)
+        if p.restarts < st.max_restarts:
+            p.state = "restarting"
+            backoff = min(MAX_BACKOFF_S, st.restart_backoff_s * (2**p.restarts))
+            p.restart_at = time.monotonic() + backoff
+        else:
+            p.state = "dead"
+        why = f"stage {p.name!r} worker (pid {p.proc.pid}) {p.exit_reason}"
+        cancel: list[str] = []
+        replay: list[RequestHandle] = []
         with self.lock:
-            lost = [h for h in self.collector.handles.values() if p.name not in h.stages_done]
-            for h in lost:
-                self.collector.finish(
-                    h,
-                    Error(
-                        request_id=h.request_id,
-                        stage=p.name,
-                        message=f"stage {p.name!r} worker (pid {p.proc.pid}) {p.exit_reason}",
-                        code="stage_died",
-                    ),
-                )
-        for h in lost:
-            self._broadcast_cancel(h.request_id, "error")
+            for h in list(self.collector.handles.values()):
+                if p.name in h.stages_done:
+                    continue  # it already went past this stage
+                cancel.append(h.wire_id)
+                if p.idempotent and p.state == "restarting" and self.collector.replay(h):
+                    replay.append(h)
+                else:
+                    err = Error(
+                        request_id=h.request_id, stage=p.name, message=why, code="stage_died"
+                    )
+                    self.collector.finish(h, err)
+        for wire_id in cancel:  # queued for the restarted worker too: stale input is dropped
+            self._broadcast_cancel(wire_id, "error", include_dead=True)
+        for h in replay:
+            self._send_submit(h.wire_id, h.request, h.deadline_wall)
+
+    def _restart(self, p: StageProc) -> None:
+        p.restarts += 1
+        log.warning("restarting stage %s (restart %d)", p.name, p.restarts)
+        try:
+            new = self._spawn(p.name)
+        except Exception as e:  # cannot even start a process: the stage is dead
+            p.state = "dead"
+            p.exit_reason = f"restart failed: {e}"
+            return
+        self.poller.register(new.pidfd, zmq.POLLIN)  # state "starting" until its Ready
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -303,7 +373,7 @@ class Orchestrator:
             for h in list(self.collector.handles.values()):
                 if h.deadline is not None and now >= h.deadline:
                     self.collector.finish(h, Cancelled(request_id=h.request_id, reason="timeout"))
-                    expired.append(h.request_id)
+                    expired.append(h.wire_id)
         for rid in expired:
             self._broadcast_cancel(rid, "timeout")
 
@@ -317,11 +387,12 @@ class Orchestrator:
     ) -> RequestHandle:
         if self._closing or self._pump is None:
             raise RuntimeError("pipeline is not running")
-        dead = [n for n, p in self.procs.items() if p.dead]
+        dead = [p for p in self.procs.values() if p.state == "dead"]
         if dead:
-            p = self.procs[dead[0]]
+            p = dead[0]
             raise StageDeadError(
-                f"stage {p.name!r} is dead ({p.exit_reason}); the pipeline cannot serve requests"
+                f"stage {p.name!r} is dead ({p.exit_reason}, after {p.restarts} restarts); "
+                "the pipeline cannot serve requests"
             )
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
@@ -331,16 +402,17 @@ class Orchestrator:
             raise TypeError(f"request {rid}: cannot be serialized: {e}") from None
         with self.lock:
             h = self.collector.open(rid, loop)
+            h.request = request
             if timeout_s is not None:
                 h.deadline = h.submitted + timeout_s
-        msg = Submit(
-            request_id=rid,
-            request=request,
-            deadline=time.time() + timeout_s if timeout_s is not None else None,
-        )
+                h.deadline_wall = time.time() + timeout_s
+        self._send_submit(rid, request, h.deadline_wall)
+        return h
+
+    def _send_submit(self, wire_id: str, request: dict[str, Any], deadline: float | None) -> None:
+        msg = Submit(request_id=wire_id, request=request, deadline=deadline)
         for s in self.sources:
             self.outbox.put(f"data:{s}", msg)
-        return h
 
     def cancel(self, request_id: str) -> bool:
         with self.lock:
@@ -348,22 +420,41 @@ class Orchestrator:
             if h is None:
                 return False
             self.collector.finish(h, Cancelled(request_id=request_id, reason="cancelled"))
-        self._broadcast_cancel(request_id, "cancelled")
+        self._broadcast_cancel(h.wire_id, "cancelled")
         return True
 
     def health(self) -> dict[str, dict[str, Any]]:
+        """Per stage: alive, state (starting | ready | restarting | dead), pid, restarts."""
         now = time.monotonic()
         return {
             n: {
                 "alive": not p.dead and p.proc.poll() is None,
+                "healthy": p.state == "ready" and not p.dead,
+                "state": p.state,
                 "pid": p.proc.pid,
-                "state": "dead" if p.dead else ("ready" if p.ready else "starting"),
+                "restarts": p.restarts,
                 "exit": p.exit_reason,
                 "heartbeat_age_s": now - p.last_heartbeat if p.last_heartbeat else None,
                 "load_s": p.load_s,
             }
             for n, p in self.procs.items()
         }
+
+    def metrics(self) -> dict[str, Any]:
+        """Stage counters (from heartbeats) with rates, and request latencies and counts."""
+        stages = {}
+        for n, p in self.procs.items():
+            m = msgspec.structs.asdict(p.stats)
+            m.update(restarts=p.restarts, state=p.state, **p.rates)
+            stages[n] = m
+        with self.lock:
+            return {
+                "stages": stages,
+                "requests": self.collector.metrics.report(),
+                "counts": dict(self.collector.counts),
+                "in_flight": len(self.collector.handles),
+                "cancel_acks": self.acks.get("cancel", 0),
+            }
 
     def stage_stats(self) -> dict[str, StageStats]:
         return {n: p.stats for n, p in self.procs.items()}

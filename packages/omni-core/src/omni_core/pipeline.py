@@ -8,8 +8,12 @@ same events.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import signal
+import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
@@ -44,8 +48,10 @@ class Pipeline:
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> Pipeline:
         if not self._started:
+            _handle_sigterm()
             self.backend.start()
             self._started = True
+            _live.add(self)
         return self
 
     def close(self, drain: bool = False, timeout_s: float = 10.0) -> None:
@@ -58,6 +64,7 @@ class Pipeline:
                 time.sleep(0.01)
         self.backend.close(graceful=True, timeout_s=timeout_s)
         self._started = False
+        _live.discard(self)
 
     def __enter__(self) -> Pipeline:
         return self.start()
@@ -105,4 +112,40 @@ class Pipeline:
         return self.backend.cancel(request_id)
 
     def health(self) -> dict[str, dict[str, Any]]:
+        """Per stage state; a stage that is dead or restarting is not healthy."""
         return self.backend.health()
+
+    @property
+    def healthy(self) -> bool:
+        return all(s.get("healthy", True) for s in self.health().values())
+
+    def metrics(self) -> dict[str, Any]:
+        """Per stage counters and rates, per request latencies, counts of outcomes."""
+        return self.backend.metrics()
+
+
+# Pipelines still open when the interpreter exits (or the caller gets SIGTERM) are closed,
+# so no worker and no shared-memory segment outlives the caller.
+_live: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:
+    for pipe in list(_live):
+        try:
+            pipe.close(timeout_s=2.0)
+        except Exception:
+            pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds `with Pipeline(...)` blocks, then atexit
+
+
+def _handle_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, unless the application handles SIGTERM itself."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, _on_sigterm)

@@ -16,6 +16,7 @@ segment behind the owner's back.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import secrets
@@ -81,11 +82,12 @@ class SegmentOwner:
         self.directory = directory
         self.token = secrets.token_hex(4)
         self._names: list[str] = []
+        self._serial = itertools.count()  # names are never reused, even after an unlink
         sweep_stale(directory)
 
     def create(self, label: str, size: int) -> str:
         """Create a sparse segment of ``size`` bytes; pages cost memory only once written."""
-        name = f"{PREFIX}{os.getpid()}-{self.token}-{label}-{len(self._names)}"
+        name = f"{PREFIX}{os.getpid()}-{self.token}-{label}-{next(self._serial)}"
         path = os.path.join(self.directory, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:

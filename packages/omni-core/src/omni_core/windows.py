@@ -1,7 +1,8 @@
 """Per-edge windows, applied on the consuming side; one :class:`WindowState` per (edge, request).
 
-A *unit* is a token when a piece carries tokens, else a row (axis 0) of its arrays when
-they agree on it, else the whole piece. ``size=-1`` emits one window with every unit once
+A *unit* is a token when a piece carries tokens, an image event is one unit, else a row
+(axis 0) of a segment's 2-D-or-more arrays when they agree on it (hidden states: one row
+per token), else the whole piece. ``size=-1`` emits one window with every unit once
 the upstream stream ends; ``size=N`` emits every N new units and the remainder at the end;
 ``overlap=K`` prefixes each window with the previous K units as left context.
 """
@@ -34,12 +35,14 @@ class Piece:
         tokens = self.tokens
         if tokens is not None:
             return len(tokens)
+        if self.step is not None:  # an image event is one unit, whatever its arrays
+            return 1
         rows = self._rows()
         return 1 if rows is None else rows
 
     def _rows(self) -> int | None:
-        lengths = {len(a) for a in self.arrays.values() if getattr(a, "ndim", 1) >= 1}
-        if len(lengths) == 1 and len(self.arrays) > 0:
+        lengths = {a.shape[0] for a in self.arrays.values() if getattr(a, "ndim", 1) >= 2}
+        if len(lengths) == 1:
             return lengths.pop()
         return None
 
@@ -49,7 +52,8 @@ class Piece:
             return self
         tokens = self.tokens[lo:hi] if self.tokens is not None else None
         arrays = self.arrays
-        if self._rows() is not None and (self.tokens is None or self._rows() == len(self.tokens)):
+        rows = self._rows() if self.step is None else None
+        if rows is not None and (self.tokens is None or rows == len(self.tokens)):
             arrays = {k: a[lo:hi] for k, a in self.arrays.items()}
         lp = self.logprobs[lo:hi] if self.logprobs is not None else None
         return Piece(self.sequence, tokens, arrays, self.payload, [], self.step, lp)

@@ -9,11 +9,9 @@ run the stage's generator, hand each output over; it checks cancellation between
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -33,8 +31,10 @@ from omni_core.events import (
     Error,
     Heartbeat,
     LoadFailed,
+    ReaderLost,
     Ready,
     Release,
+    SegmentGone,
     ShmHandle,
     Shutdown,
     StageStats,
@@ -67,14 +67,6 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     arena: str  # the shared-memory segment this stage writes into
     owner_pid: int  # the orchestrator; the worker exits if it goes away
     devices: str | None = None
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass
@@ -225,6 +217,10 @@ class Worker:
             for msg in decode_control_frame(frame.buffer):
                 if isinstance(msg, Release):
                     self.arena.release(msg.offsets, msg.reader)
+                elif isinstance(msg, ReaderLost):
+                    self.arena.forget_reader(msg.reader)
+                elif isinstance(msg, SegmentGone):
+                    self.codec.reader.forget(msg.segment)
                 elif isinstance(msg, Cancel):
                     with self.work:
                         freed = self.host.forget(msg.request_id)
@@ -308,6 +304,7 @@ class Worker:
                 continue
             batch.append(w)
             rids.add(rid)
+        self.stats.dequeued += len(batch)
         self.ready.extendleft(reversed(skipped))
         return batch
 
@@ -429,7 +426,6 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
     sys.setswitchinterval(0.001)  # bound how long the I/O thread waits for the GIL
     logging.basicConfig(
         level=os.environ.get("OMNI_LOG_LEVEL", "WARNING"),

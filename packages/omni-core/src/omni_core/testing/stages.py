@@ -82,6 +82,12 @@ class TokenMap(Stage):
                 )
 
 
+class ReplayableMap(TokenMap):
+    """``TokenMap`` declared idempotent: after a crash its lost requests are replayed."""
+
+    idempotent = True
+
+
 class SleepOptions(msgspec.Struct, forbid_unknown_fields=True):
     hold_s: float = 0.01
 
@@ -95,12 +101,12 @@ class Sleep(Stage):
         for inp in batch:
             t0 = time.time()
             time.sleep(self.options.hold_s)
-            tokens = [t for w in inp.windows.values() for t in w.new_tokens] or [0]
-            yield inp.segment(
-                tokens,
-                is_last=True,
-                payload={"start": t0, "end": time.time(), "pid": os.getpid(), "batch": len(batch)},
-            )
+            tokens = [t for w in inp.windows.values() for t in w.new_tokens] if inp.windows else [0]
+            steps = [p.step for w in inp.windows.values() for p in w.pieces if p.step is not None]
+            payload = {"start": t0, "end": time.time(), "pid": os.getpid(), "batch": len(batch)}
+            if steps:
+                payload["steps"] = steps
+            yield inp.segment(tokens, is_last=inp.last, payload=payload)
 
 
 class Join(Stage):
@@ -258,3 +264,27 @@ class Count(Stage):
 
     def end_request(self, request_id: str) -> None:
         self._acc.pop(request_id, None)
+
+
+class PreviewOptions(msgspec.Struct, forbid_unknown_fields=True):
+    steps: int = 20
+    step_s: float = 0.0
+    size: int = 8  # previews are size x size x 3 uint8; the final image 2x that
+
+
+class Previews(Stage):
+    """A stand-in sampling loop: a preview image every step, then the final image."""
+
+    Options = PreviewOptions
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        o = self.options
+        for inp in batch:
+            steps = int(inp.request.get("steps", o.steps))
+            for step in range(steps):
+                if o.step_s:
+                    time.sleep(o.step_s)
+                img = np.full((o.size, o.size, 3), step % 256, dtype=np.uint8)
+                yield inp.image(step, arrays={"image": img})
+            final = np.full((2 * o.size, 2 * o.size, 3), 255, dtype=np.uint8)
+            yield inp.image(steps, arrays={"image": final}, is_last=True)
