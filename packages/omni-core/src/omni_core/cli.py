@@ -1,4 +1,4 @@
-"""The ``omni`` command: ``omni stages``, ``omni run CONFIG``, ``omni bench NAME``."""
+"""The ``omni`` command: ``omni stages``, ``omni run``, ``omni trace``, ``omni bench``."""
 
 from __future__ import annotations
 
@@ -147,6 +147,36 @@ def _event_json(ev: Any) -> dict[str, Any]:
     return out
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from omni_core.config import ConfigError, load_config
+    from omni_core.pipeline import Pipeline
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"omni trace: {e}", file=sys.stderr)
+        return 2
+    cfg.trace = True
+    cfg.mrs.enabled = True
+    request = _request_from_args(args)
+    with Pipeline(cfg) as pipe:
+        outs = pipe.generate([dict(request) for _ in range(args.requests)], timeout_s=args.timeout)
+        time.sleep(2.5 * cfg.heartbeat_interval_s)  # the last records ride the next heartbeat
+        trace = pipe.trace()
+    with open(args.out, "w") as f:
+        json.dump(trace, f)
+    spans = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")
+    failed = [o for o in outs if not o.ok]
+    print(
+        f"wrote {args.out}: {args.requests} request(s), {spans} stage spans, "
+        f"{len(trace['traceEvents'])} trace events; open it in ui.perfetto.dev",
+        file=sys.stderr,
+    )
+    for o in failed:
+        print(f"request {o.request_id}: {o.finish_reason}: {o.error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     reg = benchmark_registry()
     if args.name is None:
@@ -176,6 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
     p.add_argument("--json", action="store_true", help="print events as JSON lines")
 
+    p = sub.add_parser("trace", help="run requests with tracing on; write Chrome trace JSON")
+    p.add_argument("config", help="pipeline YAML file")
+    p.add_argument("--requests", type=int, default=8, help="requests run at once")
+    p.add_argument("--out", default="omni-trace.json", help="where to write the trace")
+    p.add_argument("--input", help="each request as a JSON object")
+    p.add_argument("--prompt", help="shorthand for a request with this prompt")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="set one request field")
+    p.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
+
     p = sub.add_parser("bench", help="run a benchmark (prints one JSON object)")
     p.add_argument("name", nargs="?", help="benchmark name; none lists them")
 
@@ -186,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "stages":
         return _cmd_stages(args)
+    if args.command == "trace":
+        return _cmd_trace(args)
     return _cmd_run(args)
 
 

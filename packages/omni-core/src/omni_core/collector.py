@@ -25,6 +25,7 @@ from omni_core.events import (
     ImageProgress,
     Segment,
     ShmHandle,
+    TraceMark,
     is_droppable,
 )
 from omni_core.serial import ArrayCodec
@@ -127,6 +128,7 @@ class Collector:
         self.wire: dict[str, RequestHandle] = {}  # by wire id
         self.counts = {"completed": 0, "error": 0, "cancelled": 0, "timeout": 0, "replayed": 0}
         self.metrics = RequestMetrics()
+        self.trace: list[TraceMark] | None = None  # set to a list to record arrivals
 
     def open(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         if request_id in self.handles:
@@ -201,6 +203,8 @@ class Collector:
         elif not ev.terminal:
             self.metrics.between_events_s.add(now - h.last_event)
         h.last_event = now
+        if self.trace is not None:
+            self.trace.append(TraceMark(h.request_id, h.sequence, ev.event_type, time.time()))
         ev.request_id = h.request_id
         ev.sequence = h.sequence
         h.sequence += 1

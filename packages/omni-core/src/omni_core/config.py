@@ -80,6 +80,7 @@ class PipelineConfig(_Spec, kw_only=True):
     ready_timeout_s: PositiveFloat = 120.0
     heartbeat_interval_s: PositiveFloat = 0.5
     request_timeout_s: PositiveFloat | None = None
+    trace: bool = False  # record every trigger and emitted event (omni trace)
     source_file: str = ""  # set by the loader; not read from YAML
 
     # -- resolved views ---------------------------------------------------------

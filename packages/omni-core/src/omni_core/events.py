@@ -207,13 +207,34 @@ class StageStats(msgspec.Struct, kw_only=True):
     shm_slots_in_use: int = 0
 
 
+class TraceSpan(msgspec.Struct, array_like=True):
+    """One trigger of a stage: which requests, from when to when, how many events out."""
+
+    requests: list[str]
+    start: float
+    end: float
+    outputs: int
+    window: int  # the trigger's index for its request at this stage (first request)
+
+
+class TraceMark(msgspec.Struct, array_like=True):
+    """One event a stage emitted."""
+
+    request_id: str
+    sequence: int
+    event_type: str
+    ts: float
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
-    """Worker -> orchestrator, every ``heartbeat_interval_s``."""
+    """Worker -> orchestrator, every ``heartbeat_interval_s``; carries trace records when on."""
 
     stage: str
     pid: int
     ts: float
     stats: StageStats
+    spans: list[TraceSpan] = msgspec.field(default_factory=list)
+    marks: list[TraceMark] = msgspec.field(default_factory=list)
 
 
 class Ack(msgspec.Struct, tag="ack", kw_only=True):

@@ -54,6 +54,7 @@ from omni_core.serial import (
     releases,
 )
 from omni_core.shm import SegmentOwner
+from omni_core.trace import TraceLog
 from omni_core.transport import Addresses, Outbox, Waker, make_socket_dir, pull_socket, push_socket
 from omni_core.worker import WorkerSpec
 
@@ -124,6 +125,8 @@ class Orchestrator:
         self.procs: dict[str, StageProc] = {}
         self.codec = ArrayCodec(CLIENT)
         self.collector = Collector(self.sinks, cfg.client_streams(), self.codec)
+        if cfg.trace:
+            self.collector.trace = []
         self.lock = threading.RLock()  # guards the collector and stage table
         self.waker = Waker()
         self.outbox = Outbox(self.waker, capacity=1 << 16)
@@ -135,6 +138,7 @@ class Orchestrator:
         self._closing = False
         self._pump: threading.Thread | None = None
         self.cancel_acks = 0
+        self.trace = TraceLog([s.name for s in cfg.stages])
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -291,6 +295,8 @@ class Orchestrator:
                         }
                     p.last_heartbeat = now
                     p.stats = msg.stats
+                    if msg.spans or msg.marks:
+                        self.trace.add(p.name, msg.spans, msg.marks)
                 elif isinstance(msg, Ready):
                     p.ready = True
                     p.state = "ready"

@@ -123,6 +123,22 @@ class Pipeline:
         """Per stage counters and rates, per request latencies, counts of outcomes."""
         return self.backend.metrics()
 
+    def trace(self) -> dict[str, Any]:
+        """The run so far as Chrome / Perfetto trace JSON (needs ``trace: true``).
+
+        Workers ship trace records with their heartbeats: wait one
+        ``heartbeat_interval_s`` after the last request for its records to arrive.
+        """
+        if not self.config.trace:
+            raise RuntimeError("tracing is off: set `trace: true` in the pipeline config")
+        if not isinstance(self.backend, Orchestrator):
+            raise RuntimeError("traces are recorded by the process backend (mrs.enabled: true)")
+        log = self.backend.trace
+        client = self.backend.collector.trace or []
+        log.add("client", [], client)
+        self.backend.collector.trace = []
+        return log.chrome(self.backend.pids())
+
 
 # Pipelines still open when the interpreter exits (or the caller gets SIGTERM) are closed,
 # so no worker and no shared-memory segment outlives the caller.

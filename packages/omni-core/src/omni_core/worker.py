@@ -39,6 +39,8 @@ from omni_core.events import (
     Shutdown,
     StageStats,
     Submit,
+    TraceMark,
+    TraceSpan,
     is_droppable,
 )
 from omni_core.host import CLIENT, RequestFailed, StageHost, WorkItem, stage_context
@@ -75,6 +77,8 @@ class _Active:
     items: list[WorkItem]
     rids: set[str] = field(default_factory=set)
     cancels: list[threading.Event] = field(default_factory=list)
+    started: float = 0.0
+    outputs: int = 0
 
 
 class Worker:
@@ -99,6 +103,9 @@ class Worker:
         self.stopping = False
         self.io_done = False  # set by the stage thread when the I/O thread may exit
         self.idle_stage = False  # the stage thread waits for work (only then notify)
+        self.trace = spec.config.trace  # record spans and marks for `omni trace`
+        self.spans: list[TraceSpan] = []
+        self.marks: list[TraceMark] = []
         self.drain = False
         self.deadline: float | None = None
         self.inflight = 0
@@ -206,7 +213,13 @@ class Worker:
         s.window_triggers = self.host.window_triggers
         s.emitted = self.sender.sent
         s.shm_slots_in_use = self.arena.slots_in_use
-        self.send_status(Heartbeat(stage=self.name, pid=os.getpid(), ts=time.time(), stats=s))
+        spans, self.spans = self.spans, []
+        marks, self.marks = self.marks, []
+        self.send_status(
+            Heartbeat(
+                stage=self.name, pid=os.getpid(), ts=time.time(), stats=s, spans=spans, marks=marks
+            )
+        )
 
     def _drain_control(self) -> None:
         while True:
@@ -348,7 +361,9 @@ class Worker:
     def _start(self, batch: list[WorkItem]) -> _Active:
         gen = self.stage.process([w.inp for w in batch])
         rids = {w.inp.request_id for w in batch}
-        return _Active(iter(gen), batch, rids, [w.inp._cancelled for w in batch])
+        return _Active(
+            iter(gen), batch, rids, [w.inp._cancelled for w in batch], started=time.time()
+        )
 
     def _run_to_end(self, a: _Active) -> None:
         while self._step(a):
@@ -370,6 +385,7 @@ class Worker:
             log.error("stage %s failed on %s:\n%s", self.name, sorted(a.rids), tb)
             self._fail_all(a, f"{type(e).__name__}: {e}")
             return False
+        a.outputs += 1
         self._handle(out)
         return True
 
@@ -387,6 +403,8 @@ class Worker:
             ev, dests = self.host.emit(ev, handles)
             freed = self.host.forget(ev.request_id) if error else None
         droppable = is_droppable(ev)
+        if self.trace:
+            self.marks.append(TraceMark(ev.request_id, ev.sequence, ev.event_type, ev.ts))
         for d in dests:
             self.sender.put(d, ev, droppable)
         if error:
@@ -408,6 +426,11 @@ class Worker:
         self._finish(a, failed=True)
 
     def _finish(self, a: _Active, failed: bool) -> None:
+        if self.trace:
+            first = a.items[0].inp
+            index = first.windows and next(iter(first.windows.values())).index or 0
+            rids = [w.inp.request_id for w in a.items]
+            self.spans.append(TraceSpan(rids, a.started, time.time(), a.outputs, index))
         freed: list[ShmHandle] = []
         sends = []
         with self.lock:
