@@ -79,14 +79,22 @@ def _describe(ev: Any) -> str:
     return " ".join(parts)
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace) -> Any:
+    """The validated config, or None after printing why it is not valid."""
     from omni_core.config import ConfigError, load_config
-    from omni_core.pipeline import Pipeline
 
     try:
-        cfg = load_config(args.config)
+        return load_config(args.config)
     except ConfigError as e:
-        print(f"omni run: {e}", file=sys.stderr)
+        print(f"omni {args.command}: {e}", file=sys.stderr)
+        return None
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from omni_core.pipeline import Pipeline
+
+    cfg = _load(args)
+    if cfg is None:
         return 2
     request = _request_from_args(args)
     tty = sys.stderr.isatty() and not args.json
@@ -148,13 +156,10 @@ def _event_json(ev: Any) -> dict[str, Any]:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from omni_core.config import ConfigError, load_config
     from omni_core.pipeline import Pipeline
 
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        print(f"omni trace: {e}", file=sys.stderr)
+    cfg = _load(args)
+    if cfg is None:
         return 2
     cfg.trace = True
     cfg.mrs.enabled = True
