@@ -246,3 +246,26 @@ def test_unserializable_input_and_output_fail_only_their_request():
         outs = pipe.generate([{"n": 2}, {"n": 2, "bad_output": True}, {"n": 3}])
     assert [o.finish_reason for o in outs] == ["completed", "error", "completed"]
     assert "stage 'f': output cannot be serialized" in outs[1].error
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_stage_may_yield_lists_of_events(enabled):
+    """One yield of many events (a batched step) gives the same stream as one per yield."""
+    cfg = chain(
+        ("b", "synthetic.burst", {"nbytes": 100}, {"client_stream": True}),
+        ("m", "synthetic.map", {"scale": 2}),
+        edges=[{"from": "b", "to": "m", "window": {"size": 5, "overlap": 1}}],
+        mrs={"enabled": enabled},
+    )
+    with Pipeline(cfg) as pipe:
+        outs = pipe.generate([{"count": 23, "chunk": c} for c in (1, 7, 64)])
+    streams = [  # per stage: how the two stages interleave for the caller may vary
+        {
+            stage: [(e.tokens, e.payload.get("context"), e.is_last) for e in o.by_stage(stage)]
+            for stage in ("b", "m")
+        }
+        for o in outs
+    ]
+    assert all(o.ok for o in outs)
+    assert streams[0] == streams[1] == streams[2]
+    assert [t for e in outs[1].by_stage("m") for t in e.tokens] == [2 * i for i in range(23)]

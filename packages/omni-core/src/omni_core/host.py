@@ -166,6 +166,43 @@ class StageHost:
         pending.extend(windows)
         return self._pair(rid, st)
 
+    def receive_run(self, evs: list[Segment], limit: int) -> tuple[list[WorkItem], int]:
+        """Consecutive array-free segments of one request from one edge, taken in one go
+        until ``limit`` work items are made; returns (items, events consumed)."""
+        first = evs[0]
+        edge, rid = first.stage, first.request_id
+        spec = self.inbound.get(edge)
+        st = self.requests.get(rid)
+        if spec is None or st is None or edge not in st.windows:
+            return self.receive(first), 1  # the general path sets things up
+        ws = st.windows[edge]
+        expected = st.next_seq[edge]
+        pending = st.pending.get(edge)
+        if pending is None:
+            pending = st.pending[edge] = deque()
+        items: list[WorkItem] = []
+        n = 0
+        try:
+            for ev in evs:
+                if ev.sequence != expected:
+                    raise RequestFailed(
+                        f"edge {edge} -> {self.name}: event sequence {ev.sequence} where "
+                        f"{expected} was expected (lost or reordered event)"
+                    )
+                expected += 1
+                n += 1
+                piece = Piece(ev.sequence, ev.tokens, {}, ev.payload, [], None, ev.logprobs)
+                windows = ws.push(piece, ev.is_last)
+                if windows:
+                    self.window_triggers += len(windows)
+                    pending.extend(windows)
+                    items.extend(self._pair(rid, st))
+                    if len(items) >= limit:
+                        break
+        finally:
+            st.next_seq[edge] = expected
+        return items, n
+
     def _pair(self, rid: str, st: _Request) -> list[WorkItem]:
         items = []
         while not st.all_triggered:
@@ -218,6 +255,24 @@ class StageHost:
         if handles:
             ev.device_handles = handles
         return self._stamp(ev.request_id, ev), self.data_destinations
+
+    def emit_plain(self, evs: list[Segment]) -> list[Event]:
+        """Stamp array-free segments in one go (the list-yield fast path); events of
+        requests that ended here are left out."""
+        out = []
+        requests = self.requests
+        name = self.name
+        for ev in evs:
+            st = requests.get(ev.request_id)
+            if st is None or st.cancel.is_set():
+                continue
+            ev.stage = name
+            ev.sequence = st.out_seq
+            if st.out_seq == 0:
+                ev.request = st.request
+            st.out_seq += 1
+            out.append(ev)
+        return out
 
     def finish(self, item: WorkItem) -> list[tuple[Event, list[str]]]:
         """After an item ran: close the request's streams if it was the last trigger."""

@@ -68,11 +68,12 @@ class InlineRunner:
             name, item = work.popleft()
             host = self.hosts[name]
             try:
-                for out in host.stage.process([item.inp]):
+                for step in host.stage.process([item.inp]):
                     if deadline is not None and time.monotonic() > deadline:
                         self.collector.finish(h, Cancelled(request_id=rid, reason="timeout"))
                         break
-                    route(*host.emit(out))
+                    for out in step if type(step) is list else [step]:
+                        route(*host.emit(out))
                     if h.done:
                         break
             except Exception as e:

@@ -21,7 +21,7 @@ import msgspec
 from omni_core.events import Error, ImageProgress, Segment
 from omni_core.windows import Window
 
-StageEvent = Segment | ImageProgress | Error  # what Stage.process yields
+StageEvent = Segment | ImageProgress | Error  # what Stage.process yields (or lists of them)
 
 
 @dataclass
@@ -129,9 +129,14 @@ class Stage:
     def load(self) -> None:
         """Load models and warm up; runs once, inside the worker process."""
 
-    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | list[StageEvent]]:
         """Yield events for the inputs in ``batch`` (one unless ``max_batch_size`` > 1),
-        made with ``inp.segment``, ``inp.image`` or ``inp.fail``."""
+        made with ``inp.segment``, ``inp.image`` or ``inp.fail``.
+
+        A stage that makes several events in one step (a batched decode step: a token for
+        each request) may yield them as one list; they go out in that order, and the
+        runtime handles the list at once, which is much cheaper than one yield per event.
+        """
         raise NotImplementedError
 
     def end_request(self, request_id: str) -> None:

@@ -160,6 +160,20 @@ class Sender:
                 return
         self.waker.wake()  # no-op while the I/O thread already ticks for the tail
 
+    def put_many(self, dest: str, msgs: list[Any]) -> None:
+        """Must-deliver messages in order, as one step."""
+        with self.lock:
+            self.buffers[dest].extend(msgs)
+            self.waiting += len(msgs)
+            self.must[dest] += len(msgs)
+            now = time.perf_counter()
+            if self.waiting >= MAX_FRAME_MESSAGES or now - self.last_flush > self.gap_s:
+                self._flush(now)
+                if self.must[dest] >= self.max_pending:
+                    self._block(dest)
+                return
+        self.waker.wake()
+
     def due(self) -> float | None:
         """Seconds until the I/O thread should flush, or None when nothing waits."""
         if not self.waiting and not self.stalled:

@@ -34,6 +34,7 @@ from omni_core.events import (
     ReaderLost,
     Ready,
     Release,
+    Segment,
     SegmentGone,
     ShmHandle,
     Shutdown,
@@ -261,24 +262,49 @@ class Worker:
                 if self.stash:
                     return
             try:
-                frame = self.data_in.recv(zmq.NOBLOCK)
+                frame = self.data_in.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
-                self.stash.extend(decode_data_frame(frame))
+                self.stash.extend(decode_data_frame(frame.buffer))
             except msgspec.DecodeError as e:
                 log.error("stage %s: undecodable frame dropped: %s", self.name, e)
 
+    def _take_run(self, first: Segment) -> list[Segment]:
+        """``first`` and the array-free segments of its request and edge right after it."""
+        stash = self.stash
+        run = [first]
+        rid, edge = first.request_id, first.stage
+        while stash and len(run) < 512:
+            nxt = stash[0]
+            if (
+                type(nxt) is not Segment
+                or nxt.request_id != rid
+                or nxt.stage != edge
+                or nxt.device_handles
+            ):
+                break
+            run.append(stash.popleft())
+        return run
+
     def _intake(self) -> None:
+        stash = self.stash
         with self.work:
-            while self.stash and len(self.ready) < self.capacity:
-                msg = self.stash.popleft()
-                self.stats.received += 1
+            while stash and len(self.ready) < self.capacity:
+                msg = stash.popleft()
                 try:
-                    if isinstance(msg, Submit):
+                    if type(msg) is Segment and not msg.device_handles:
+                        run = self._take_run(msg)
+                        room = self.capacity - len(self.ready)
+                        items, n = self.host.receive_run(run, room)
+                        stash.extendleft(reversed(run[n:]))
+                        self.stats.received += n
+                    elif isinstance(msg, Submit):
                         items = self.host.submit(msg)
+                        self.stats.received += 1
                     else:
                         items = self.host.receive(msg)
+                        self.stats.received += 1
                 except RequestFailed as e:
                     self.host.releasable.extend(self.host.forget(msg.request_id))
                     self.outbox.put(CLIENT, self.host.error(msg.request_id, str(e)), block=False)
@@ -385,9 +411,37 @@ class Worker:
             log.error("stage %s failed on %s:\n%s", self.name, sorted(a.rids), tb)
             self._fail_all(a, f"{type(e).__name__}: {e}")
             return False
-        a.outputs += 1
-        self._handle(out)
+        if type(out) is list:
+            a.outputs += len(out)
+            self._handle_many(out)
+        else:
+            a.outputs += 1
+            self._handle(out)
         return True
+
+    def _handle_many(self, evs: list[StageEvent]) -> None:
+        """A list yielded in one step: array-free segments take the fast path."""
+        plain = []
+        for ev in evs:
+            if type(ev) is Segment and "arrays" not in ev.__dict__:
+                plain.append(ev)
+            else:
+                if plain:
+                    self._send_plain(plain)
+                    plain = []
+                self._handle(ev)
+        if plain:
+            self._send_plain(plain)
+
+    def _send_plain(self, evs: list[Segment]) -> None:
+        with self.lock:
+            out = self.host.emit_plain(evs)
+        if not out:
+            return
+        if self.trace:
+            self.marks.extend(TraceMark(e.request_id, e.sequence, "segment", e.ts) for e in out)
+        for d in self.host.data_destinations:
+            self.sender.put_many(d, out)
 
     def _handle(self, ev: StageEvent) -> None:
         st = self.host.requests.get(ev.request_id)

@@ -203,10 +203,12 @@ class Environment(Stage):
 class BurstOptions(msgspec.Struct, forbid_unknown_fields=True):
     count: int = 1000
     nbytes: int = 1024
+    chunk: int = 1  # events per yield (a list when > 1), like a batched decode step
 
 
 class Burst(Stage):
-    """Emits ``count`` events of ``nbytes`` as fast as it can: inline bytes in the payload
+    """Emits ``count`` events of ``nbytes`` as fast as it can (``chunk`` per yield): inline
+    bytes in the payload
     below the shared-memory threshold, else an array through shared memory (ipc bench).
     The first event carries ``t0``, the time the burst started."""
 
@@ -215,7 +217,7 @@ class Burst(Stage):
     def load(self) -> None:
         self._blobs: dict[int, tuple[bytes, np.ndarray]] = {}
 
-    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | list[StageEvent]]:
         for inp in batch:
             count = int(inp.request.get("count", self.options.count))
             nbytes = int(inp.request.get("nbytes", self.options.nbytes))
@@ -224,15 +226,24 @@ class Burst(Stage):
             if blob is None:
                 arr = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
                 blob = self._blobs[nbytes] = (arr.tobytes(), arr)
+            chunk = max(1, int(inp.request.get("chunk", self.options.chunk)))
+            step: list[StageEvent] = []
             t0 = time.time()
             for i in range(count):
                 last = i == count - 1
                 if inline:
                     payload = {"data": blob[0], "t0": t0} if i == 0 else {"data": blob[0]}
-                    yield inp.segment([i], payload=payload, is_last=last)
+                    ev = inp.segment([i], payload=payload, is_last=last)
                 else:
                     payload = {"t0": t0} if i == 0 else {}
-                    yield inp.segment([i], payload=payload, arrays={"data": blob[1]}, is_last=last)
+                    ev = inp.segment([i], payload=payload, arrays={"data": blob[1]}, is_last=last)
+                if chunk == 1:
+                    yield ev
+                    continue
+                step.append(ev)
+                if len(step) == chunk or last:
+                    yield step
+                    step = []
 
 
 class Count(Stage):
