@@ -263,3 +263,39 @@ def test_sigterm_of_the_caller_leaves_nothing_behind(tmp_path):
     for pid in pids[1:]:
         wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 5, f"worker {pid} gone")
     assert list_segments(pids[0]) == []
+
+
+def test_requests_past_a_killed_producer_still_complete(no_leaked_segments):
+    """Once the consumer holds a request's whole stream, the producer's death does not
+    touch it: the consumer still reads the dead producer's slots, and the segment goes
+    after the request ends. Before that point the request fails instead (its data may
+    have died in the producer's buffers)."""
+    cfg = chain(
+        ("p", "synthetic.array_source", {"nbytes": 256 << 10, "count": 30}),
+        ("d", "synthetic.sleep", {"hold_s": 0.05}),
+        edges=[{"from": "p", "to": "d", "window": {"size": 1}}],
+        **FAST,
+    )
+    with Pipeline(cfg) as pipe:
+        h = pipe.submit({}, timeout_s=20)
+        wait_for(lambda: pipe.backend.acks.get("edge_end", 0) == 1, 5, "d has the stream")
+        os.kill(pipe.backend.pids()["p"], signal.SIGKILL)
+        events = list(h)
+        assert events[-1].event_type == "completed", events[-1]
+        assert sum(e.event_type == "segment" for e in events) == 31  # + the empty last window
+        wait_for(lambda: pipe.health()["p"]["state"] == "ready", 10, "restart")
+        wait_for(lambda: not pipe.backend.retired, 5, "old segment unlinked")
+        assert pipe.generate([{"count": 2}], timeout_s=10)[0].ok
+
+
+def test_coalesced_previews_give_their_slots_back():
+    cfg = chain(
+        ("gen", "synthetic.previews", {"steps": 200, "size": 160}),  # 75 KB: shared memory
+        ("slow", "synthetic.sleep", {"hold_s": 0.01}, {"queue_capacity": 1}),
+        edges=[{"from": "gen", "to": "slow", "window": {"size": 1}, "capacity": 1}],
+        **FAST,
+    )
+    with Pipeline(cfg) as pipe:
+        assert pipe.generate([{}])[0].ok
+        wait_for(lambda: pipe.metrics()["stages"]["gen"]["dropped"] > 0, 3, "drops")
+        wait_for(lambda: pipe.metrics()["stages"]["gen"]["shm_slots_in_use"] == 0, 5, "slots back")

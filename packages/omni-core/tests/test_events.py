@@ -71,7 +71,11 @@ def test_frame_keeps_order():
 
 
 def test_control_and_status_round_trip():
-    ctl = [Cancel(request_id="r"), Release(offsets=[0, 64], reader="b"), Shutdown(drain=True)]
+    ctl = [
+        Cancel(request_id="r"),
+        Release(slots=[(0, 1), (64, 2)], segment="omni-1-x", reader="b"),
+        Shutdown(drain=True),
+    ]
     assert decode_control_frame(encode_frame(ctl)) == ctl
     data = [Submit(request_id="r", request={"prompt": "x"}), EVENTS[0]]
     assert decode_data_frame(encode_frame(data)) == data

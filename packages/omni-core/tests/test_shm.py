@@ -60,7 +60,7 @@ def test_free_space_coalesces(owner):
     for off in (offs[1], offs[3], offs[2], offs[0]):
         arena.release([off], "r")
     assert arena._free == [(0, 4096)]
-    assert arena.rent(4096, {"r": 1}) == 0
+    assert arena.rent(4096, {"r": 1})[0] == 0
 
 
 def test_full_pool_blocks_until_a_release(owner):
@@ -68,7 +68,7 @@ def test_full_pool_blocks_until_a_release(owner):
     off = arena.rent(4096, {"r": 1})
     threading.Timer(0.1, arena.release, ([off], "r")).start()
     t0 = time.monotonic()
-    assert arena.rent(4096, {"r": 1}, timeout=5) == 0
+    assert arena.rent(4096, {"r": 1}, timeout=5)[0] == 0
     assert time.monotonic() - t0 >= 0.09 and arena.blocked_s > 0
 
 
@@ -105,6 +105,7 @@ def test_codec_round_trip_views_without_copy(owner):
     assert np.array_equal(arrays["small"], small)
     assert arrays["blob"].tobytes() == blob
     assert {h.offset for h in shm} == {handles["big"].offset, handles["blob"].offset}
+    assert all(h.rental > 0 for h in shm)
     copied, _ = reader.unpack(handles, copy=True)
     assert copied["blob"] == blob and copied["big"].flags.writeable
 
@@ -125,3 +126,30 @@ def test_codec_torch_tensors(owner):
     arrays, _ = reader.unpack(producer.pack({"t": t, "s": torch.arange(3)}, {"r": 1}))
     assert isinstance(arrays["t"], torch.Tensor) and arrays["t"].dtype == torch.bfloat16
     assert torch.equal(arrays["t"], t) and torch.equal(arrays["s"], torch.arange(3))
+
+
+def test_a_stale_release_cannot_free_a_later_rental_of_the_same_offset(owner):
+    arena = Arena(owner.create("a", 4096))
+    first = arena.rent(4096, {"r": 1})
+    arena.release([first], "r")
+    second = arena.rent(4096, {"r": 1})
+    assert second[0] == first[0] and second[1] != first[1]
+    arena.release([first], "r")  # late duplicate of the first release
+    assert arena.slots_in_use == 1 and arena.unknown_releases == 1
+    arena.release([second], "r")
+    assert arena.slots_in_use == 0
+
+
+def test_cancel_frees_a_slot_whatever_its_readers(owner):
+    arena = Arena(owner.create("a", 4096))
+    slot = arena.rent(100, {"r": 1, "s": 2})
+    arena.cancel(slot)
+    assert arena.slots_in_use == 0
+
+
+def test_a_failed_pack_returns_the_slots_it_rented(owner):
+    arena = Arena(owner.create("p", 1 << 20))
+    codec = ArrayCodec("p", arena, threshold=1024)
+    with pytest.raises(TypeError):
+        codec.pack({"ok": np.zeros(4096, np.uint8), "bad": [1, 2, 3]}, {"r": 1})
+    assert arena.slots_in_use == 0

@@ -70,6 +70,7 @@ class RequestHandle:
         self.request: dict[str, Any] = {}
         self.deadline_wall: float | None = None
         self.delivered: dict[str, int] = {}  # per stage: must-deliver events the caller has
+        self.edges_done: set[tuple[str, str]] = set()  # (upstream, downstream) streams received
         self.last_event = 0.0
         self.sinks_left = set(sinks)
         self.stages_done: set[str] = set()
@@ -148,6 +149,7 @@ class Collector:
         h.wire_id = f"{h.request_id}~{h.attempt}"
         h.next_seq.clear()
         h.stages_done.clear()
+        h.edges_done.clear()
         h.sinks_left = set(self.sinks)
         self.wire[h.wire_id] = h
         self.counts["replayed"] += 1
@@ -155,12 +157,18 @@ class Collector:
 
     def on_event(self, ev: AnyEvent) -> tuple[list[ShmHandle], bool]:
         """Take one event from a stage; returns (slots to release, request just failed)."""
-        arrays, shm = (
-            self.codec.unpack(ev.device_handles, copy=True) if ev.device_handles else ({}, [])
-        )
         h = self.wire.get(ev.request_id)
         if h is None or h.done:  # late event of a finished request: just free its slots
-            return shm, False
+            return [x for x in ev.device_handles.values() if isinstance(x, ShmHandle)], False
+        try:
+            arrays, shm = (
+                self.codec.unpack(ev.device_handles, copy=True) if ev.device_handles else ({}, [])
+            )
+        except Exception as e:  # e.g. the producer's segment is gone: this request fails
+            shm = [x for x in ev.device_handles.values() if isinstance(x, ShmHandle)]
+            err = Error(request_id=h.request_id, stage=ev.stage, message=f"stage {ev.stage!r}: {e}")
+            self.finish(h, err)
+            return shm, True
         expected = h.next_seq.get(ev.stage, 0)
         if ev.stage in self.streaming and ev.sequence != expected and not isinstance(ev, Error):
             self.finish(

@@ -25,6 +25,7 @@ class ShmHandle(msgspec.Struct, tag="shm", array_like=True, frozen=True):
     dtype: str  # numpy dtype string; "bytes" for a raw bytes payload
     shape: tuple[int, ...]
     producer: str  # stage that rented the slot and gets the release
+    rental: int = 0  # the producer's rental id for this use of the slot
     torch: bool = False  # hand the receiver a torch tensor instead of a numpy array
 
 
@@ -149,9 +150,12 @@ class Cancel(msgspec.Struct, tag="cancel", tag_field="event_type", kw_only=True)
 
 
 class Release(msgspec.Struct, tag="release", tag_field="event_type", kw_only=True):
-    """Reader -> producer: these slots (by offset in the producer's arena) are no longer read."""
+    """Reader -> producer: these slots ((offset, rental) in the producer's arena ``segment``)
+    are no longer read. A release for another segment (an earlier life of the producer)
+    or another rental is ignored."""
 
-    offsets: list[int]
+    slots: list[tuple[int, int]]
+    segment: str
     reader: str
 
 
@@ -238,11 +242,14 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
 
 
 class Ack(msgspec.Struct, tag="ack", kw_only=True):
-    """Worker -> orchestrator: a control message took effect (cancel, shutdown)."""
+    """Worker -> orchestrator: a control message took effect (``cancel``), or the whole
+    stream of a request from ``source`` arrived (``edge_end``: the request no longer
+    depends on that upstream worker staying alive)."""
 
     stage: str
     kind: str
     request_id: str = ""
+    source: str = ""
 
 
 ToWorker = Submit | Cancel | Release | ReaderLost | SegmentGone | Shutdown

@@ -96,6 +96,8 @@ class StageHost:
     # ------------------------------------------------------------------ intake
     def submit(self, msg: Submit) -> list[WorkItem]:
         """A new request at a source stage."""
+        if msg.request_id in self.ended:  # cancelled before it arrived
+            return []
         st = self.requests.setdefault(msg.request_id, _Request())
         st.request = msg.request
         st.all_triggered = True
@@ -123,6 +125,9 @@ class StageHost:
             st = self.requests[rid] = _Request()
         expected = st.next_seq.get(edge, 0)
         if event.sequence != expected:
+            self.releasable.extend(
+                h for h in event.device_handles.values() if isinstance(h, ShmHandle)
+            )
             raise RequestFailed(
                 f"edge {edge} -> {self.name}: event sequence {event.sequence} where "
                 f"{expected} was expected (lost or reordered event)"
@@ -295,7 +300,11 @@ class StageHost:
     def forget(self, rid: str) -> list[ShmHandle]:
         """Drop a request's state; returns the slots it still held."""
         st = self.requests.pop(rid, None)
-        if st is None:
+        if st is None:  # not seen yet (cancelled early): still drop what comes later
+            if rid not in self.ended:
+                self.ended[rid] = 0
+                if len(self.ended) > MAX_TOMBSTONES:
+                    self.ended.popitem(last=False)
             return []
         self.ended[rid] = st.out_seq
         if len(self.ended) > MAX_TOMBSTONES:

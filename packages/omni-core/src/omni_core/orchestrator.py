@@ -139,6 +139,8 @@ class Orchestrator:
         self._pump: threading.Thread | None = None
         self.cancel_acks = 0
         self.trace = TraceLog([s.name for s in cfg.stages])
+        # segments of dead workers: (stage, segment, requests open when it died)
+        self.retired: list[tuple[str, str, set[str]]] = []
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -253,6 +255,7 @@ class Orchestrator:
                 elif p.state == "restarting" and time.monotonic() >= p.restart_at:
                     self._restart(p)
             self._check_deadlines()
+            self._retire_segments()
             pollout = set(self.outbox.flush(self.sockets))
         self.outbox.flush(self.sockets)
 
@@ -267,10 +270,11 @@ class Orchestrator:
             failed: list[str] = []
             with self.lock:
                 for ev in events:
+                    wire_id = ev.request_id  # the collector renames it to the caller's id
                     shm, did_fail = self.collector.on_event(ev)
                     releases.extend(shm)
                     if did_fail:
-                        failed.append(ev.request_id)
+                        failed.append(wire_id)
             self._release(releases)
             for wire_id in failed:
                 self._broadcast_cancel(wire_id, "error")
@@ -306,6 +310,11 @@ class Orchestrator:
                     p.load_error = msg.message
                 elif isinstance(msg, Ack):
                     self.acks[msg.kind] = self.acks.get(msg.kind, 0) + 1
+                    if msg.kind == "edge_end":
+                        with self.lock:
+                            h = self.collector.wire.get(msg.request_id)
+                            if h is not None:
+                                h.edges_done.add((msg.source, msg.stage))
 
     def _release(self, handles: list[ShmHandle]) -> None:
         for producer, msg in releases(handles, CLIENT):
@@ -331,10 +340,6 @@ class Orchestrator:
         # slots the dead worker was reading go back to its producers; its own arena goes
         for e in self.cfg.inbound(p.name):
             self.outbox.put(f"ctl:{e.source}", ReaderLost(reader=p.name), block=False)
-        self.segments.unlink(p.segment)
-        self.codec.reader.forget(p.segment)
-        for e in self.cfg.outbound(p.name):
-            self.outbox.put(f"ctl:{e.target}", SegmentGone(segment=p.segment), block=False)
         if p.restarts < st.max_restarts:
             p.state = "restarting"
             backoff = min(MAX_BACKOFF_S, st.restart_backoff_s * (2**p.restarts))
@@ -344,10 +349,13 @@ class Orchestrator:
         why = f"stage {p.name!r} worker (pid {p.proc.pid}) {p.exit_reason}"
         cancel: list[str] = []
         replay: list[RequestHandle] = []
+        downstream = [e.target for e in self.cfg.outbound(p.name)]
         with self.lock:
             for h in list(self.collector.handles.values()):
-                if p.name in h.stages_done:
-                    continue  # it already went past this stage
+                if p.name in h.stages_done and all(
+                    (p.name, d) in h.edges_done or d in h.stages_done for d in downstream
+                ):
+                    continue  # it went past this stage, and its output arrived downstream
                 cancel.append(h.wire_id)
                 if p.idempotent and p.state == "restarting" and self.collector.replay(h):
                     replay.append(h)
@@ -359,7 +367,30 @@ class Orchestrator:
         for wire_id in cancel:  # queued for the restarted worker too: stale input is dropped
             self._broadcast_cancel(wire_id, "error", include_dead=True)
         for h in replay:
-            self._send_submit(h.wire_id, h.request, h.deadline_wall)
+            self._send_submit(h.wire_id, h.request, h.deadline_wall, block=False)
+        # readers may still hold data of requests that went past the dead worker: its
+        # segment goes once those requests have ended
+        with self.lock:
+            open_ids = set(self.collector.wire)
+        self.retired.append((p.name, p.segment, open_ids))
+
+    def _retire_segments(self) -> None:
+        """Unlink dead workers' segments once no request that may read them is open."""
+        if not self.retired:
+            return
+        with self.lock:
+            open_ids = set(self.collector.wire)
+        keep = []
+        for stage, segment, waiting in self.retired:
+            waiting &= open_ids
+            if waiting:
+                keep.append((stage, segment, waiting))
+                continue
+            self.segments.unlink(segment)
+            self.codec.reader.forget(segment)
+            for e in self.cfg.outbound(stage):
+                self.outbox.put(f"ctl:{e.target}", SegmentGone(segment=segment), block=False)
+        self.retired = keep
 
     def _restart(self, p: StageProc) -> None:
         p.restarts += 1
@@ -415,10 +446,13 @@ class Orchestrator:
         self._send_submit(rid, request, h.deadline_wall)
         return h
 
-    def _send_submit(self, wire_id: str, request: dict[str, Any], deadline: float | None) -> None:
+    def _send_submit(
+        self, wire_id: str, request: dict[str, Any], deadline: float | None, block: bool = True
+    ) -> None:
+        """``block``: a caller thread waits while the outbox is full; the pump never does."""
         msg = Submit(request_id=wire_id, request=request, deadline=deadline)
         for s in self.sources:
-            self.outbox.put(f"data:{s}", msg)
+            self.outbox.put(f"data:{s}", msg, block=block)
 
     def cancel(self, request_id: str) -> bool:
         with self.lock:

@@ -147,15 +147,24 @@ class ArrayCodec:
     def pack(self, arrays: dict[str, Any], readers: dict[str, int]) -> dict[str, Handle]:
         """Write each array once; a shared-memory slot is read by every reader in ``readers``."""
         handles: dict[str, Handle] = {}
-        for key, value in arrays.items():
-            flat, dtype, shape, torch_ = _as_bytes_view(value)
-            n = flat.size
-            if self.arena is None or n < self.threshold:
-                handles[key] = InlineArray(flat.tobytes(), dtype, shape, torch_)
-                continue
-            off = self.arena.rent(n, readers, self.rent_timeout)
-            np.frombuffer(self.arena.buf, dtype=np.uint8, count=n, offset=off)[:] = flat
-            handles[key] = ShmHandle(self.arena.name, off, n, dtype, shape, self.producer, torch_)
+        rented: list[tuple[int, int]] = []
+        try:
+            for key, value in arrays.items():
+                flat, dtype, shape, torch_ = _as_bytes_view(value)
+                n = flat.size
+                if self.arena is None or n < self.threshold:
+                    handles[key] = InlineArray(flat.tobytes(), dtype, shape, torch_)
+                    continue
+                off, rental = self.arena.rent(n, readers, self.rent_timeout)
+                rented.append((off, rental))
+                np.frombuffer(self.arena.buf, dtype=np.uint8, count=n, offset=off)[:] = flat
+                handles[key] = ShmHandle(
+                    self.arena.name, off, n, dtype, shape, self.producer, rental, torch_
+                )
+        except BaseException:
+            for slot in rented:  # the message will not be sent: its slots go back
+                self.arena.cancel(slot)  # type: ignore[union-attr]
+            raise
         return handles
 
     def unpack(
@@ -183,8 +192,11 @@ class ArrayCodec:
 
 
 def releases(handles: list[ShmHandle], reader: str) -> list[tuple[str, Release]]:
-    """One :class:`Release` per producer for the slots ``reader`` is done with."""
-    by_producer: dict[str, list[int]] = {}
+    """One :class:`Release` per producer segment for the slots ``reader`` is done with."""
+    by_segment: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for h in handles:
-        by_producer.setdefault(h.producer, []).append(h.offset)
-    return [(p, Release(offsets=o, reader=reader)) for p, o in by_producer.items()]
+        by_segment.setdefault((h.producer, h.segment), []).append((h.offset, h.rental))
+    return [
+        (producer, Release(slots=slots, segment=segment, reader=reader))
+        for (producer, segment), slots in by_segment.items()
+    ]

@@ -125,6 +125,7 @@ def map_segment(name: str, directory: str = SHM_DIR) -> mmap.mmap:
 @dataclass
 class _Slot:
     nbytes: int
+    rental: int  # which rental of this offset; a stale release names an older one
     readers: dict[str, int] = field(default_factory=dict)  # reader -> outstanding refs
 
 
@@ -143,6 +144,7 @@ class Arena:
         self._cond = threading.Condition()
         self.blocked_s = 0.0
         self.unknown_releases = 0
+        self._rentals = itertools.count(1)
 
     # -- allocation ---------------------------------------------------------------
     def _take(self, length: int) -> int | None:
@@ -173,8 +175,14 @@ class Arena:
             free[lo - 1] = (free[lo - 1][0], free[lo - 1][1] + free[lo][1])
             del free[lo]
 
-    def rent(self, nbytes: int, readers: dict[str, int], timeout: float | None = 30.0) -> int:
-        """Reserve a slot read by ``readers`` (name -> count); blocks while the arena is full."""
+    def rent(
+        self, nbytes: int, readers: dict[str, int], timeout: float | None = 30.0
+    ) -> tuple[int, int]:
+        """Reserve a slot read by ``readers`` (name -> count); blocks while the arena is full.
+
+        Returns (offset, rental id); a release must name both, so a late release of an
+        earlier rental of the same offset cannot free the current one.
+        """
         length = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
         if length > self.size:
             raise ShmPoolExhausted(
@@ -197,21 +205,23 @@ class Arena:
                     self._cond.wait(left)
                     off = self._take(length)
                 self.blocked_s += time.monotonic() - t0
-            self._slots[off] = _Slot(length, {r: n for r, n in readers.items() if n > 0})
+            rental = next(self._rentals)
+            self._slots[off] = _Slot(length, rental, {r: n for r, n in readers.items() if n > 0})
             if not self._slots[off].readers:  # nobody will read it: free at once
                 self._drop(off)
-            return off
+            return off, rental
 
     def _drop(self, off: int) -> None:
         slot = self._slots.pop(off)
         self._give(off, slot.nbytes)
         self._cond.notify_all()
 
-    def release(self, offsets: list[int], reader: str) -> None:
+    def release(self, slots: list[tuple[int, int]], reader: str) -> None:
+        """``reader`` is done with these (offset, rental) slots."""
         with self._cond:
-            for off in offsets:
+            for off, rental in slots:
                 slot = self._slots.get(off)
-                if slot is None or reader not in slot.readers:
+                if slot is None or slot.rental != rental or reader not in slot.readers:
                     self.unknown_releases += 1
                     continue
                 slot.readers[reader] -= 1
@@ -219,6 +229,13 @@ class Arena:
                     del slot.readers[reader]
                 if not slot.readers:
                     self._drop(off)
+
+    def cancel(self, slot: tuple[int, int]) -> None:
+        """Free a slot whatever its readers (its message was never sent)."""
+        with self._cond:
+            s = self._slots.get(slot[0])
+            if s is not None and s.rental == slot[1]:
+                self._drop(slot[0])
 
     def forget_reader(self, reader: str) -> int:
         """Drop every reference ``reader`` holds (it died); returns how many slots freed."""

@@ -118,10 +118,13 @@ class Sender:
         waker: Waker,
         gap_s: float = 1e-3,
         max_pending: int = 4 * MAX_FRAME_MESSAGES,
-        on_unencodable: Callable[[Any, Exception], Any] | None = None,
+        on_unencodable: Callable[[Any, Exception, str], Any] | None = None,
+        on_drop: Callable[[Any, str], None] | None = None,
     ) -> None:
         self.sockets = sockets
-        self.on_unencodable = on_unencodable  # message -> replacement (e.g. an error event)
+        # (message, error, destination) -> a replacement (e.g. an error event) or None
+        self.on_unencodable = on_unencodable
+        self.on_drop = on_drop  # (message, destination): a coalesced-away preview
         self.waker = waker
         self.gap_s = gap_s
         self.max_pending = max_pending
@@ -144,6 +147,8 @@ class Sender:
                 key = (dest, msg.request_id)
                 old = self.previews.get(key)
                 if old is not None:  # newest kept
+                    if self.on_drop is not None:
+                        self.on_drop(buf[old], dest)
                     buf[old] = None
                     self.drops += 1
                     self.waiting -= 1
@@ -211,7 +216,7 @@ class Sender:
             try:
                 frame = encode_frame(msgs)
             except (TypeError, ValueError, OverflowError):
-                frame = self._encode_each(msgs)
+                frame = self._encode_each(msgs, dest)
             self.sent += len(msgs)
             self.waiting -= len(msgs)
             self.must[dest] = 0
@@ -238,8 +243,8 @@ class Sender:
             self._flush(time.perf_counter())
         self.blocked_s += time.monotonic() - t0
 
-    def _encode_each(self, buf: list[Any]) -> bytes:
-        """A message in ``buf`` cannot be encoded: replace it, keep the others."""
+    def _encode_each(self, buf: list[Any], dest: str) -> bytes:
+        """A message in ``buf`` cannot be encoded: replace or drop it, keep the others."""
         good = []
         for msg in buf:
             try:
@@ -247,7 +252,9 @@ class Sender:
                 good.append(msg)
             except (TypeError, ValueError, OverflowError) as e:
                 if self.on_unencodable is not None:
-                    good.append(self.on_unencodable(msg, e))
+                    replacement = self.on_unencodable(msg, e, dest)
+                    if replacement is not None:
+                        good.append(replacement)
         return encode_frame(good)
 
 

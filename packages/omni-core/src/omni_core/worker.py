@@ -28,6 +28,7 @@ from omni_core.config import PipelineConfig
 from omni_core.events import (
     Ack,
     Cancel,
+    Completed,
     Error,
     Heartbeat,
     LoadFailed,
@@ -127,7 +128,9 @@ class Worker:
         for e in cfg.outbound(self.name):
             hwm_e = e.capacity or cfg.setting(cfg.stage(e.target), "queue_capacity")
             data[e.target] = push_socket(self.zctx, self.addr.data(e.target), hwm_e)
-        self.sender = Sender(data, self.waker, on_unencodable=self._unencodable)
+        self.sender = Sender(
+            data, self.waker, on_unencodable=self._unencodable, on_drop=self._dropped
+        )
         # the I/O thread's sockets: its own errors to the caller, releases to producers
         self.out: dict[str, zmq.Socket] = {
             CLIENT: push_socket(self.zctx, self.addr.results, 100_000)
@@ -137,15 +140,30 @@ class Worker:
                 self.zctx, self.addr.control(e.source), 100_000
             )
 
-    def _unencodable(self, msg: Any, exc: Exception) -> Error:
-        """An output that cannot go on the wire fails its request (only)."""
+    def _dropped(self, msg: Any, dest: str) -> None:
+        """``msg`` will never reach ``dest``: release its slots on that reader's behalf."""
+        own = [
+            (h.offset, h.rental)
+            for h in msg.device_handles.values()
+            if isinstance(h, ShmHandle) and h.segment == self.arena.name
+        ]
+        if own:
+            self.arena.release(own, dest)
+
+    def _unencodable(self, msg: Any, exc: Exception, dest: str) -> Error | None:
+        """An output that cannot go on the wire fails its request (only): the caller gets
+        an error (and cancels the request everywhere); other destinations get nothing."""
+        self._dropped(msg, dest)
+        if dest != CLIENT:
+            return None
         self.stats.errors += 1
-        return Error(
+        err = Error(
             request_id=msg.request_id,
             stage=self.name,
             message=f"stage {self.name!r}: output cannot be serialized: {exc}",
-            code="bad_output",
         )
+        err.code = "bad_output"
+        return err
 
     def send_status(self, msg: msgspec.Struct) -> None:
         self.status.send(encode_frame([msg]))
@@ -230,7 +248,8 @@ class Worker:
                 return
             for msg in decode_control_frame(frame.buffer):
                 if isinstance(msg, Release):
-                    self.arena.release(msg.offsets, msg.reader)
+                    if msg.segment == self.arena.name:  # else: meant for an earlier life
+                        self.arena.release(msg.slots, msg.reader)
                 elif isinstance(msg, ReaderLost):
                     self.arena.forget_reader(msg.reader)
                 elif isinstance(msg, SegmentGone):
@@ -305,9 +324,21 @@ class Worker:
                     else:
                         items = self.host.receive(msg)
                         self.stats.received += 1
-                except RequestFailed as e:
+                        if type(msg) is Completed:
+                            self.send_status(
+                                Ack(
+                                    stage=self.name,
+                                    kind="edge_end",
+                                    request_id=msg.request_id,
+                                    source=msg.stage,
+                                )
+                            )
+                except Exception as e:  # ends this request only; the I/O thread goes on
+                    why = str(e) if isinstance(e, RequestFailed) else f"{type(e).__name__}: {e}"
+                    own = getattr(msg, "device_handles", {}).values()
+                    self.host.releasable.extend(h for h in own if isinstance(h, ShmHandle))
                     self.host.releasable.extend(self.host.forget(msg.request_id))
-                    self.outbox.put(CLIENT, self.host.error(msg.request_id, str(e)), block=False)
+                    self.outbox.put(CLIENT, self.host.error(msg.request_id, why), block=False)
                     continue
                 self.ready.extend(items)
             if self.ready and self.idle_stage:
@@ -393,7 +424,10 @@ class Worker:
 
     def _run_to_end(self, a: _Active) -> None:
         while self._step(a):
-            pass
+            if self.stopping and not self.drain:  # shutdown: do not finish a long generator
+                a.gen.close()
+                self._finish(a, failed=True)
+                return
 
     def _step(self, a: _Active) -> bool:
         """Advance one output; False when the generator is done (and the items finished)."""
