@@ -1,3 +1,3 @@
-"""omni AR stage family (filled by its own issue)."""
+"""omni AR stage family: intake -> prefill -> decode -> postprocess (see ``stages``)."""
 
 __version__ = "0.1.0"

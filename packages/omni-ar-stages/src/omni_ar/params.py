@@ -1,0 +1,72 @@
+"""A chat or completion request, normalized and validated at intake.
+
+Every error names the field, so a bad request ends with a message the caller can act on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class RequestError(ValueError):
+    """A request field is missing, of the wrong type, or out of range."""
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+
+_REQUEST_KEYS = {"prompt", "messages", *SamplingParams.__struct_fields__}
+
+
+def parse_request(request: dict[str, Any], max_tokens_limit: int) -> tuple[Any, SamplingParams]:
+    """(prompt text or chat messages, sampling params) of a request, or RequestError."""
+    unknown = sorted(set(request) - _REQUEST_KEYS)
+    if unknown:
+        raise RequestError(f"field {unknown[0]!r}: unknown request field")
+    has_prompt, has_messages = "prompt" in request, "messages" in request
+    if has_prompt == has_messages:
+        raise RequestError("field 'prompt': give exactly one of 'prompt' or 'messages'")
+    if has_prompt:
+        prompt = request["prompt"]
+        if not isinstance(prompt, str):
+            raise RequestError(f"field 'prompt': expected a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise RequestError("field 'prompt': must not be empty")
+        source: Any = prompt
+    else:
+        msgs = request["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise RequestError("field 'messages': expected a non-empty list of messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"field 'messages[{i}].role': expected a string")
+            if not isinstance(m.get("content"), str):
+                raise RequestError(f"field 'messages[{i}].content': expected a string")
+        source = msgs
+    fields = {k: v for k, v in request.items() if k in SamplingParams.__struct_fields__}
+    try:
+        params = msgspec.convert(fields, SamplingParams)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        where = text.split("`$.", 1)[1].rstrip("`") if "`$." in text else "?"
+        raise RequestError(f"field {where!r}: {text.split(' - at ')[0]}") from None
+    if not 1 <= params.max_tokens <= max_tokens_limit:
+        raise RequestError(
+            f"field 'max_tokens': expected 1..{max_tokens_limit}, got {params.max_tokens}"
+        )
+    if not 0.0 <= params.temperature <= 2.0:
+        raise RequestError(f"field 'temperature': expected 0..2, got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise RequestError(f"field 'top_p': expected a value in (0, 1], got {params.top_p}")
+    if any(not s for s in params.stop):
+        raise RequestError("field 'stop': stop strings must not be empty")
+    return source, params

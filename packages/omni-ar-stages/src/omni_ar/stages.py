@@ -1,0 +1,166 @@
+"""The AR stages: intake -> prefill -> decode -> postprocess, each in its own worker.
+
+* intake: validate the request, apply the chat template, tokenize (a source stage).
+* prefill: the prompt forward pass; emits the first token and the KV cache as arrays,
+  which cross to decode through the shared-memory data plane.
+* decode: rebuilds the cache and steps; flushes a segment every ``max_segment_tokens``
+  tokens, after ``min_flush_interval_ms``, or at the end; stops at its next step when
+  the request is cancelled.
+* postprocess: incremental detokenization and stop strings, off the decode loop; streams
+  text to the caller directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+import msgspec
+from omni_core import Stage, StageEvent, StageInput
+
+from omni_ar.detokenizer import IncrementalDetokenizer
+from omni_ar.engines import load_engine
+from omni_ar.params import RequestError, parse_request
+
+
+class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str  # a Hugging Face model directory (weights and tokenizer files)
+    engine: Literal["transformers", "vllm"] = "transformers"
+    dtype: str = "float32"
+    threads: int | None = None  # torch threads in this worker
+    max_prompt_tokens: int = 2048
+    max_tokens_limit: int = 4096
+
+
+class _ModelStage(Stage):
+    Options = ModelOptions
+
+    def _engine(self):  # type: ignore[no-untyped-def]
+        o = self.options
+        return load_engine(o.engine, o.model, o.dtype, o.threads)
+
+    def _params(self, inp: StageInput):  # type: ignore[no-untyped-def]
+        return parse_request(inp.request, self.options.max_tokens_limit)
+
+
+class Intake(_ModelStage):
+    """Request -> prompt token ids (one segment), or an error naming the bad field."""
+
+    def load(self) -> None:
+        self.engine = self._engine()
+        self.engine.load_tokenizer()
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        for inp in batch:
+            try:
+                source, _ = self._params(inp)
+                ids = self.engine.encode(source)
+            except RequestError as e:
+                yield inp.fail(str(e))
+                continue
+            except Exception as e:  # e.g. a chat template that rejects the messages
+                yield inp.fail(f"field 'messages': cannot apply the chat template: {e}")
+                continue
+            if len(ids) > self.options.max_prompt_tokens:
+                yield inp.fail(
+                    f"field 'prompt': {len(ids)} tokens, over max_prompt_tokens="
+                    f"{self.options.max_prompt_tokens}"
+                )
+                continue
+            yield inp.segment(ids, is_last=True)
+
+
+class Prefill(_ModelStage):
+    """Prompt ids -> the first token, with the prompt's KV cache as arrays."""
+
+    def load(self) -> None:
+        self.engine = self._engine()
+        self.engine.load_model()
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        for inp in batch:
+            _, params = self._params(inp)
+            ids = inp.window.tokens
+            tok, lp, keys, values = self.engine.prefill(ids, params)
+            yield inp.segment(
+                [tok],
+                logprobs=[lp],
+                arrays={"keys": keys, "values": values},
+                payload={"prompt_tokens": len(ids)},
+                is_last=True,
+            )
+
+
+class DecodeOptions(ModelOptions, kw_only=True):
+    max_segment_tokens: int = 8
+    min_flush_interval_ms: float = 50.0
+
+
+class Decode(_ModelStage):
+    """First token + KV -> the generated tokens, flushed in segments."""
+
+    Options = DecodeOptions
+
+    def load(self) -> None:
+        self.engine = self._engine()
+        self.engine.load_model()
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        o = self.options
+        for inp in batch:
+            _, params = self._params(inp)
+            w = inp.window
+            arrays = w.arrays
+            first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
+            tokens, logprobs = [first], [first_lp]
+            last_flush = time.monotonic()
+            for tok, lp in self.engine.decode(first, arrays["keys"], arrays["values"], params):
+                if inp.cancelled:
+                    return
+                tokens.append(tok)
+                logprobs.append(lp)
+                now = time.monotonic()
+                if (
+                    len(tokens) >= o.max_segment_tokens
+                    or (now - last_flush) * 1000 >= o.min_flush_interval_ms
+                ):
+                    yield inp.segment(tokens, logprobs=logprobs if params.logprobs else None)
+                    tokens, logprobs, last_flush = [], [], now
+            yield inp.segment(tokens, logprobs=logprobs if params.logprobs else None, is_last=True)
+
+
+class Postprocess(_ModelStage):
+    """Token segments -> text deltas, with stop strings; streams to the caller."""
+
+    def load(self) -> None:
+        self.engine = self._engine()
+        self.tokenizer = self.engine.load_tokenizer()
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.counts: dict[str, int] = {}
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        for inp in batch:
+            rid = inp.request_id
+            d = self.detoks.get(rid)
+            if d is None:
+                _, params = self._params(inp)
+                d = self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
+            if d.stopped is not None:
+                continue  # the text already ended at a stop string
+            new = inp.window.new_tokens
+            text = d.add(new)
+            self.counts[rid] = self.counts.get(rid, 0) + len(new)
+            if d.stopped is not None:
+                yield inp.segment(
+                    new, payload={"text": text, "finish_reason": "stop"}, is_last=True
+                )
+            elif inp.last:
+                text += d.flush()
+                yield inp.segment(new, payload={"text": text, "finish_reason": "end"}, is_last=True)
+            elif new or text:
+                yield inp.segment(new, payload={"text": text})
+
+    def end_request(self, request_id: str) -> None:
+        self.detoks.pop(request_id, None)
+        self.counts.pop(request_id, None)

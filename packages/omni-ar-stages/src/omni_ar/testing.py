@@ -1,0 +1,61 @@
+"""A tiny Llama with random weights and a byte-level BPE tokenizer trained offline.
+
+For tests: it builds in well under a second, needs no download, and greedy decoding is
+not degenerate (untied embeddings and a large ``initializer_range``), so parity checks
+compare varied token streams. Nothing here is committed as a binary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a red fox in the snow, under a pale winter sky",
+    "héllo wörld, ünïcode ✓ 猫 and emoji 🦊 too",
+    "omni pipelines stream tokens from stage to stage",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def build_tiny_llama(path: str | Path, seed: int = 0, vocab_size: int = 320) -> Path:
+    """Write a tiny Llama checkpoint and tokenizer into ``path``; returns it."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    cfg = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return path

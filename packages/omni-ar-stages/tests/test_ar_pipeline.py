@@ -1,0 +1,148 @@
+"""The AR stages end to end on the transformers engine, against the model in one process."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from omni_core import Pipeline
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+PROMPTS = [
+    {"prompt": "the quick brown fox", "max_tokens": 24},
+    {"prompt": "a red fox in the snow", "max_tokens": 17},
+    {"prompt": "héllo wörld", "max_tokens": 30},
+    {"messages": [{"role": "user", "content": "stream tokens"}], "max_tokens": 20},
+]
+
+
+def ar_config(model, enabled=True, post_window=1, decode=None, **top):
+    opts = {"model": model, "threads": 1}
+    return {
+        "mrs": {"enabled": enabled},
+        "heartbeat_interval_s": 0.1,
+        "stages": [
+            {"name": "intake", "kind": "ar.intake", "options": {"model": model}},
+            {"name": "prefill", "kind": "ar.prefill", "options": opts},
+            {"name": "decode", "kind": "ar.decode", **(decode or {}), "options": opts},
+            {"name": "postprocess", "kind": "ar.postprocess", "options": {"model": model}},
+        ],
+        "edges": [
+            {"from": "intake", "to": "prefill"},
+            {"from": "prefill", "to": "decode"},
+            {"from": "decode", "to": "postprocess", "window": {"size": post_window}},
+        ],
+        **top,
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Greedy tokens from ``model.generate`` in this process, per prompt."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    out = []
+    for r in PROMPTS:
+        if "prompt" in r:
+            ids = tok(r["prompt"])["input_ids"]
+        else:
+            ids = list(
+                tok.apply_chat_template(r["messages"], add_generation_prompt=True)["input_ids"]
+            )
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=r["max_tokens"], do_sample=False)[
+            0, len(ids) :
+        ].tolist()
+        out.append(gen)
+    assert len({tuple(g) for g in out}) == len(out) and all(len(set(g)) > 3 for g in out)
+    return tok, out
+
+
+def text_and_tokens(out):
+    segs = out.by_stage("postprocess")
+    return "".join(e.payload["text"] for e in segs), [t for e in segs for t in e.tokens]
+
+
+@pytest.mark.parametrize(
+    "enabled,post_window", [(True, 1), (True, 4), (True, -1), (False, 1)], ids=str
+)
+def test_staged_tokens_and_text_equal_the_model_in_one_process(
+    tiny_model, reference, enabled, post_window
+):
+    tok, expected = reference
+    with Pipeline(ar_config(tiny_model, enabled, post_window)) as pipe:
+        outs = pipe.generate(PROMPTS)
+    for out, exp in zip(outs, expected, strict=True):
+        assert out.ok, out.error
+        text, tokens = text_and_tokens(out)
+        assert tokens == exp
+        assert text == tok.decode(exp, skip_special_tokens=True)
+        assert out.events[-1].payload["finish_reason"] == "end"
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model):
+    cfg = ar_config(
+        tiny_model,
+        decode={"client_stream": True},
+    )
+    cfg["stages"][2]["options"] = {
+        "model": tiny_model,
+        "threads": 1,
+        "max_segment_tokens": 5,
+        "min_flush_interval_ms": 1e6,
+    }
+    with Pipeline(cfg) as p:
+        yield p
+
+
+def test_decode_flushes_every_max_segment_tokens(pipe, reference):
+    _, expected = reference
+    out = pipe.generate([PROMPTS[0]])[0]
+    sizes = [len(e.tokens) for e in out.by_stage("decode")]
+    assert sizes == [5, 5, 5, 5, 4]
+    assert [t for e in out.by_stage("decode") for t in e.tokens] == expected[0]
+
+
+def test_stop_string_spanning_segments(pipe, reference):
+    tok, expected = reference
+    full = tok.decode(expected[2], skip_special_tokens=True)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    out = pipe.generate([{**PROMPTS[2], "stop": [stop]}])[0]
+    text, _ = text_and_tokens(out)
+    assert text == full[: full.index(stop)]
+    assert out.by_stage("postprocess")[-1].payload["finish_reason"] == "stop"
+
+
+def test_bad_input_ends_only_its_request(pipe, reference):
+    _, expected = reference
+    outs = pipe.generate(
+        [{"prompt": "a", "max_tokens": 0}, PROMPTS[1], {"prompt": ""}, {"prompt": "x", "top_k": 3}]
+    )
+    assert [o.finish_reason for o in outs] == ["error", "completed", "error", "error"]
+    assert "stage 'intake'" in outs[0].error and "field 'max_tokens'" in outs[0].error
+    assert "field 'prompt'" in outs[2].error and "field 'top_k'" in outs[3].error
+    assert text_and_tokens(outs[1])[1] == expected[1]
+
+
+def test_cancel_mid_decode(pipe, reference):
+    h = pipe.submit({"prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True})
+    first = next(iter(h))
+    assert first.event_type == "segment"
+    assert pipe.cancel(h.request_id)
+    assert [e.event_type for e in h if e.terminal] == ["cancelled"]
+    out = pipe.generate([PROMPTS[0]])[0]
+    assert text_and_tokens(out)[1] == reference[1][0]
+
+
+def test_decode_killed_mid_request(pipe, reference):
+    h = pipe.submit({"prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True})
+    next(iter(h))
+    os.kill(pipe.backend.pids()["decode"], signal.SIGKILL)
+    events = list(h)
+    assert events[-1].event_type == "error" and "stage 'decode'" in events[-1].message
+    end = time.monotonic() + 60
+    while pipe.health()["decode"]["state"] != "ready" and time.monotonic() < end:
+        time.sleep(0.1)
+    out = pipe.generate([PROMPTS[1]])[0]
+    assert text_and_tokens(out)[1] == reference[1][1]

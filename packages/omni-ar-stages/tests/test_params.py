@@ -1,0 +1,35 @@
+import pytest
+from omni_ar.params import RequestError, parse_request
+
+
+@pytest.mark.parametrize(
+    "request_,field,what",
+    [
+        ({}, "prompt", "exactly one"),
+        ({"prompt": "a", "messages": []}, "prompt", "exactly one"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": 3}, "prompt", "expected a string"),
+        ({"messages": []}, "messages", "non-empty"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content", "string"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens", "expected 1..100"),
+        ({"prompt": "a", "max_tokens": 101}, "max_tokens", "expected 1..100"),
+        ({"prompt": "a", "max_tokens": "x"}, "max_tokens", "Expected `int`"),
+        ({"prompt": "a", "temperature": -1}, "temperature", "expected 0..2"),
+        ({"prompt": "a", "top_p": 0}, "top_p", "(0, 1]"),
+        ({"prompt": "a", "stop": [""]}, "stop", "empty"),
+        ({"prompt": "a", "stop": "x"}, "stop", "Expected `array`"),
+        ({"prompt": "a", "bogus": 1}, "bogus", "unknown request field"),
+    ],
+)
+def test_bad_requests_name_the_field(request_, field, what):
+    with pytest.raises(RequestError) as e:
+        parse_request(request_, max_tokens_limit=100)
+    assert f"field '{field}'" in str(e.value) and what in str(e.value)
+
+
+def test_good_request():
+    source, p = parse_request(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stop": ["\n"]}, 100
+    )
+    assert source == [{"role": "user", "content": "hi"}]
+    assert (p.max_tokens, p.temperature, p.stop) == (5, 0.0, ["\n"])
