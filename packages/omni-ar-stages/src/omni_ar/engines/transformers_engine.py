@@ -8,6 +8,7 @@ them and steps from there, giving the same tokens as ``model.generate``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +40,9 @@ class TransformersEngine:
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=getattr(torch, self.dtype)
         ).eval()
+        # transformers renamed `past_key_values` to `cache` during 5.x: use what this has
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
@@ -85,7 +89,7 @@ class TransformersEngine:
         with torch.inference_mode():
             out = self.model(torch.tensor([ids]), use_cache=True)
         tok, lp = self._pick(out.logits[0, -1], params, self.generator(params))
-        cache = out.past_key_values
+        cache = _cache_of(out)
         keys = torch.stack([layer.keys[0] for layer in cache.layers]).numpy()
         values = torch.stack([layer.values[0] for layer in cache.layers]).numpy()
         return tok, lp, keys, values
@@ -106,8 +110,8 @@ class TransformersEngine:
             if tok in self.eos_ids and not params.ignore_eos:
                 return
             with torch.inference_mode():
-                out = self.model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+                out = self.model(torch.tensor([[tok]]), use_cache=True, **{self.cache_kw: cache})
+            cache = _cache_of(out)
             tok, lp = self._pick(out.logits[0, -1], params, gen)
             yield tok, lp
 
@@ -115,3 +119,8 @@ class TransformersEngine:
         """The whole request in one call (the parity oracle's one-process run)."""
         first, lp, keys, values = self.prefill(self.encode(source), params)
         return [first, *(t for t, _ in self.decode(first, keys, values, params))]
+
+
+def _cache_of(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
