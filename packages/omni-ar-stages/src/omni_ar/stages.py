@@ -21,16 +21,19 @@ from omni_core import Stage, StageEvent, StageInput
 
 from omni_ar.detokenizer import IncrementalDetokenizer
 from omni_ar.engines import load_engine
+from omni_ar.models import resolve_model
 from omni_ar.params import RequestError, parse_request
 
 
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: str  # a Hugging Face model directory (weights and tokenizer files)
+    model: str  # a Hugging Face model directory, or a named model ("smollm2")
     engine: Literal["transformers", "vllm"] = "transformers"
     dtype: str = "float32"
     threads: int | None = None  # torch threads in this worker
     max_prompt_tokens: int = 2048
     max_tokens_limit: int = 4096
+    default_max_tokens: int = 16  # for requests that do not say
+    chat: bool = False  # a plain "prompt" goes through the chat template as a user turn
 
 
 class _ModelStage(Stage):
@@ -38,10 +41,18 @@ class _ModelStage(Stage):
 
     def _engine(self):  # type: ignore[no-untyped-def]
         o = self.options
-        return load_engine(o.engine, o.model, o.dtype, o.threads)
+        return load_engine(o.engine, resolve_model(o.model), o.dtype, o.threads)
 
     def _params(self, inp: StageInput):  # type: ignore[no-untyped-def]
-        return parse_request(inp.request, self.options.max_tokens_limit)
+        """(prompt or messages, sampling params); every stage reads the request alike."""
+        o = self.options
+        request = inp.request
+        if "max_tokens" not in request:
+            request = {**request, "max_tokens": o.default_max_tokens}
+        source, params = parse_request(request, o.max_tokens_limit)
+        if o.chat and isinstance(source, str):
+            source = [{"role": "user", "content": source}]
+        return source, params
 
 
 class Intake(_ModelStage):

@@ -109,11 +109,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         for _i in range(args.repeat):
+            streaming_text = False
             for ev in pipe.stream(request, timeout_s=args.timeout):
                 counts[ev.stage] = counts.get(ev.stage, 0) + 1
+                text = ev.payload.get("text") if isinstance(ev.payload, dict) else None
                 if args.json:
                     print(json.dumps(_event_json(ev)), flush=True)
+                elif isinstance(text, str):  # a text stream: show it as it comes
+                    streaming_text = True
+                    print(text, end="", flush=True)
                 else:
+                    if streaming_text and ev.terminal:
+                        print(flush=True)
+                        streaming_text = False
                     if tty:
                         print("\r\033[K", end="", file=sys.stderr)
                     print(_describe(ev), flush=True)

