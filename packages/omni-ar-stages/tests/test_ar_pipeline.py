@@ -146,3 +146,17 @@ def test_decode_killed_mid_request(pipe, reference):
         time.sleep(0.1)
     out = pipe.generate([PROMPTS[1]])[0]
     assert text_and_tokens(out)[1] == reference[1][1]
+
+
+def test_inline_detokenization_in_decode_gives_the_same_text(tiny_model, reference):
+    tok, expected = reference
+    cfg = ar_config(tiny_model, enabled=False)
+    cfg["stages"] = cfg["stages"][:3]
+    cfg["stages"][2]["options"] = {"model": tiny_model, "inline_detokenize": True}
+    cfg["edges"] = cfg["edges"][:2]
+    with Pipeline(cfg) as pipe:
+        outs = pipe.generate(PROMPTS[:2])
+    for out, exp in zip(outs, expected, strict=False):
+        segs = out.by_stage("decode")
+        assert [t for e in segs for t in e.tokens] == exp
+        assert "".join(e.payload["text"] for e in segs) == tok.decode(exp, skip_special_tokens=True)

@@ -106,6 +106,9 @@ class Prefill(_ModelStage):
 class DecodeOptions(ModelOptions, kw_only=True):
     max_segment_tokens: int = 8
     min_flush_interval_ms: float = 50.0
+    # detokenize in the decode loop itself (no postprocess stage): the baseline that
+    # `omni bench ar` compares the separate postprocess process against
+    inline_detokenize: bool = False
 
 
 class Decode(_ModelStage):
@@ -116,6 +119,8 @@ class Decode(_ModelStage):
     def load(self) -> None:
         self.engine = self._engine()
         self.engine.load_model()
+        if self.options.inline_detokenize:
+            self.engine.load_tokenizer()
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         o = self.options
@@ -124,9 +129,15 @@ class Decode(_ModelStage):
             w = inp.window
             arrays = w.arrays
             first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
+            detok = (
+                IncrementalDetokenizer(self.engine.tokenizer, stop=params.stop)
+                if o.inline_detokenize
+                else None
+            )
             tokens, logprobs = [first], [first_lp]
             last_flush = time.monotonic()
-            for tok, lp in self.engine.decode(first, arrays["keys"], arrays["values"], params):
+            steps = self.engine.decode(first, arrays["keys"], arrays["values"], params)
+            for tok, lp in steps:
                 if inp.cancelled:
                     return
                 tokens.append(tok)
@@ -136,9 +147,26 @@ class Decode(_ModelStage):
                     len(tokens) >= o.max_segment_tokens
                     or (now - last_flush) * 1000 >= o.min_flush_interval_ms
                 ):
-                    yield inp.segment(tokens, logprobs=logprobs if params.logprobs else None)
+                    yield self._segment(inp, tokens, logprobs, params, detok, last=False)
+                    if detok is not None and detok.stopped is not None:
+                        return
                     tokens, logprobs, last_flush = [], [], now
-            yield inp.segment(tokens, logprobs=logprobs if params.logprobs else None, is_last=True)
+            yield self._segment(inp, tokens, logprobs, params, detok, last=True)
+
+    @staticmethod
+    def _segment(inp, tokens, logprobs, params, detok, last):  # type: ignore[no-untyped-def]
+        payload = {}
+        if detok is not None:
+            text = detok.add(tokens)
+            if detok.stopped is not None:
+                payload = {"text": text, "finish_reason": "stop"}
+                last = True
+            elif last:
+                payload = {"text": text + detok.flush(), "finish_reason": "end"}
+            else:
+                payload = {"text": text}
+        lps = logprobs if params.logprobs else None
+        return inp.segment(tokens, logprobs=lps, payload=payload, is_last=last)
 
 
 class Postprocess(_ModelStage):

@@ -1,0 +1,130 @@
+"""``omni bench ar``: the staged AR pipeline next to one engine in one process.
+
+Same model, same prompts, one run. ``direct``: the transformers engine in this process
+(all cores), requests one after another, as ``generate`` would serve them. ``staged``:
+intake -> prefill -> decode -> postprocess, each its own worker (one torch thread each),
+requests submitted at once. ``inline_detok``: the same without the postprocess stage,
+detokenizing inside the decode loop. Concurrency 1 gives time to first token (staged: to
+the first text the caller receives); concurrency 8, generated tokens per second. Every
+request generates exactly ``--max-tokens`` tokens (``ignore_eos``). The vLLM engine is not
+wired yet, so this is the transformers engine only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+from omni_core import Pipeline
+
+from omni_bench.report import emit
+
+PROMPTS = [
+    "Write a haiku about foxes in the snow.",
+    "Explain what a pipeline is in one sentence.",
+    "List three colors of autumn leaves.",
+    "What is the capital of France?",
+    "Describe a red fox.",
+    "Give me a short poem about rivers.",
+    "Why is the sky blue?",
+    "Name a famous painter.",
+]
+
+
+def config(model: str, inline: bool) -> dict[str, Any]:
+    common = {"model": model, "chat": True}
+    worker = {**common, "threads": 1}
+    env = {"OMP_NUM_THREADS": "1"}
+    decode = {"name": "decode", "kind": "ar.decode", "extra_env": env}
+    decode["options"] = {**worker, "max_segment_tokens": 8, "inline_detokenize": inline}
+    stages = [
+        {"name": "intake", "kind": "ar.intake", "options": common},
+        {"name": "prefill", "kind": "ar.prefill", "extra_env": env, "options": worker},
+        decode,
+    ]
+    edges = [{"from": "intake", "to": "prefill"}, {"from": "prefill", "to": "decode"}]
+    if not inline:
+        stages.append({"name": "postprocess", "kind": "ar.postprocess", "options": common})
+        edges.append({"from": "decode", "to": "postprocess", "window": {"size": 1}})
+    return {"name": "bench-ar", "ready_timeout_s": 600, "stages": stages, "edges": edges}
+
+
+def request(i: int, max_tokens: int) -> dict[str, Any]:
+    return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def staged(model: str, max_tokens: int, inline: bool) -> tuple[float, float]:
+    """(time to first text in ms at concurrency 1, tokens/s at concurrency 8)."""
+    with Pipeline(config(model, inline)) as pipe:
+        pipe.generate([request(0, 4)])  # warm up
+        t0 = time.monotonic()
+        ttft = None
+        for ev in pipe.stream(request(0, max_tokens)):
+            if ttft is None and ev.event_type == "segment" and ev.payload.get("text"):
+                ttft = time.monotonic() - t0
+        t0 = time.monotonic()
+        outs = pipe.generate([request(i, max_tokens) for i in range(8)])
+        elapsed = time.monotonic() - t0
+    sink = "decode" if inline else "postprocess"
+    tokens = sum(len(e.tokens) for o in outs for e in o.by_stage(sink))
+    if tokens != 8 * max_tokens or not all(o.ok for o in outs):
+        raise RuntimeError(f"staged run produced {tokens} tokens, expected {8 * max_tokens}")
+    return (ttft or float("nan")) * 1000, tokens / elapsed
+
+
+def direct(model: str, max_tokens: int) -> tuple[float, float]:
+    import torch
+    from omni_ar.engines.transformers_engine import TransformersEngine
+    from omni_ar.params import parse_request
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    engine = TransformersEngine(model)
+    engine.load_tokenizer()
+    engine.load_model()
+
+    def run(i: int, n: int) -> tuple[float, int]:
+        r = request(i, n)
+        _, params = parse_request(r, 4096)
+        t0 = time.monotonic()
+        ids = engine.encode([{"role": "user", "content": r["prompt"]}])
+        first, _, keys, values = engine.prefill(ids, params)
+        engine.tokenizer.decode([first])
+        ttft = time.monotonic() - t0
+        count = 1 + sum(1 for _ in engine.decode(first, keys, values, params))
+        return ttft, count
+
+    run(0, 4)  # warm up
+    ttft, _ = run(0, max_tokens)
+    t0 = time.monotonic()
+    tokens = sum(run(i, max_tokens)[1] for i in range(8))
+    return ttft * 1000, tokens / (time.monotonic() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omni bench ar", description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", default="smollm2", help="a named model or a model directory")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    from omni_ar.models import resolve_model
+
+    model = resolve_model(args.model)
+    direct_ttft, direct_tps = direct(model, args.max_tokens)
+    staged_ttft, staged_tps = staged(model, args.max_tokens, inline=False)
+    _, inline_tps = staged(model, args.max_tokens, inline=True)
+    res: dict[str, Any] = {
+        "engine": "transformers",
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "staged_tok_per_s_c8": round(staged_tps, 2),
+        "direct_tok_per_s_c8": round(direct_tps, 2),
+        "inline_detok_tok_per_s_c8": round(inline_tps, 2),
+        "staged_ttft_ms_c1": round(staged_ttft, 1),
+        "direct_ttft_ms_c1": round(direct_ttft, 1),
+    }
+    res["staged_vs_direct_c8"] = round(staged_tps / direct_tps, 3)
+    res["targets_met"] = {"staged_tok_per_s_c8 >= 0.9 x direct": staged_tps >= 0.9 * direct_tps}
+    emit(res, args.json)
+    return 0
