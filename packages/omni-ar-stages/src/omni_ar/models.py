@@ -55,10 +55,15 @@ def resolve_model(model: str) -> str:
     return str(target)
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
+def quiet_offline() -> None:
+    """No progress bars in worker logs, and never a network call for weights."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    quiet_offline()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -9,25 +9,18 @@ them and steps from there, giving the same tokens as ``model.generate``.
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from omni_ar.models import quiet_offline
 from omni_ar.params import SamplingParams
-
-
-def _quiet_offline() -> None:
-    """No progress bars in worker logs, and never a network call for weights."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 class TransformersEngine:
     def __init__(self, model: str, dtype: str = "float32", threads: int | None = None) -> None:
-        _quiet_offline()
+        quiet_offline()
         self.model_dir = model
         self.dtype = dtype
         self.threads = threads
