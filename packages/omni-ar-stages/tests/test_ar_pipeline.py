@@ -160,3 +160,35 @@ def test_inline_detokenization_in_decode_gives_the_same_text(tiny_model, referen
         segs = out.by_stage("decode")
         assert [t for e in segs for t in e.tokens] == exp
         assert "".join(e.payload["text"] for e in segs) == tok.decode(exp, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("size,overlap", [(16, 4), (-1, 0)])
+def test_talker_consumes_decode_output_in_windows(tiny_model, size, overlap):
+    opts = {"model": tiny_model, "threads": 1}
+    window = {"size": size, "overlap": overlap}
+    cfg = {
+        "stages": [
+            {"name": "intake", "kind": "ar.intake", "options": {"model": tiny_model}},
+            {"name": "prefill", "kind": "ar.prefill", "options": opts},
+            {"name": "decode", "kind": "ar.decode", "options": opts, "client_stream": True},
+            {"name": "talker", "kind": "ar.talker", "options": opts},
+        ],
+        "edges": [
+            {"from": "intake", "to": "prefill"},
+            {"from": "prefill", "to": "decode"},
+            {"from": "decode", "to": "talker", "window": window},
+        ],
+    }
+    request = {"prompt": "the quick brown fox", "max_tokens": 40, "ignore_eos": True}
+    with Pipeline(cfg) as pipe:
+        out = pipe.generate([request])[0]
+    assert out.ok, out.error
+    talker = [e for e in out.by_stage("talker") if e.tokens]
+    if (
+        size == 16
+    ):  # windows of 16 new tokens (the last shorter), each after the first with 4 of context
+        assert [e.payload["tokens_in"] for e in talker] == [16, 20, 12]
+        assert [e.payload["context"] for e in talker] == [0, 4, 4]
+    else:
+        assert [e.payload["tokens_in"] for e in talker] == [40]
+    assert all(len(e.tokens) == 1 for e in talker)

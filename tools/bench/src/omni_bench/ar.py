@@ -8,6 +8,11 @@ detokenizing inside the decode loop. Concurrency 1 gives time to first token (st
 the first text the caller receives); concurrency 8, generated tokens per second. Every
 request generates exactly ``--max-tokens`` tokens (``ignore_eos``). The vLLM engine is not
 wired yet, so this is the transformers engine only.
+
+Windows between model stages: ``configs/ar_chain.yaml``, where a talker stage consumes
+the decode stage's tokens in windows of 16 with 4 of overlap; the time from submit to the
+talker's first output, on a ``--chain-tokens`` long first-stage output, with window 16 and
+with -1 (the talker waits for the whole output).
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import os
 import time
 from typing import Any
 
-from omni_core import Pipeline
+from omni_core import Pipeline, load_config
+from omni_core.config import WindowSpec
 
 from omni_bench.report import emit
 
+CHAIN_CONFIG = "configs/ar_chain.yaml"
 PROMPTS = [
     "Write a haiku about foxes in the snow.",
     "Explain what a pipeline is in one sentence.",
@@ -74,6 +81,24 @@ def staged(model: str, max_tokens: int, inline: bool) -> tuple[float, float]:
     return (ttft or float("nan")) * 1000, tokens / elapsed
 
 
+def first_downstream_ms(model: str, size: int, tokens: int) -> float:
+    """Submit to the talker's first output, with the decode -> talker window ``size``."""
+    cfg = load_config(CHAIN_CONFIG)
+    for st in cfg.stages:
+        st.options["model"] = model
+    cfg.edges[-1].window = WindowSpec(size=size, overlap=4 if size > 0 else 0)
+    with Pipeline(cfg) as pipe:
+        pipe.generate([request(0, 4)])  # warm up
+        t0 = time.monotonic()
+        first = None
+        for ev in pipe.stream(request(0, tokens)):
+            if first is None and ev.stage == "talker" and getattr(ev, "tokens", None):
+                first = time.monotonic() - t0
+        if first is None:
+            raise RuntimeError("the talker produced nothing")
+    return first * 1000
+
+
 def direct(model: str, max_tokens: int) -> tuple[float, float]:
     import torch
     from omni_ar.engines.transformers_engine import TransformersEngine
@@ -107,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--model", default="smollm2", help="a named model or a model directory")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--chain-tokens", type=int, default=256, help="thinker output (0: skip)")
     args = ap.parse_args(argv)
     from omni_ar.models import resolve_model
 
@@ -126,5 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     res["staged_vs_direct_c8"] = round(staged_tps / direct_tps, 3)
     res["targets_met"] = {"staged_tok_per_s_c8 >= 0.9 x direct": staged_tps >= 0.9 * direct_tps}
+    if args.chain_tokens:
+        w16 = first_downstream_ms(model, 16, args.chain_tokens)
+        full = first_downstream_ms(model, -1, args.chain_tokens)
+        res["chain_tokens"] = args.chain_tokens
+        res["first_downstream_ms_window_16"] = round(w16, 1)
+        res["first_downstream_ms_window_full"] = round(full, 1)
+        res["targets_met"]["window 16 <= 0.1 x full"] = w16 <= 0.1 * full
     emit(res, args.json)
     return 0
