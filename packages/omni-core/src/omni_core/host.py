@@ -128,10 +128,7 @@ class StageHost:
             self.releasable.extend(
                 h for h in event.device_handles.values() if isinstance(h, ShmHandle)
             )
-            raise RequestFailed(
-                f"edge {edge} -> {self.name}: event sequence {event.sequence} where "
-                f"{expected} was expected (lost or reordered event)"
-            )
+            raise self._out_of_order(edge, event.sequence, expected)
         if not is_droppable(event):
             st.next_seq[edge] = expected + 1
         if expected == 0 and st.request is None:
@@ -190,10 +187,7 @@ class StageHost:
         try:
             for ev in evs:
                 if ev.sequence != expected:
-                    raise RequestFailed(
-                        f"edge {edge} -> {self.name}: event sequence {ev.sequence} where "
-                        f"{expected} was expected (lost or reordered event)"
-                    )
+                    raise self._out_of_order(edge, ev.sequence, expected)
                 expected += 1
                 n += 1
                 piece = Piece(ev.sequence, ev.tokens, {}, ev.payload, [], None, ev.logprobs)
@@ -207,6 +201,12 @@ class StageHost:
         finally:
             st.next_seq[edge] = expected
         return items, n
+
+    def _out_of_order(self, edge: str, got: int, expected: int) -> RequestFailed:
+        return RequestFailed(
+            f"edge {edge} -> {self.name}: event sequence {got} where "
+            f"{expected} was expected (lost or reordered event)"
+        )
 
     def _pair(self, rid: str, st: _Request) -> list[WorkItem]:
         items = []

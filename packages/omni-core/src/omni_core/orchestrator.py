@@ -11,6 +11,7 @@ an outbox.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import os
 import shutil
@@ -141,6 +142,7 @@ class Orchestrator:
         self.trace = TraceLog([s.name for s in cfg.stages])
         # segments of dead workers: (stage, segment, requests open when it died)
         self.retired: list[tuple[str, str, set[str]]] = []
+        self.deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -404,15 +406,20 @@ class Orchestrator:
         self.poller.register(new.pidfd, zmq.POLLIN)  # state "starting" until its Ready
 
     def _check_deadlines(self) -> None:
+        """Time out requests whose deadline passed (a heap: no scan of open requests)."""
         now = time.monotonic()
+        if not self.deadlines or self.deadlines[0][0] > now:
+            return
         expired = []
         with self.lock:
-            for h in list(self.collector.handles.values()):
-                if h.deadline is not None and now >= h.deadline:
+            while self.deadlines and self.deadlines[0][0] <= now:
+                _, rid = heapq.heappop(self.deadlines)
+                h = self.collector.handles.get(rid)
+                if h is not None:  # else it ended already
                     self.collector.finish(h, Cancelled(request_id=h.request_id, reason="timeout"))
                     expired.append(h.wire_id)
-        for rid in expired:
-            self._broadcast_cancel(rid, "timeout")
+        for wire_id in expired:
+            self._broadcast_cancel(wire_id, "timeout")
 
     # ------------------------------------------------------------------ API
     def submit(
@@ -443,6 +450,7 @@ class Orchestrator:
             if timeout_s is not None:
                 h.deadline = h.submitted + timeout_s
                 h.deadline_wall = time.time() + timeout_s
+                heapq.heappush(self.deadlines, (h.deadline, rid))
         self._send_submit(rid, request, h.deadline_wall)
         return h
 

@@ -37,6 +37,13 @@ class StageContext:
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("omni.stage"))
 
 
+def _with_arrays(ev: Any, arrays: dict[str, Any] | None) -> Any:
+    """Attach a stage's arrays (not a wire field: the runtime packs them into handles)."""
+    if arrays:
+        ev.arrays = arrays
+    return ev
+
+
 @dataclass
 class StageInput:
     """One trigger of a stage for one request: the request itself and a window per edge."""
@@ -81,9 +88,7 @@ class StageInput:
             payload=payload if payload is not None else {},
             is_last=is_last,
         )
-        if arrays:
-            ev.arrays = arrays
-        return ev
+        return _with_arrays(ev, arrays)
 
     def image(
         self,
@@ -100,9 +105,7 @@ class StageInput:
             payload=payload if payload is not None else {},
             is_last=is_last,
         )
-        if arrays:
-            ev.arrays = arrays
-        return ev
+        return _with_arrays(ev, arrays)
 
     def fail(self, message: str) -> Error:
         """End this request (only) with an error; the runtime prefixes the stage's name."""

@@ -157,11 +157,7 @@ class Sender:
                 self.must[dest] += 1
             buf.append(msg)
             self.waiting += 1
-            now = time.perf_counter()
-            if self.waiting >= MAX_FRAME_MESSAGES or now - self.last_flush > self.gap_s:
-                self._flush(now)
-                if self.must[dest] >= self.max_pending:
-                    self._block(dest)
+            if self._flush_if_due(dest):
                 return
         self.waker.wake()  # no-op while the I/O thread already ticks for the tail
 
@@ -171,13 +167,21 @@ class Sender:
             self.buffers[dest].extend(msgs)
             self.waiting += len(msgs)
             self.must[dest] += len(msgs)
-            now = time.perf_counter()
-            if self.waiting >= MAX_FRAME_MESSAGES or now - self.last_flush > self.gap_s:
-                self._flush(now)
-                if self.must[dest] >= self.max_pending:
-                    self._block(dest)
+            if self._flush_if_due(dest):
                 return
         self.waker.wake()
+
+    def _flush_if_due(self, dest: str) -> bool:
+        """(Lock held.) Send now if a frame is full or the stream is sparse; then wait if
+        ``dest`` is past its must-deliver watermark. False: the tail is left to the I/O
+        thread's tick."""
+        now = time.perf_counter()
+        if self.waiting < MAX_FRAME_MESSAGES and now - self.last_flush <= self.gap_s:
+            return False
+        self._flush(now)
+        if self.must[dest] >= self.max_pending:
+            self._block(dest)
+        return True
 
     def due(self) -> float | None:
         """Seconds until the I/O thread should flush, or None when nothing waits."""
