@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from omni_core import Stage, StageEvent, StageInput
@@ -28,6 +28,8 @@ from omni_ar.params import RequestError, parse_request
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str  # a Hugging Face model directory, or a named model ("smollm2")
     engine: Literal["transformers", "vllm"] = "transformers"
+    kv_connector: Literal["shm", "file"] = "shm"  # vLLM: how prefill's KV reaches decode
+    engine_args: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM: extra args
     dtype: str = "float32"
     threads: int | None = None  # torch threads in this worker
     max_prompt_tokens: int = 2048
@@ -38,10 +40,19 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class _ModelStage(Stage):
     Options = ModelOptions
+    kv_role: ClassVar[str | None] = None  # the vLLM engine's KV connector role
 
     def _engine(self):  # type: ignore[no-untyped-def]
         o = self.options
-        return load_engine(o.engine, resolve_model(o.model), o.dtype, o.threads)
+        return load_engine(
+            o.engine,
+            resolve_model(o.model),
+            o.dtype,
+            o.threads,
+            kv_role=self.kv_role,
+            kv_connector=o.kv_connector,
+            engine_args=o.engine_args,
+        )
 
     def _params(self, inp: StageInput):  # type: ignore[no-untyped-def]
         """(prompt or messages, sampling params); every stage reads the request alike."""
@@ -85,6 +96,8 @@ class Intake(_ModelStage):
 class Prefill(_ModelStage):
     """Prompt ids -> the first token, with the prompt's KV cache as arrays."""
 
+    kv_role = "kv_producer"
+
     def load(self) -> None:
         self.engine = self._engine()
         self.engine.load_model()
@@ -98,7 +111,7 @@ class Prefill(_ModelStage):
                 [tok],
                 logprobs=[lp],
                 arrays={"keys": keys, "values": values},
-                payload={"prompt_tokens": len(ids)},
+                payload={"prompt_tokens": len(ids), "prompt_ids": ids},
                 is_last=True,
             )
 
@@ -115,6 +128,7 @@ class Decode(_ModelStage):
     """First token + KV -> the generated tokens, flushed in segments."""
 
     Options = DecodeOptions
+    kv_role = "kv_consumer"
 
     def load(self) -> None:
         self.engine = self._engine()
@@ -136,7 +150,8 @@ class Decode(_ModelStage):
             )
             tokens, logprobs = [first], [first_lp]
             last_flush = time.monotonic()
-            steps = self.engine.decode(first, arrays["keys"], arrays["values"], params)
+            prompt = w.payloads[0].get("prompt_ids")
+            steps = self.engine.decode(first, arrays["keys"], arrays["values"], params, prompt)
             for tok, lp in steps:
                 if inp.cancelled:
                     return

@@ -21,8 +21,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llama(path: str | Path, seed: int = 0, vocab_size: int = 320) -> Path:
-    """Write a tiny Llama checkpoint and tokenizer into ``path``; returns it."""
+def build_tiny_llama(
+    path: str | Path, seed: int = 0, vocab_size: int = 320, head_dim: int | None = None
+) -> Path:
+    """Write a tiny Llama checkpoint and tokenizer into ``path``; returns it.
+
+    ``head_dim`` overrides hidden_size / heads (16); vLLM's CPU attention needs >= 32.
+    """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -50,6 +55,7 @@ def build_tiny_llama(path: str | Path, seed: int = 0, vocab_size: int = 320) -> 
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=head_dim,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         initializer_range=0.2,

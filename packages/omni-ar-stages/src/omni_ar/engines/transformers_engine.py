@@ -97,7 +97,12 @@ class TransformersEngine:
         return tok, lp, keys, values
 
     def decode(
-        self, first: int, keys: np.ndarray, values: np.ndarray, params: SamplingParams
+        self,
+        first: int,
+        keys: np.ndarray,
+        values: np.ndarray,
+        params: SamplingParams,
+        prompt: list[int] | None = None,  # not needed here: the KV holds the prompt
     ) -> Iterator[tuple[int, float]]:
         """Tokens after ``first``, one per step, until EOS or ``max_tokens`` in all."""
         import torch

