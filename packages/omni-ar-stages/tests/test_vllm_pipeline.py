@@ -1,4 +1,6 @@
-"""The AR stages on the real vLLM engine (CPU), against ``LLM.generate`` in one process.
+"""The AR stages on the real vLLM engine (CPU), against ``LLM.generate`` in one process;
+and the engine itself: the data-plane KV connector really carries the prompt (no silent
+recompute), decode streams share engine steps, closing a stream frees its KV blocks.
 
 Skipped when vLLM is not installed, except under CI (env ``CI`` set), where that fails.
 """
@@ -18,16 +20,17 @@ if importlib.util.find_spec("vllm") is None:
         "vLLM is not installed (pip install 'omni-ar-stages[vllm]')", allow_module_level=True
     )
 
-from omni_ar.engines.vllm_engine import set_vllm_env  # noqa: E402
+import torch  # noqa: E402
+from omni_ar.engines.vllm_engine import VllmEngine  # noqa: E402
+from omni_ar.params import SamplingParams  # noqa: E402
 from omni_core import Pipeline  # noqa: E402
 from omni_core.collector import collect  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-set_vllm_env()  # for the in-process runs (mrs.enabled: false)
-
 # vLLM CPU attention needs head_dim >= 32; blocks of 32 tokens so that prompts span
 # whole blocks and a partial last one; a small KV cache per engine
-ENGINE_ARGS = {"block_size": 32, "max_model_len": 512, "kv_cache_memory_bytes": 32 << 20}
+BLOCK = 32
+ENGINE_ARGS = {"block_size": BLOCK, "max_model_len": 512, "kv_cache_memory_bytes": 32 << 20}
 PROMPTS = [
     {"prompt": "the quick brown fox", "max_tokens": 24},
     {"prompt": " ".join(["a red fox in the snow, under a pale winter sky"] * 4), "max_tokens": 17},
@@ -52,6 +55,16 @@ llm = LLM(model=model, enforce_eager=True, dtype="float32", **args)
 outs = llm.generate(inputs, params, use_tqdm=False)
 print("ORACLE" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
+
+
+@pytest.fixture(scope="module", autouse=True)
+def restore_environment():
+    """In-process engines set vLLM's environment in this process: undo it for the tests
+    that follow (their workers would inherit it)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
@@ -142,3 +155,65 @@ def test_staged_vllm_equals_llm_generate(
             assert [e.event_type for e in h if e.terminal] == ["cancelled"]
             check([collect(o) for o in others], (reference[0], reference[1][:2]))
             check(pipe.generate(PROMPTS[2:]), (reference[0], reference[1][2:]))
+
+
+@pytest.fixture(scope="module")
+def engines(vllm_model):
+    """(prefill engine as KV producer, decode engine as KV consumer)."""
+    out = []
+    for role in ("kv_producer", "kv_consumer"):
+        e = VllmEngine(vllm_model, kv_role=role, engine_args=ENGINE_ARGS)
+        e.load_model()
+        out.append(e)
+    return out
+
+
+def prompt(n, salt):
+    return [3 + (i * 7 + salt) % 300 for i in range(n)]
+
+
+def kv_usage(engine):
+    return engine.engine.engine_core.engine_core.scheduler.kv_cache_manager.usage
+
+
+@pytest.mark.parametrize("n", [5, BLOCK * 2, BLOCK * 2 + 7], ids=str)
+def test_prompt_kv_crosses_in_blocks_and_decode_uses_it(engines, n):
+    prefill, decode = engines
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ids, other = prompt(n, 0), prompt(n, 1)
+    expected = [t for t, _ in prefill.stream(ids, params)]
+    first, _, keys, values = prefill.prefill(ids, params)
+    # (layers, blocks, kv_heads, block tokens, head_dim): every block holding the prompt
+    assert tuple(keys.shape) == (2, -(-n // BLOCK), 2, BLOCK, 32) == tuple(values.shape)
+    assert [first, *(t for t, _ in decode.decode(first, keys, values, params, ids))] == expected
+    # a wrong KV gives other tokens: decode reads the KV it is handed, it does not recompute
+    expected = [t for t, _ in prefill.stream(other, params)]
+    first, _, keys, values = prefill.prefill(other, params)
+    zeroed = list(decode.decode(first, torch.zeros_like(keys), values * 0, params, other))
+    assert [first, *(t for t, _ in zeroed)] != expected
+
+
+def test_streams_share_steps_and_closing_one_frees_its_kv(engines, monkeypatch):
+    prefill, decode = engines
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    assert kv_usage(decode) == 0
+    streams = []
+    for salt in range(3):
+        ids = prompt(40, 10 + salt)
+        first, _, keys, values = prefill.prefill(ids, params)
+        streams.append(decode.decode(first, keys, values, params, ids))
+    steps = []
+    real_step = decode.engine.step
+    monkeypatch.setattr(decode.engine, "step", lambda: steps.append(1) or real_step())
+    for _ in range(10):  # round-robin, as the decode worker drives its generators
+        for s in streams:
+            next(s)
+    # one step per round serves all three (30 tokens); the first round admits them
+    assert len(steps) <= 3 + 9
+    assert decode.engine.get_num_unfinished_requests() == 3 and kv_usage(decode) > 0
+    streams.pop().close()  # a cancel: the request is aborted in vLLM at once
+    assert decode.engine.get_num_unfinished_requests() == 2
+    for s in streams:
+        next(s)
+        s.close()
+    assert decode.engine.get_num_unfinished_requests() == 0 and kv_usage(decode) == 0

@@ -6,8 +6,14 @@ intake -> prefill -> decode -> postprocess, each its own worker (one torch threa
 requests submitted at once. ``inline_detok``: the same without the postprocess stage,
 detokenizing inside the decode loop. Concurrency 1 gives time to first token (staged: to
 the first text the caller receives); concurrency 8, generated tokens per second. Every
-request generates exactly ``--max-tokens`` tokens (``ignore_eos``). The vLLM engine is not
-wired yet, so this is the transformers engine only.
+request generates exactly ``--max-tokens`` tokens (``ignore_eos``).
+
+``--engine vllm``: the same with vLLM (one OpenMP thread per engine). ``direct`` is one
+vLLM engine in this process serving the 8 requests together (continuous batching); the
+staged decode stage takes 8 at once (``max_inflight: 8``) into its one engine. The KV goes
+from prefill to decode through the data-plane connector (``shm``); the time to first text
+for a long prompt (``--long-prompt-tokens``) is also measured with vLLM's file-based
+``ExampleConnector`` (``file``), which moves whole 128-token blocks only.
 
 Windows between model stages: ``configs/ar_chain.yaml``, where a talker stage consumes
 the decode stage's tokens in windows of 16 with 4 of overlap; the time from submit to the
@@ -18,6 +24,7 @@ with -1 (the talker waits for the whole output).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from typing import Any
@@ -40,11 +47,17 @@ PROMPTS = [
 ]
 
 
-def config(model: str, inline: bool) -> dict[str, Any]:
-    common = {"model": model, "chat": True}
+def config(
+    model: str, inline: bool, engine: str = "transformers", connector: str = "shm"
+) -> dict[str, Any]:
+    common = {"model": model, "chat": True, "engine": engine}
     worker = {**common, "threads": 1}
+    if engine == "vllm":
+        worker["kv_connector"] = connector
     env = {"OMP_NUM_THREADS": "1"}
     decode = {"name": "decode", "kind": "ar.decode", "extra_env": env}
+    if engine == "vllm":  # one engine batches all in flight
+        decode["max_inflight"] = 8
     decode["options"] = {**worker, "max_segment_tokens": 8, "inline_detokenize": inline}
     stages = [
         {"name": "intake", "kind": "ar.intake", "options": common},
@@ -62,15 +75,32 @@ def request(i: int, max_tokens: int) -> dict[str, Any]:
     return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "ignore_eos": True}
 
 
-def staged(model: str, max_tokens: int, inline: bool) -> tuple[float, float]:
-    """(time to first text in ms at concurrency 1, tokens/s at concurrency 8)."""
-    with Pipeline(config(model, inline)) as pipe:
+def long_request(tokens: int) -> dict[str, Any]:
+    """A prompt of about ``tokens`` tokens (the chat template adds a few)."""
+    text = " ".join(PROMPTS * (tokens // 60 + 1))
+    return {"prompt": f"Summarize: {text}", "max_tokens": 8, "ignore_eos": True}
+
+
+def first_text_ms(pipe: Pipeline, req: dict[str, Any]) -> float:
+    t0 = time.monotonic()
+    ttft = None
+    for ev in pipe.stream(req):
+        if ttft is None and ev.event_type == "segment" and ev.payload.get("text"):
+            ttft = time.monotonic() - t0
+    return (ttft or float("nan")) * 1000
+
+
+def staged(
+    model: str, max_tokens: int, inline: bool, long_tokens: int = 0, c8: bool = True, **cfg: str
+) -> tuple[float, float, float]:
+    """(time to first text in ms at concurrency 1, tokens/s at concurrency 8 (NaN without
+    ``c8``), time to first text in ms for a ``long_tokens`` prompt (NaN for 0))."""
+    with Pipeline(config(model, inline, **cfg)) as pipe:
         pipe.generate([request(0, 4)])  # warm up
-        t0 = time.monotonic()
-        ttft = None
-        for ev in pipe.stream(request(0, max_tokens)):
-            if ttft is None and ev.event_type == "segment" and ev.payload.get("text"):
-                ttft = time.monotonic() - t0
+        ttft = first_text_ms(pipe, request(0, max_tokens))
+        ttft_long = first_text_ms(pipe, long_request(long_tokens)) if long_tokens else math.nan
+        if not c8:
+            return ttft, math.nan, ttft_long
         t0 = time.monotonic()
         outs = pipe.generate([request(i, max_tokens) for i in range(8)])
         elapsed = time.monotonic() - t0
@@ -78,7 +108,7 @@ def staged(model: str, max_tokens: int, inline: bool) -> tuple[float, float]:
     tokens = sum(len(e.tokens) for o in outs for e in o.by_stage(sink))
     if tokens != 8 * max_tokens or not all(o.ok for o in outs):
         raise RuntimeError(f"staged run produced {tokens} tokens, expected {8 * max_tokens}")
-    return (ttft or float("nan")) * 1000, tokens / elapsed
+    return ttft, tokens / elapsed, ttft_long
 
 
 def first_downstream_ms(model: str, size: int, tokens: int) -> float:
@@ -97,6 +127,46 @@ def first_downstream_ms(model: str, size: int, tokens: int) -> float:
         if first is None:
             raise RuntimeError("the talker produced nothing")
     return first * 1000
+
+
+def direct_vllm(model: str, max_tokens: int, long_tokens: int) -> tuple[float, float, float]:
+    """One vLLM engine in this process: (time to first token in ms at concurrency 1,
+    tokens/s at concurrency 8, time to first token for a ``long_tokens`` prompt)."""
+    from omni_ar.engines.vllm_engine import VllmEngine
+    from omni_ar.params import parse_request
+
+    engine = VllmEngine(model)
+    engine.load_tokenizer()
+    engine.load_model()
+
+    def first_token_ms(r: dict[str, Any]) -> float:
+        _, params = parse_request(r, 4096)
+        t0 = time.monotonic()
+        steps = engine.stream(engine.encode([{"role": "user", "content": r["prompt"]}]), params)
+        engine.tokenizer.decode([next(steps)[0]])
+        ttft = time.monotonic() - t0
+        for _ in steps:
+            pass
+        return ttft * 1000
+
+    first_token_ms(request(0, 4))  # warm up
+    ttft = first_token_ms(request(0, max_tokens))
+    ttft_long = first_token_ms(long_request(long_tokens)) if long_tokens else math.nan
+    t0 = time.monotonic()
+    streams = []
+    for i in range(8):
+        r = request(i, max_tokens)
+        ids = engine.encode([{"role": "user", "content": r["prompt"]}])
+        streams.append(engine.stream(ids, parse_request(r, 4096)[1]))
+    tokens = 0
+    while streams:  # round-robin: each engine step serves every open stream
+        for s in list(streams):
+            try:
+                next(s)
+                tokens += 1
+            except StopIteration:
+                streams.remove(s)
+    return ttft, tokens / (time.monotonic() - t0), ttft_long
 
 
 def direct(model: str, max_tokens: int) -> tuple[float, float]:
@@ -133,13 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2", help="a named model or a model directory")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--chain-tokens", type=int, default=256, help="thinker output (0: skip)")
+    ap.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
+    ap.add_argument("--long-prompt-tokens", type=int, default=1024, help="vLLM only (0: skip)")
     args = ap.parse_args(argv)
     from omni_ar.models import resolve_model
 
     model = resolve_model(args.model)
+    if args.engine == "vllm":
+        emit(bench_vllm(model, args), args.json)
+        return 0
     direct_ttft, direct_tps = direct(model, args.max_tokens)
-    staged_ttft, staged_tps = staged(model, args.max_tokens, inline=False)
-    _, inline_tps = staged(model, args.max_tokens, inline=True)
+    staged_ttft, staged_tps, _ = staged(model, args.max_tokens, inline=False)
+    _, inline_tps, _ = staged(model, args.max_tokens, inline=True)
     res: dict[str, Any] = {
         "engine": "transformers",
         "model": args.model,
@@ -161,3 +236,34 @@ def main(argv: list[str] | None = None) -> int:
         res["targets_met"]["window 16 <= 0.1 x full"] = w16 <= 0.1 * full
     emit(res, args.json)
     return 0
+
+
+def bench_vllm(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM arm: direct, staged (data-plane connector), inline detokenization, and the
+    file connector's time to first text."""
+    n, long = args.max_tokens, args.long_prompt_tokens
+    direct_ttft, direct_tps, direct_long = direct_vllm(model, n, long)
+    staged_ttft, staged_tps, staged_long = staged(model, n, False, long, engine="vllm")
+    _, inline_tps, _ = staged(model, n, True, engine="vllm")
+    file_ttft, _, file_long = staged(
+        model, n, False, long, c8=False, engine="vllm", connector="file"
+    )
+    res: dict[str, Any] = {
+        "engine": "vllm",
+        "model": args.model,
+        "max_tokens": n,
+        "staged_tok_per_s_c8": round(staged_tps, 2),
+        "direct_tok_per_s_c8": round(direct_tps, 2),
+        "inline_detok_tok_per_s_c8": round(inline_tps, 2),
+        "staged_ttft_ms_c1": round(staged_ttft, 1),
+        "direct_ttft_ms_c1": round(direct_ttft, 1),
+        "staged_vs_direct_c8": round(staged_tps / direct_tps, 3),
+        "file_connector_ttft_ms_c1": round(file_ttft, 1),
+    }
+    if long:
+        res["long_prompt_tokens"] = long
+        res["staged_ttft_ms_long_prompt"] = round(staged_long, 1)
+        res["file_connector_ttft_ms_long_prompt"] = round(file_long, 1)
+        res["direct_ttft_ms_long_prompt"] = round(direct_long, 1)
+    res["targets_met"] = {"staged_tok_per_s_c8 >= 0.9 x direct": staged_tps >= 0.9 * direct_tps}
+    return res

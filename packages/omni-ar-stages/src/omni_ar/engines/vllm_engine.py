@@ -222,20 +222,17 @@ class VllmEngine:
             raise ValueError("the vLLM engine decodes from the prompt's token ids: pass prompt")
         if params.max_tokens <= 1 or (first in self.eos_ids and not params.ignore_eos):
             return
+        from omni_ar.engines.kv_connector import INBOX
+
         key = None
         if getattr(keys, "ndim", 0) > 1 and keys.shape[1] > 0:  # (layers, blocks, ...)
-            from omni_ar.engines.kv_connector import INBOX
-
             key = uuid.uuid4().hex
             INBOX[key] = (keys, values, len(prompt))
         try:
             sp = self._sampling(params, params.max_tokens - 1, key)
             yield from self._stream(self._submit([*prompt, first], sp))
         finally:
-            if key is not None:
-                from omni_ar.engines.kv_connector import INBOX
-
-                INBOX.pop(key, None)  # never loaded (cancelled while waiting)
+            INBOX.pop(key or "", None)  # never loaded (cancelled while waiting)
 
     def generate(self, source: str | list[dict[str, str]], params: SamplingParams) -> list[int]:
         """The whole request in one engine (the one-process run)."""
