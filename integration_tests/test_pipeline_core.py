@@ -269,3 +269,38 @@ def test_a_stage_may_yield_lists_of_events(enabled):
     assert all(o.ok for o in outs)
     assert streams[0] == streams[1] == streams[2]
     assert [t for e in outs[1].by_stage("m") for t in e.tokens] == [2 * i for i in range(23)]
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["mrs", "inline"])
+def test_previews_of_a_middle_stage_go_to_the_caller_only(enabled):
+    """client_stream: previews -> the caller gets every preview, the next stage only the
+    final image (its sequence has no gaps from previews it never sees)."""
+    cfg = chain(
+        ("gen", "synthetic.previews", {"steps": 5, "size": 4}, {"client_stream": "previews"}),
+        ("sink", "synthetic.count", {}),
+        mrs={"enabled": enabled},
+    )
+    with Pipeline(cfg) as pipe:
+        outs = pipe.generate([{"steps": 5}, {"steps": 3}])
+    for out, steps in zip(outs, (5, 3), strict=True):
+        assert out.ok, out.error
+        previews = out.by_stage("gen")
+        assert [e.step for e in previews] == list(range(steps))
+        assert all(e.arrays["image"].shape == (4, 4, 3) for e in previews)
+        (result,) = out.by_stage("sink")
+        assert result.payload["count"] == 1  # the final image alone
+        assert result.payload["bytes"] == 8 * 8 * 3
+
+
+def test_a_streaming_middle_stage_is_awaited_before_completion():
+    """A client_stream stage's events take their own path to the caller; the request
+    completes only once they all arrived, even if the sink was faster."""
+    cfg = chain(
+        ("src", "synthetic.source", {"tokens": 8, "segment": 2}, {"client_stream": True}),
+        ("sink", "synthetic.map", {}),
+    )
+    with Pipeline(cfg) as pipe:
+        outs = pipe.generate([{"n": 8} for _ in range(20)])
+    for out in outs:
+        assert out.ok, out.error
+        assert [t for e in out.by_stage("src") for t in e.tokens] == list(range(8))

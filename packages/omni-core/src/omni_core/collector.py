@@ -3,8 +3,8 @@
 Both backends (worker processes and in-process) hand every event that reaches the caller
 to a :class:`Collector`. It checks per-stage order, resolves arrays (copied out of shared
 memory so the slot can go back at once), renumbers events strictly per request, and ends
-the request with exactly one terminal event: completed when every sink stage completed,
-else the first error, cancel or timeout.
+the request with exactly one terminal event: completed when every sink and streaming
+stage completed, else the first error, cancel or timeout.
 """
 
 from __future__ import annotations
@@ -121,9 +121,19 @@ class Collector:
 
     MAX_REPLAYS = 2
 
-    def __init__(self, sinks: list[str], streaming: list[str], codec: ArrayCodec) -> None:
+    def __init__(
+        self,
+        sinks: list[str],
+        streaming: list[str],
+        codec: ArrayCodec,
+        previews: list[str] = (),  # type: ignore[assignment]
+    ) -> None:
         self.sinks = set(sinks)
         self.streaming = set(streaming)  # stages whose every event comes to the caller
+        self.previews = set(previews)  # stages whose previews (only) come to the caller
+        # a request ends once each of these completed: a streaming stage's events take
+        # their own path to the caller and may arrive after a sink's
+        self.awaited = self.sinks | self.streaming
         self.codec = codec
         self.handles: dict[str, RequestHandle] = {}  # by the caller's request id
         self.wire: dict[str, RequestHandle] = {}  # by wire id
@@ -135,7 +145,7 @@ class Collector:
         if request_id in self.handles:
             raise ValueError(f"request id {request_id!r} is already in flight")
         h = self.handles[request_id] = self.wire[request_id] = RequestHandle(
-            request_id, self.sinks, loop
+            request_id, self.awaited, loop
         )
         return h
 
@@ -150,7 +160,7 @@ class Collector:
         h.next_seq.clear()
         h.stages_done.clear()
         h.edges_done.clear()
-        h.sinks_left = set(self.sinks)
+        h.sinks_left = set(self.awaited)
         self.wire[h.wire_id] = h
         self.counts["replayed"] += 1
         return h.wire_id
@@ -182,7 +192,9 @@ class Collector:
                 ),
             )
             return shm, True
-        droppable = is_droppable(ev)
+        droppable = is_droppable(ev) or (
+            ev.stage in self.previews and type(ev) is ImageProgress and not ev.is_last
+        )
         if not droppable:
             h.next_seq[ev.stage] = expected + 1
         if isinstance(ev, (Segment, ImageProgress)):

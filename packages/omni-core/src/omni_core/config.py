@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -55,7 +55,9 @@ class StageSpec(_Spec, kw_only=True):
     max_inflight: PositiveInt | None = None
     max_batch_size: PositiveInt | None = None
     queue_capacity: PositiveInt | None = None
-    client_stream: bool | None = None  # stream this stage's events to the caller (sinks do)
+    # stream this stage's events to the caller (sinks do); "previews": only its previews
+    # (image events before the last), which then go to the caller and not downstream
+    client_stream: bool | Literal["previews"] | None = None
     max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3  # then the stage is dead
     restart_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5  # doubles per restart
     options: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -110,14 +112,17 @@ class PipelineConfig(_Spec, kw_only=True):
         return getattr(self.mrs.defaults, key) if value is None else value
 
     def streams_to_client(self, stage: StageSpec) -> bool:
-        return (
-            stage.client_stream
-            if stage.client_stream is not None
-            else not self.outbound(stage.name)
-        )
+        """Every event of ``stage`` goes to the caller."""
+        if stage.client_stream is None:
+            return not self.outbound(stage.name)
+        return stage.client_stream is True
 
     def client_streams(self) -> list[str]:
         return [s.name for s in self.stages if self.streams_to_client(s)]
+
+    def preview_streams(self) -> list[str]:
+        """Stages whose previews go to the caller (and only there)."""
+        return [s.name for s in self.stages if s.client_stream == "previews"]
 
     def topological_order(self) -> list[str]:
         order, seen = [], set()

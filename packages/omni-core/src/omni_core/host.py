@@ -87,6 +87,9 @@ class StageHost:
         if self.to_client:
             self.readers[CLIENT] = 1
         self.data_destinations = list(self.readers)
+        # client_stream "previews": previews go to the caller only, and do not take a
+        # sequence number (downstream stages never see them)
+        self.previews_to_client = name in cfg.preview_streams()
         self.requests: dict[str, _Request] = {}
         self.ended: OrderedDict[str, int] = OrderedDict()  # request -> next out sequence
         self.releasable: list[ShmHandle] = []  # slots to hand back; the driver drains it
@@ -227,6 +230,13 @@ class StageHost:
         return items
 
     # ------------------------------------------------------------------ output
+    def _client_preview(self, ev: Event) -> bool:
+        return self.previews_to_client and type(ev) is ImageProgress and not ev.is_last
+
+    def droppable(self, ev: Event) -> bool:
+        """May be coalesced under backpressure (see :func:`is_droppable`)."""
+        return is_droppable(ev) or self._client_preview(ev)
+
     def _stamp(self, rid: str, event: Event) -> Event:
         st = self.requests.get(rid)
         event.stage = self.name
@@ -237,16 +247,19 @@ class StageHost:
                 return event
             st = self.requests[rid] = _Request()
         event.sequence = st.out_seq
+        if self.droppable(event):
+            return event
         if st.out_seq == 0 and hasattr(event, "request"):
             event.request = st.request  # type: ignore[attr-defined]
-        if not is_droppable(event):
-            st.out_seq += 1
+        st.out_seq += 1
         return event
 
     def pack(self, ev: Event) -> dict[str, Handle]:
         """Write an event's arrays for every reader (may block on a full pool: no lock held)."""
         arrays = ev.__dict__.get("arrays")
-        return self.codec.pack(arrays, self.readers) if arrays else {}
+        if not arrays:
+            return {}
+        return self.codec.pack(arrays, {CLIENT: 1} if self._client_preview(ev) else self.readers)
 
     def emit(
         self, ev: Segment | ImageProgress | Error, handles: dict[str, Handle] | None = None
@@ -259,7 +272,8 @@ class StageHost:
             handles = self.pack(ev)
         if handles:
             ev.device_handles = handles
-        return self._stamp(ev.request_id, ev), self.data_destinations
+        dests = [CLIENT] if self._client_preview(ev) else self.data_destinations
+        return self._stamp(ev.request_id, ev), dests
 
     def emit_plain(self, evs: list[Segment]) -> list[Event]:
         """Stamp array-free segments in one go (the list-yield fast path); events of

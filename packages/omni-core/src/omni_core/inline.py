@@ -27,7 +27,9 @@ class InlineRunner:
         self.cfg = cfg
         self.order = cfg.topological_order()
         self.hosts: dict[str, StageHost] = {}
-        self.collector = Collector(cfg.sinks(), cfg.client_streams(), ArrayCodec(CLIENT))
+        self.collector = Collector(
+            cfg.sinks(), cfg.client_streams(), ArrayCodec(CLIENT), cfg.preview_streams()
+        )
 
     def start(self) -> None:
         for name in self.order:

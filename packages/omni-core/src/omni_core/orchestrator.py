@@ -125,7 +125,9 @@ class Orchestrator:
         self.segments = SegmentOwner()
         self.procs: dict[str, StageProc] = {}
         self.codec = ArrayCodec(CLIENT)
-        self.collector = Collector(self.sinks, cfg.client_streams(), self.codec)
+        self.collector = Collector(
+            self.sinks, cfg.client_streams(), self.codec, cfg.preview_streams()
+        )
         if cfg.trace:
             self.collector.trace = []
         self.lock = threading.RLock()  # guards the collector and stage table

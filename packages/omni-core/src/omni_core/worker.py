@@ -43,7 +43,6 @@ from omni_core.events import (
     Submit,
     TraceMark,
     TraceSpan,
-    is_droppable,
 )
 from omni_core.host import CLIENT, RequestFailed, StageHost, WorkItem, stage_context
 from omni_core.registry import load_stage_class
@@ -490,7 +489,7 @@ class Worker:
         with self.lock:
             ev, dests = self.host.emit(ev, handles)
             freed = self.host.forget(ev.request_id) if error else None
-        droppable = is_droppable(ev)
+        droppable = self.host.droppable(ev)
         if self.trace:
             self.marks.append(TraceMark(ev.request_id, ev.sequence, ev.event_type, ev.ts))
         for d in dests:

@@ -1,3 +1,3 @@
-"""omni DiT stage family (filled by its own issue)."""
+"""omni DiT stage family: plan -> sample -> vae -> encode on diffusers (see stages.py)."""
 
 __version__ = "0.1.0"

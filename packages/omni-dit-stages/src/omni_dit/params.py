@@ -1,0 +1,72 @@
+"""The ``image`` part of a request, validated by the plan stage.
+
+A request that makes a picture carries its parameters under ``"image"``, next to the
+prompt (so AR stages in the same pipeline read their own fields and leave these alone):
+``{"prompt": "a red fox", "image": {"width": 256, "height": 256, "steps": 12}}``.
+Every error names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+FORMATS = ("jpeg", "webp", "png")
+
+
+class ImageRequestError(ValueError):
+    """An ``image`` field is missing, of the wrong type, or out of range."""
+
+
+class ImageParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    width: int = 256
+    height: int = 256
+    steps: int = 12
+    guidance: float = 1.0  # > 1: classifier-free guidance against the negative prompt
+    seed: int = 0
+    format: Literal["jpeg", "webp", "png"] = "jpeg"
+    quality: int = 90  # JPEG / WEBP quality, 1..100
+    preview_every: int = 0  # a preview every k steps; 0: none
+    negative_prompt: str = ""
+
+
+def parse_image_request(
+    request: dict[str, Any], multiple: int, max_pixels: int, max_steps: int
+) -> ImageParams:
+    """The request's image parameters, or :class:`ImageRequestError` naming the field.
+
+    ``multiple``: width and height must be multiples of it (VAE scale x patch size).
+    """
+    raw = request.get("image", {})
+    if not isinstance(raw, dict):
+        raise ImageRequestError(f"field 'image': expected a mapping, got {type(raw).__name__}")
+    try:
+        p = msgspec.convert(raw, ImageParams)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        where = text.split("`$.", 1)[1].rstrip("`") if "`$." in text else "?"
+        if "unknown field" in text.lower():
+            where = text.split("`", 2)[1] if "`" in text else where
+        raise ImageRequestError(f"field 'image.{where}': {text.split(' - at ')[0]}") from None
+    for field in ("width", "height"):
+        v = getattr(p, field)
+        if v <= 0 or v % multiple:
+            raise ImageRequestError(
+                f"field 'image.{field}': {v} is not a positive multiple of {multiple}"
+            )
+    if p.width * p.height > max_pixels:
+        raise ImageRequestError(
+            f"field 'image.width': {p.width}x{p.height} is over the limit of {max_pixels} pixels"
+        )
+    if not 1 <= p.steps <= max_steps:
+        raise ImageRequestError(f"field 'image.steps': expected 1..{max_steps}, got {p.steps}")
+    if not 0.0 <= p.guidance <= 30.0:
+        raise ImageRequestError(f"field 'image.guidance': expected 0..30, got {p.guidance}")
+    if not 1 <= p.quality <= 100:
+        raise ImageRequestError(f"field 'image.quality': expected 1..100, got {p.quality}")
+    if p.preview_every < 0:
+        raise ImageRequestError(
+            f"field 'image.preview_every': expected >= 0, got {p.preview_every}"
+        )
+    return p

@@ -1,0 +1,352 @@
+"""The DiT stages: plan -> sample -> vae -> encode, each in its own worker.
+
+* plan: validates the request's ``image`` fields against the model, takes the
+  conditioning (``prompt_embeds``, ``pooled``) from its text-encoder upstream, sets up the
+  schedule and draws the seeded initial latents.
+* sample: the denoising loop (transformer + scheduler), batching alike requests into one
+  forward pass per step; a preview every ``image.preview_every`` steps (droppable); a
+  cancelled request leaves the batch at the next step.
+* vae: decodes the final latents to an RGB image (floats in [0, 1]).
+* encode: JPEG, WEBP or PNG bytes in the final image event.
+
+The loop is the one of diffusers' ``StableDiffusion3Pipeline``, split across processes, so
+the same parts, conditioning and seed give the same image.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+from omni_core import Stage, StageEvent, StageInput
+
+from omni_dit import models
+from omni_dit.params import ImageParams, ImageRequestError, parse_image_request
+from omni_dit.preview import cached_projection, project
+from omni_dit.schedule import make_scheduler
+
+
+class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str = models.TINY  # an SD3-family directory, or the embedded "tiny-sd3"
+    conditioning_width: int = 576  # of the embedded model (the encoder's hidden size)
+    dtype: str = "float32"
+    threads: int | None = None  # torch threads in this worker
+
+
+class PlanOptions(ModelOptions, kw_only=True):
+    max_pixels: int = 1024 * 1024  # width x height limit of a request
+    max_steps: int = 100
+
+
+def _arrays(inp: StageInput) -> dict[str, Any]:
+    """Every array of the upstream window, by name (the last piece's wins)."""
+    out: dict[str, Any] = {}
+    for p in inp.window.pieces:
+        out.update(p.arrays)
+    return out
+
+
+def _image_params(inp: StageInput) -> ImageParams:
+    """The validated image fields plan forwarded in its payload."""
+    for p in inp.window.pieces:
+        if "image" in p.payload:
+            return msgspec.convert(p.payload["image"], ImageParams)
+    raise ImageRequestError("no image parameters from upstream (is plan before this stage?)")
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+class Plan(Stage):
+    """Conditioning + request -> initial latents, conditioning batch and schedule."""
+
+    Options = PlanOptions
+
+    def load(self) -> None:
+        o = self.options
+        self.path = models.resolve_model(o.model, o.conditioning_width)
+        t = models.read_config(self.path, "transformer")
+        vae = models.read_config(self.path, "vae")
+        self.scheduler_config = models.read_config(self.path, "scheduler")
+        self.channels = int(t["in_channels"])
+        self.patch = int(t["patch_size"])
+        self.width = int(t["joint_attention_dim"])
+        self.pooled_width = int(t["pooled_projection_dim"])
+        self.vae_scale = 2 ** (len(vae["block_out_channels"]) - 1)
+        self.max_side = int(t.get("pos_embed_max_size") or 1 << 30) * self.patch * self.vae_scale
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        import torch
+
+        o = self.options
+        for inp in batch:
+            try:
+                p = parse_image_request(
+                    inp.request, self.vae_scale * self.patch, o.max_pixels, o.max_steps
+                )
+                for field in ("width", "height"):
+                    if getattr(p, field) > self.max_side:
+                        raise ImageRequestError(
+                            f"field 'image.{field}': {getattr(p, field)} is over this model's "
+                            f"largest side, {self.max_side}"
+                        )
+            except ImageRequestError as e:
+                yield inp.fail(str(e))
+                continue
+            a = _arrays(inp)
+            try:
+                embeds, pooled = self._conditioning(a, p)
+            except ValueError as e:
+                yield inp.fail(str(e))
+                continue
+            h, w = p.height // self.vae_scale, p.width // self.vae_scale
+            gen = torch.Generator("cpu").manual_seed(p.seed)
+            latents = torch.randn((1, self.channels, h, w), generator=gen, dtype=torch.float32)
+            schedule = make_scheduler(self.scheduler_config, p.steps, h, w, self.patch)
+            yield inp.segment(
+                arrays={
+                    "latents": latents.numpy(),
+                    "prompt_embeds": embeds,
+                    "pooled": pooled,
+                    "timesteps": schedule.timesteps.numpy().astype(np.float32),
+                },
+                payload={"image": msgspec.to_builtins(p)},
+                is_last=True,
+            )
+
+    def _conditioning(self, a: dict[str, Any], p: ImageParams) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, tokens, width)`` and ``(rows, width)``: one row, or [negative, positive]
+        with guidance (zeros stand for the negative prompt when there is none)."""
+        embeds, pooled = a.get("prompt_embeds"), a.get("pooled")
+        if embeds is None or pooled is None:
+            raise ValueError(
+                f"upstream sent no conditioning (arrays: {sorted(a) or 'none'}; expected "
+                "'prompt_embeds' and 'pooled' from a text-encoder stage)"
+            )
+        embeds, pooled = np.asarray(embeds, np.float32), np.asarray(pooled, np.float32)
+        if embeds.ndim != 2 or embeds.shape[1] != self.width:
+            raise ValueError(
+                f"conditioning 'prompt_embeds' has shape {embeds.shape}; this model takes "
+                f"(tokens, {self.width}) (its joint_attention_dim)"
+            )
+        if pooled.shape != (self.pooled_width,):
+            raise ValueError(
+                f"conditioning 'pooled' has shape {pooled.shape}; this model takes "
+                f"({self.pooled_width},) (its pooled_projection_dim)"
+            )
+        if p.guidance <= 1.0:
+            return embeds[None], pooled[None]
+        neg = np.asarray(a.get("negative_prompt_embeds", np.zeros_like(embeds)), np.float32)
+        neg_pooled = np.asarray(a.get("negative_pooled", np.zeros_like(pooled)), np.float32)
+        tokens = max(len(neg), len(embeds))  # pad the shorter with zeros, as SD3 pads
+        rows = np.zeros((2, tokens, self.width), np.float32)
+        rows[0, : len(neg)], rows[1, : len(embeds)] = neg, embeds
+        return rows, np.stack([neg_pooled, pooled])
+
+
+@dataclass
+class _Job:
+    inp: StageInput
+    params: ImageParams
+    latents: Any  # torch (1, C, h, w)
+    embeds: Any  # torch (rows, tokens, width)
+    pooled: Any  # torch (rows, width)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """Requests that can share one forward pass per step."""
+        p = self.params
+        return (p.steps, p.guidance, tuple(self.latents.shape), tuple(self.embeds.shape))
+
+
+class Sample(Stage):
+    """The denoising loop; previews every ``image.preview_every`` steps."""
+
+    Options = ModelOptions
+
+    def load(self) -> None:
+        o = self.options
+        _threads(o.threads)
+        self.path = models.resolve_model(o.model, o.conditioning_width)
+        self.transformer = models.load_transformer(self.path, o.dtype)
+        self.scheduler_config = models.read_config(self.path, "scheduler")
+        self.patch = int(self.transformer.config.patch_size)
+        self.projection = cached_projection(self.path, lambda: models.load_vae(self.path))
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | list[StageEvent]]:
+        import torch
+
+        groups: dict[tuple[Any, ...], list[_Job]] = defaultdict(list)
+        for inp in batch:
+            try:
+                params = _image_params(inp)
+            except ImageRequestError as e:
+                yield inp.fail(str(e))
+                continue
+            a = _arrays(inp)
+            # copies: the arrays may be read-only views of shared memory
+            job = _Job(
+                inp,
+                params,
+                torch.tensor(a["latents"]),
+                torch.tensor(a["prompt_embeds"]),
+                torch.tensor(a["pooled"]),
+            )
+            groups[job.key].append(job)
+        for jobs in groups.values():
+            yield from self._sample(jobs)
+
+    def _sample(self, jobs: list[_Job]) -> Iterator[StageEvent | list[StageEvent]]:
+        import torch
+
+        p = jobs[0].params
+        latents = torch.cat([j.latents for j in jobs])
+        _, _, h, w = latents.shape
+        schedule = make_scheduler(self.scheduler_config, p.steps, h, w, self.patch)
+        guided = p.guidance > 1.0
+        for i, t in enumerate(schedule.timesteps):
+            live = [k for k, j in enumerate(jobs) if not j.inp.cancelled]
+            if not live:
+                return
+            if len(live) < len(jobs):  # cancelled requests leave the batch
+                jobs, latents = [jobs[k] for k in live], latents[live]
+            embeds, pooled = self._conditioning(jobs, guided)
+            model_input = torch.cat([latents] * 2) if guided else latents
+            with torch.inference_mode():
+                noise = self.transformer(
+                    hidden_states=model_input,
+                    timestep=t.expand(model_input.shape[0]),
+                    encoder_hidden_states=embeds,
+                    pooled_projections=pooled,
+                    return_dict=False,
+                )[0]
+            if guided:
+                uncond, text = noise.chunk(2)
+                noise = uncond + p.guidance * (text - uncond)
+            previews = []
+            step = i + 1
+            if step < p.steps:
+                sigma = float(schedule.sigmas[i])
+                for k, j in enumerate(jobs):
+                    every = j.params.preview_every
+                    if every and step % every == 0:
+                        x0 = (latents[k] - sigma * noise[k]).numpy()  # the clean estimate
+                        previews.append(
+                            j.inp.image(
+                                step,
+                                arrays={"preview": project(x0, self.projection)},
+                                payload={"steps": p.steps},
+                            )
+                        )
+            latents = schedule.step(noise, t, latents, return_dict=False)[0]
+            yield previews  # also the point where a cancel takes effect
+        for k, j in enumerate(jobs):
+            yield j.inp.segment(
+                arrays={"latents": latents[k : k + 1].numpy()},
+                payload={"image": msgspec.to_builtins(j.params)},
+                is_last=True,
+            )
+
+    @staticmethod
+    def _conditioning(jobs: list[_Job], guided: bool) -> tuple[Any, Any]:
+        """The batch's conditioning: [every negative row, every positive row] with
+        guidance, matching ``torch.cat([latents] * 2)``."""
+        import torch
+
+        if not guided:
+            return torch.cat([j.embeds for j in jobs]), torch.cat([j.pooled for j in jobs])
+        embeds = [j.embeds[0:1] for j in jobs] + [j.embeds[1:2] for j in jobs]
+        pooled = [j.pooled[0:1] for j in jobs] + [j.pooled[1:2] for j in jobs]
+        return torch.cat(embeds), torch.cat(pooled)
+
+
+class VaeDecode(Stage):
+    """Final latents -> an RGB image, float32 ``(height, width, 3)`` in [0, 1]."""
+
+    Options = ModelOptions
+
+    def load(self) -> None:
+        from diffusers.image_processor import VaeImageProcessor
+
+        o = self.options
+        _threads(o.threads)
+        self.path = models.resolve_model(o.model, o.conditioning_width)
+        self.vae = models.load_vae(self.path, o.dtype)
+        scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.processor = VaeImageProcessor(vae_scale_factor=scale)
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        import torch
+
+        groups: dict[tuple[int, ...], list[tuple[StageInput, Any, dict[str, Any]]]] = defaultdict(
+            list
+        )
+        for inp in batch:
+            a = _arrays(inp)
+            if "latents" not in a:
+                yield inp.fail(f"upstream sent no 'latents' (arrays: {sorted(a) or 'none'})")
+                continue
+            payload = next((p.payload for p in inp.window.pieces if "image" in p.payload), {})
+            latents = torch.tensor(a["latents"])
+            groups[tuple(latents.shape)].append((inp, latents, payload))
+        cfg = self.vae.config
+        for items in groups.values():
+            latents = torch.cat([x[1] for x in items]).to(self.vae.dtype)
+            latents = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+            with torch.inference_mode():
+                decoded = self.vae.decode(latents, return_dict=False)[0]
+            images = self.processor.postprocess(decoded, output_type="np")
+            for (inp, _, payload), image in zip(items, images, strict=True):
+                yield inp.segment(
+                    arrays={"image": np.ascontiguousarray(image, dtype=np.float32)},
+                    payload=payload,
+                    is_last=True,
+                )
+
+
+MIME = {"jpeg": "image/jpeg", "webp": "image/webp", "png": "image/png"}
+
+
+class Encode(Stage):
+    """The decoded image -> JPEG / WEBP / PNG bytes in the final image event."""
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        from PIL import Image
+
+        for inp in batch:
+            image = _arrays(inp).get("image")
+            try:
+                params = _image_params(inp)
+            except ImageRequestError as e:
+                yield inp.fail(str(e))
+                continue
+            if image is None or getattr(image, "ndim", 0) != 3:
+                yield inp.fail("upstream sent no 'image' array of (height, width, 3)")
+                continue
+            pixels = (np.asarray(image) * 255).round().astype(np.uint8)  # as diffusers does
+            buf = io.BytesIO()
+            fmt = params.format
+            if fmt == "png":
+                Image.fromarray(pixels).save(buf, format="PNG")
+            else:
+                Image.fromarray(pixels).save(buf, format=fmt.upper(), quality=params.quality)
+            yield inp.image(
+                params.steps,
+                arrays={"image": buf.getvalue()},
+                payload={
+                    "format": fmt,
+                    "mime": MIME[fmt],
+                    "width": pixels.shape[1],
+                    "height": pixels.shape[0],
+                },
+                is_last=True,
+            )
