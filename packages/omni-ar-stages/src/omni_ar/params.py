@@ -24,11 +24,18 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False
 
 
-_REQUEST_KEYS = {"prompt", "messages", *SamplingParams.__struct_fields__}
+# "image": the parameters of diffusion stages in the same pipeline (they validate it)
+_REQUEST_KEYS = {"prompt", "messages", "image", *SamplingParams.__struct_fields__}
 
 
-def parse_request(request: dict[str, Any], max_tokens_limit: int) -> tuple[Any, SamplingParams]:
-    """(prompt text or chat messages, sampling params) of a request, or RequestError."""
+def parse_request(
+    request: dict[str, Any], max_tokens_limit: int, images: bool = False
+) -> tuple[Any, SamplingParams]:
+    """(prompt text or chat messages, sampling params) of a request, or RequestError.
+
+    With ``images`` a message's content may also be a list of parts (see
+    :func:`check_content_parts`); the media themselves are checked where they are decoded.
+    """
     unknown = sorted(set(request) - _REQUEST_KEYS)
     if unknown:
         raise RequestError(f"field {unknown[0]!r}: unknown request field")
@@ -49,7 +56,15 @@ def parse_request(request: dict[str, Any], max_tokens_limit: int) -> tuple[Any, 
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise RequestError(f"field 'messages[{i}].role': expected a string")
-            if not isinstance(m.get("content"), str):
+            content = m.get("content")
+            if isinstance(content, list):
+                if not images:
+                    raise RequestError(
+                        f"field 'messages[{i}].content': content parts (images) need the "
+                        "multimodal stages (ar.mm_intake, ar.mm_prefill, ar.mm_decode)"
+                    )
+                check_content_parts(content, f"messages[{i}].content")
+            elif not isinstance(content, str):
                 raise RequestError(f"field 'messages[{i}].content': expected a string")
         source = msgs
     fields = {k: v for k, v in request.items() if k in SamplingParams.__struct_fields__}
@@ -70,3 +85,32 @@ def parse_request(request: dict[str, Any], max_tokens_limit: int) -> tuple[Any, 
     if any(not s for s in params.stop):
         raise RequestError("field 'stop': stop strings must not be empty")
     return source, params
+
+
+_PART_FORMS = (
+    "expected {'type': 'text', 'text': str}, {'type': 'image', 'image': path | bytes | "
+    "data URL} or {'type': 'image_url', 'image_url': {'url': str}}"
+)
+
+
+def check_content_parts(parts: list[Any], where: str) -> None:
+    """A message's parts: ``{"type": "text", "text": str}``, ``{"type": "image", "image":
+    path | bytes | data URL}``, ``{"type": "image_url", "image_url": {"url": ...}}``, or
+    ``{"type": "image", "hash": str}`` (an image that an upstream stage replaced by its
+    content hash)."""
+    if not parts:
+        raise RequestError(f"field {where!r}: expected a non-empty list of parts")
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        keys = set(part) - {"type"} if isinstance(part, dict) else set()
+        if kind == "text" and keys == {"text"} and isinstance(part["text"], str):
+            continue
+        if kind == "image" and keys == {"image"} and isinstance(part["image"], (str, bytes)):
+            continue
+        if kind == "image" and keys == {"hash"} and isinstance(part["hash"], str):
+            continue
+        url = part.get("image_url") if kind == "image_url" and keys == {"image_url"} else None
+        if isinstance(url, dict) and isinstance(url.get("url"), str):
+            continue
+        raise RequestError(f"field {at!r}: {_PART_FORMS}")

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -22,7 +22,7 @@ from omni_core import Stage, StageEvent, StageInput
 from omni_ar.detokenizer import IncrementalDetokenizer
 from omni_ar.engines import load_engine
 from omni_ar.models import resolve_model
-from omni_ar.params import RequestError, parse_request
+from omni_ar.params import RequestError, SamplingParams, parse_request
 
 
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -36,10 +36,12 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens_limit: int = 4096
     default_max_tokens: int = 16  # for requests that do not say
     chat: bool = False  # a plain "prompt" goes through the chat template as a user turn
+    system_prompt: str | None = None  # with chat: a system turn before a plain prompt
 
 
 class _ModelStage(Stage):
     Options = ModelOptions
+    images: ClassVar[bool] = False  # requests may carry image parts (the ar.mm_* stages)
     kv_role: ClassVar[str | None] = None  # the vLLM engine's KV connector role
 
     def _engine(self):  # type: ignore[no-untyped-def]
@@ -60,9 +62,11 @@ class _ModelStage(Stage):
         request = inp.request
         if "max_tokens" not in request:
             request = {**request, "max_tokens": o.default_max_tokens}
-        source, params = parse_request(request, o.max_tokens_limit)
+        source, params = parse_request(request, o.max_tokens_limit, images=self.images)
         if o.chat and isinstance(source, str):
             source = [{"role": "user", "content": source}]
+            if o.system_prompt:
+                source.insert(0, {"role": "system", "content": o.system_prompt})
         return source, params
 
 
@@ -137,36 +141,46 @@ class Decode(_ModelStage):
             self.engine.load_tokenizer()
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
-        o = self.options
         for inp in batch:
             _, params = self._params(inp)
             w = inp.window
             arrays = w.arrays
             first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
-            detok = (
-                IncrementalDetokenizer(self.engine.tokenizer, stop=params.stop)
-                if o.inline_detokenize
-                else None
-            )
-            tokens, logprobs = [first], [first_lp]
-            last_flush = time.monotonic()
             prompt = w.payloads[0].get("prompt_ids")
             steps = self.engine.decode(first, arrays["keys"], arrays["values"], params, prompt)
-            for tok, lp in steps:
-                if inp.cancelled:
+            yield from self._stream(inp, params, [(first, first_lp)], steps)
+
+    def _stream(
+        self,
+        inp: StageInput,
+        params: SamplingParams,
+        tokens_so_far: list[tuple[int, float]],
+        steps: Iterable[tuple[int, float]],
+    ) -> Iterator[StageEvent]:
+        """Flush ``tokens_so_far`` and then the tokens of ``steps`` in segments."""
+        o = self.options
+        detok = (
+            IncrementalDetokenizer(self.engine.tokenizer, stop=params.stop)
+            if o.inline_detokenize
+            else None
+        )
+        tokens, logprobs = [t for t, _ in tokens_so_far], [lp for _, lp in tokens_so_far]
+        last_flush = time.monotonic()
+        for tok, lp in steps:
+            if inp.cancelled:
+                return
+            tokens.append(tok)
+            logprobs.append(lp)
+            now = time.monotonic()
+            if (
+                len(tokens) >= o.max_segment_tokens
+                or (now - last_flush) * 1000 >= o.min_flush_interval_ms
+            ):
+                yield self._segment(inp, tokens, logprobs, params, detok, last=False)
+                if detok is not None and detok.stopped is not None:
                     return
-                tokens.append(tok)
-                logprobs.append(lp)
-                now = time.monotonic()
-                if (
-                    len(tokens) >= o.max_segment_tokens
-                    or (now - last_flush) * 1000 >= o.min_flush_interval_ms
-                ):
-                    yield self._segment(inp, tokens, logprobs, params, detok, last=False)
-                    if detok is not None and detok.stopped is not None:
-                        return
-                    tokens, logprobs, last_flush = [], [], now
-            yield self._segment(inp, tokens, logprobs, params, detok, last=True)
+                tokens, logprobs, last_flush = [], [], now
+        yield self._segment(inp, tokens, logprobs, params, detok, last=True)
 
     @staticmethod
     def _segment(inp, tokens, logprobs, params, detok, last):  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ compare varied token streams. Nothing here is committed as a binary.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -21,25 +22,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llama(
-    path: str | Path, seed: int = 0, vocab_size: int = 320, head_dim: int | None = None
-) -> Path:
-    """Write a tiny Llama checkpoint and tokenizer into ``path``; returns it.
-
-    ``head_dim`` overrides hidden_size / heads (16); vLLM's CPU attention needs >= 32.
-    """
-    import torch
+def build_tokenizer(vocab_size: int = 320, extra_special: tuple[str, ...] = ()) -> Any:
+    """A byte-level BPE tokenizer trained on :data:`CORPUS` (``<unk> <s> </s>`` are ids
+    0-2; ``extra_special`` tokens follow them), with :data:`CHAT_TEMPLATE`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>"],
+        special_tokens=["<unk>", "<s>", "</s>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
@@ -47,9 +41,15 @@ def build_tiny_llama(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    cfg = LlamaConfig(
-        vocab_size=len(fast),
+    return fast
+
+
+def tiny_llama_config(vocab_size: int, head_dim: int | None = None) -> Any:
+    """The tiny Llama's config: untied embeddings, a large init range (varied output)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -62,6 +62,22 @@ def build_tiny_llama(
         bos_token_id=1,
         eos_token_id=2,
     )
+
+
+def build_tiny_llama(
+    path: str | Path, seed: int = 0, vocab_size: int = 320, head_dim: int | None = None
+) -> Path:
+    """Write a tiny Llama checkpoint and tokenizer into ``path``; returns it.
+
+    ``head_dim`` overrides hidden_size / heads (16); vLLM's CPU attention needs >= 32.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fast = build_tokenizer(vocab_size)
+    fast.save_pretrained(path)
     torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    LlamaForCausalLM(tiny_llama_config(len(fast), head_dim)).eval().save_pretrained(path)
     return path

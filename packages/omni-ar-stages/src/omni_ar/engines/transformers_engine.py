@@ -39,9 +39,13 @@ class TransformersEngine:
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=getattr(torch, self.dtype)
-        ).eval()
+        self.adopt(
+            AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.dtype))
+        )
+
+    def adopt(self, model: Any) -> None:
+        """Use ``model`` (a causal LM) for prefill and decode."""
+        self.model = model.eval()
         # transformers renamed `past_key_values` to `cache` during 5.x: use what this has
         params = inspect.signature(self.model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -91,9 +95,7 @@ class TransformersEngine:
         with torch.inference_mode():
             out = self.model(torch.tensor([ids]), use_cache=True)
         tok, lp = self._pick(out.logits[0, -1], params, self.generator(params))
-        cache = _cache_of(out)
-        keys = torch.stack([layer.keys[0] for layer in cache.layers]).numpy()
-        values = torch.stack([layer.values[0] for layer in cache.layers]).numpy()
+        keys, values = kv_arrays(_cache_of(out))
         return tok, lp, keys, values
 
     def decode(
@@ -105,12 +107,24 @@ class TransformersEngine:
         prompt: list[int] | None = None,  # not needed here: the KV holds the prompt
     ) -> Iterator[tuple[int, float]]:
         """Tokens after ``first``, one per step, until EOS or ``max_tokens`` in all."""
+        return self.steps(first, self.cache_from(keys, values), params)
+
+    @staticmethod
+    def cache_from(keys: np.ndarray, values: np.ndarray) -> Any:
+        """A ``DynamicCache`` holding copies of stacked ``(L, kvH, T, D)`` KV arrays."""
         import torch
         from transformers import DynamicCache
 
         cache = DynamicCache()
         for i in range(keys.shape[0]):  # copies: the arrays may be read-only shared views
             cache.update(torch.tensor(keys[i])[None], torch.tensor(values[i])[None], i)
+        return cache
+
+    def steps(self, first: int, cache: Any, params: SamplingParams) -> Iterator[tuple[int, float]]:
+        """The tokens after ``first`` (the cache holds everything before it), one per
+        step, until EOS or ``max_tokens`` in all."""
+        import torch
+
         gen = self.generator(params, offset=1)
         tok = first
         for _ in range(params.max_tokens - 1):
@@ -126,6 +140,15 @@ class TransformersEngine:
         """The whole request in one call (the parity oracle's one-process run)."""
         first, lp, keys, values = self.prefill(self.encode(source), params)
         return [first, *(t for t, _ in self.decode(first, keys, values, params))]
+
+
+def kv_arrays(cache: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A batch-of-one cache as stacked ``(layers, kv_heads, tokens, head_dim)`` arrays."""
+    import torch
+
+    keys = torch.stack([layer.keys[0] for layer in cache.layers]).numpy()
+    values = torch.stack([layer.values[0] for layer in cache.layers]).numpy()
+    return keys, values
 
 
 def _cache_of(out: Any) -> Any:

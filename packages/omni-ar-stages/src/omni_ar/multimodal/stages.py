@@ -1,0 +1,243 @@
+"""The multimodal AR stages: ar.mm_intake -> ar.mm_prefill -> ar.mm_decode -> ar.mm_postprocess.
+
+* mm_intake (source): validates the request, reads and decodes its images (a local
+  path, bytes or a base64 data URL; never the network), hashes each, tokenizes with one
+  placeholder run per image; emits the ids, the decoded pixels as arrays and per image
+  ``{"hash", "offset", "length"}``. A bad image ends that request with an error naming
+  the part.
+* mm_prefill: image processor + vision encoder + prompt forward (a prefix cache keyed by
+  block hashes skips both for a repeated image + prefix); emits the ``handoff`` payload
+  and the KV arrays, and drops the media from the request it forwards.
+* mm_decode: never loads the vision tower; admits the request only if every check of
+  :func:`omni_ar.multimodal.handoff.admit` passes, then continues from the KV.
+  ``media: reprocess`` is the full-media baseline of ``omni bench mm-handoff``: decode
+  receives the media and renders the prompt from it again.
+* mm_postprocess: ar.postprocess for requests that carry image parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from omni_core import StageEvent, StageInput
+
+from omni_ar.models import resolve_model
+from omni_ar.multimodal.engine import VLMEngine
+from omni_ar.multimodal.handoff import AdmissionError, PrefixCache, admit, block_hashes
+from omni_ar.multimodal.media import (
+    has_media,
+    image_hash,
+    image_parts,
+    load_images,
+    strip_media,
+)
+from omni_ar.params import RequestError
+from omni_ar.stages import Decode, DecodeOptions, ModelOptions, Postprocess, _ModelStage
+
+VLLM_UNSUPPORTED = (
+    "engine 'vllm': vLLM 0.32 cannot continue a multimodal request without its media on "
+    "a KV consumer: its Generate API's MultiModalFeatures has no requires_kv, an item "
+    "without data is looked up by hash in the engine's receiver cache (a miss ends the "
+    "request with MultiModalCacheMissError, asking for the media again), and its "
+    "scheduler has no check that KV covers the placeholders (it would schedule the "
+    "encoder); use engine 'transformers'"
+)
+
+
+class MMOptions(ModelOptions, kw_only=True):
+    block_size: int = 16  # tokens per KV block; prefill and decode must agree
+    max_images: int = 8
+    max_image_pixels: int = 64_000_000
+
+
+class _MMStage(_ModelStage):
+    Options = MMOptions
+    images = True
+
+    def _engine(self) -> VLMEngine:
+        o = self.options
+        if o.engine != "transformers":
+            raise RuntimeError(VLLM_UNSUPPORTED)
+        return VLMEngine(resolve_model(o.model), dtype=o.dtype, threads=o.threads)
+
+    def _messages(self, inp: StageInput) -> tuple[list[dict[str, Any]] | None, Any]:
+        """(chat messages, or None for a plain prompt; sampling params)."""
+        source, params = self._params(inp)
+        return (source if isinstance(source, list) else None), params
+
+
+class MMIntake(_MMStage):
+    """Request -> prompt ids with placeholders, decoded images and their hashes."""
+
+    def load(self) -> None:
+        self.engine = self._engine()
+        self.engine.load_tokenizer()
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        o = self.options
+        for inp in batch:
+            try:
+                messages, _ = self._messages(inp)
+                pixels: list[Any] = []
+                if messages is not None:
+                    count = sum(1 for _ in image_parts(messages))
+                    if count > o.max_images:
+                        raise RequestError(
+                            f"field 'messages': {count} images, over max_images={o.max_images}"
+                        )
+                    pixels = load_images(messages, o.max_image_pixels)
+            except RequestError as e:
+                yield inp.fail(str(e))
+                continue
+            try:
+                if messages is None:
+                    ids, spans = self.engine.encode(inp.request["prompt"]), []
+                else:
+                    ids, spans = self.engine.encode_mm(messages, [p.shape[:2] for p in pixels])
+            except Exception as e:  # e.g. a chat template that rejects the messages
+                yield inp.fail(f"field 'messages': cannot apply the chat template: {e}")
+                continue
+            if len(ids) > o.max_prompt_tokens:
+                yield inp.fail(
+                    f"field 'messages': {len(ids)} tokens with image placeholders, over "
+                    f"max_prompt_tokens={o.max_prompt_tokens}"
+                )
+                continue
+            items = [
+                {"hash": image_hash(px), "offset": off, "length": n}
+                for px, (off, n) in zip(pixels, spans, strict=True)
+            ]
+            yield inp.segment(
+                ids,
+                arrays={f"image_{i}": px for i, px in enumerate(pixels)},
+                payload={"mm_items": items},
+                is_last=True,
+            )
+
+
+class MMPrefillOptions(MMOptions, kw_only=True):
+    prefix_cache_blocks: int = 4096  # KV blocks kept for repeated prefixes (0: none)
+    forward_media: bool = False  # the full-media baseline: leave the media in the request
+
+
+class MMPrefill(_MMStage):
+    """Ids + images -> the ``handoff`` payload and the KV of every position but the last."""
+
+    Options = MMPrefillOptions
+
+    def load(self) -> None:
+        o = self.options
+        self.engine = self._engine()
+        self.engine.load_tokenizer()
+        self.engine.load_model(vision=True)
+        self.cache = PrefixCache(o.prefix_cache_blocks) if o.prefix_cache_blocks else None
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        o = self.options
+        for inp in batch:
+            w = inp.window
+            ids = w.tokens
+            items = w.payloads[0]["mm_items"]
+            images = [w.arrays[f"image_{i}"] for i in range(len(items))]
+            keys, values, cached = self.engine.prefill_kv(
+                ids, items, images, o.block_size, self.cache
+            )
+            messages = inp.request.get("messages")
+            if messages is not None and not o.forward_media:
+                # The request this stage forwards is this very dict: each receiving stage
+                # decodes its own copy off the wire, so this edits no one else's.
+                strip_media(messages, [it["hash"] for it in items])
+            handoff = {
+                "requires_kv": bool(items),
+                "prompt_token_ids": ids,
+                "block_size": o.block_size,
+                "mm_items": items,
+                "kv_block_hashes": block_hashes(ids, items, o.block_size, keys.shape[2]),
+            }
+            yield inp.segment(
+                arrays={"keys": keys, "values": values},
+                payload={"handoff": handoff, "cached_tokens": cached},
+                is_last=True,
+            )
+
+
+class MMDecodeOptions(DecodeOptions, kw_only=True):
+    block_size: int = 16
+    max_image_pixels: int = 64_000_000
+    # "none": the requires_kv handoff; "reprocess": the full-media baseline (decode gets
+    # the media and renders the prompt from it again, as a decode without the contract must)
+    media: Literal["none", "reprocess"] = "none"
+
+
+class MMDecode(_MMStage, Decode):
+    """Handoff + KV -> the generated tokens, without media or a vision tower."""
+
+    Options = MMDecodeOptions
+
+    def load(self) -> None:
+        o = self.options
+        self.engine = self._engine()
+        self.engine.load_model(vision=False)
+        if o.inline_detokenize or o.media == "reprocess":
+            self.engine.load_tokenizer()
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        for inp in batch:
+            messages, params = self._messages(inp)
+            w = inp.window
+            handoff = next((p["handoff"] for p in w.payloads if "handoff" in p), None)
+            try:
+                if self.options.media == "reprocess":
+                    handoff = self._rerender(messages, handoff)
+                elif messages is not None and has_media(messages):
+                    raise AdmissionError(
+                        "media payload: the request still carries image data; a requires_kv "
+                        "request carries only item hashes"
+                    )
+                adm = admit(
+                    handoff,
+                    w.arrays,
+                    self.options.block_size,
+                    self.engine.kv_shape,
+                    self.engine.placeholder_id,
+                )
+                steps = self.engine.resume(
+                    handoff["prompt_token_ids"],  # type: ignore[index]
+                    w.arrays["keys"],
+                    w.arrays["values"],
+                    adm.kv_tokens,
+                    params,
+                )
+                first = next(steps)
+            except AdmissionError as e:
+                yield inp.fail(f"requires_kv admission: {e}")
+                continue
+            yield from self._stream(inp, params, [first], steps)
+
+    def _rerender(
+        self, messages: list[dict[str, Any]] | None, handoff: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """The full-media baseline: decode the request's images, hash them, run the image
+        processor and re-tokenize, as a decode that receives media does to build its
+        input (the pixel values would ride with it, unused where the KV covers)."""
+        if messages is None or handoff is None:
+            return handoff
+        try:
+            pixels = load_images(messages, self.options.max_image_pixels)
+        except RequestError as e:
+            raise AdmissionError(f"media payload: {e}") from None
+        if pixels:
+            self.engine.pixel_values(pixels)
+        ids, spans = self.engine.encode_mm(messages, [p.shape[:2] for p in pixels])
+        items = [
+            {"hash": image_hash(px), "offset": off, "length": n}
+            for px, (off, n) in zip(pixels, spans, strict=True)
+        ]
+        return {**handoff, "prompt_token_ids": ids, "mm_items": items}
+
+
+class MMPostprocess(Postprocess):
+    """ar.postprocess for requests whose messages carry image parts."""
+
+    images = True
