@@ -6,8 +6,10 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from omni_core.image_files import save_image_event
 from omni_core.registry import RegistryError, benchmark_registry, default_registry
 
 
@@ -99,6 +101,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     request = _request_from_args(args)
     tty = sys.stderr.isatty() and not args.json
     counts: dict[str, int] = {}
+    out_dir = Path(args.out) if args.out else None
+    written: list[Path] = []
     t0 = time.monotonic()
     status = 0
     with Pipeline(cfg) as pipe:
@@ -112,6 +116,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
             streaming_text = False
             for ev in pipe.stream(request, timeout_s=args.timeout):
                 counts[ev.stage] = counts.get(ev.stage, 0) + 1
+                if out_dir is not None and ev.event_type == "image":
+                    tag = ev.request_id[:8]
+                    files = save_image_event(ev, out_dir, tag)
+                    if ev.is_last and not args.json:
+                        for f in files:
+                            print(f"wrote {f}", file=sys.stderr)
+                    written.extend(files)
                 text = ev.payload.get("text") if isinstance(ev.payload, dict) else None
                 if args.json:
                     print(json.dumps(_event_json(ev)), flush=True)
@@ -119,7 +130,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     streaming_text = True
                     print(text, end="", flush=True)
                 else:
-                    if streaming_text and ev.terminal:
+                    if streaming_text:  # the text stream ended: its own line
                         print(flush=True)
                         streaming_text = False
                     if tty:
@@ -142,6 +153,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 f"done in {time.monotonic() - started:.3f}s ({args.repeat} request(s))",
                 file=sys.stderr,
             )
+            if written:
+                print(f"{len(written)} image file(s) in {out_dir}/", file=sys.stderr)
     return status
 
 
@@ -218,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="run the request this many times")
     p.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
     p.add_argument("--json", action="store_true", help="print events as JSON lines")
+    p.add_argument("--out", help="write image events (previews and final images) here")
 
     p = sub.add_parser("trace", help="run requests with tracing on; write Chrome trace JSON")
     p.add_argument("config", help="pipeline YAML file")

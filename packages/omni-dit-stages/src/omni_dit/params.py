@@ -32,15 +32,21 @@ class ImageParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def parse_image_request(
-    request: dict[str, Any], multiple: int, max_pixels: int, max_steps: int
+    request: dict[str, Any],
+    multiple: int,
+    max_pixels: int,
+    max_steps: int,
+    defaults: dict[str, Any] | None = None,
 ) -> ImageParams:
     """The request's image parameters, or :class:`ImageRequestError` naming the field.
 
-    ``multiple``: width and height must be multiples of it (VAE scale x patch size).
+    ``multiple``: width and height must be multiples of it (VAE scale x patch size);
+    ``defaults``: values for fields the request leaves out (a deployment's choices).
     """
     raw = request.get("image", {})
     if not isinstance(raw, dict):
         raise ImageRequestError(f"field 'image': expected a mapping, got {type(raw).__name__}")
+    raw = {**(defaults or {}), **raw}
     try:
         p = msgspec.convert(raw, ImageParams)
     except msgspec.ValidationError as e:

@@ -41,6 +41,7 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class PlanOptions(ModelOptions, kw_only=True):
     max_pixels: int = 1024 * 1024  # width x height limit of a request
     max_steps: int = 100
+    image_defaults: dict[str, Any] = {}  # image fields for requests that leave them out
 
 
 def _arrays(inp: StageInput) -> dict[str, Any]:
@@ -91,7 +92,11 @@ class Plan(Stage):
         for inp in batch:
             try:
                 p = parse_image_request(
-                    inp.request, self.vae_scale * self.patch, o.max_pixels, o.max_steps
+                    inp.request,
+                    self.vae_scale * self.patch,
+                    o.max_pixels,
+                    o.max_steps,
+                    o.image_defaults,
                 )
                 for field in ("width", "height"):
                     if getattr(p, field) > self.max_side:

@@ -141,6 +141,15 @@ class TransformersEngine:
         first, lp, keys, values = self.prefill(self.encode(source), params)
         return [first, *(t for t, _ in self.decode(first, keys, values, params))]
 
+    def hidden_states(self, ids: list[list[int]], layer: int = -1) -> np.ndarray:
+        """Per-token hidden states ``(batch, tokens, hidden)`` of one layer (-1: the
+        last, after the final norm) for equal-length prompts: a text encoder's output."""
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(torch.tensor(ids), output_hidden_states=True)
+        return out.hidden_states[layer].float().numpy()
+
 
 def kv_arrays(cache: Any) -> tuple[np.ndarray, np.ndarray]:
     """A batch-of-one cache as stacked ``(layers, kv_heads, tokens, head_dim)`` arrays."""

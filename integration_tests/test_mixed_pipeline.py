@@ -1,0 +1,147 @@
+"""The mixed AR + diffusion pipeline end to end: an AR model writes the prompt (streamed
+as text), the same model encodes it, the DiT stages paint it; tiny models throughout."""
+
+import io
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+import torch  # noqa: E402
+from diffusers import StableDiffusion3Pipeline  # noqa: E402
+from omni_core import Pipeline  # noqa: E402
+from omni_dit import models  # noqa: E402
+from PIL import Image  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+ENCODER_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from omni_ar.testing import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def dit(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-sd3")
+    models.build_tiny_sd3(path, conditioning_width=64)  # the tiny Llama's hidden size
+    return str(path)
+
+
+def mixed_config(llm, dit, **top):
+    ar = {"model": llm, "threads": 1}
+    d = {"model": dit, "threads": 1}
+    names = ["intake", "prefill", "decode", "postprocess", "text", "plan", "sample", "vae"]
+    names.append("encode")
+    kinds = ["ar.intake", "ar.prefill", "ar.decode", "ar.postprocess", "ar.text_encode"]
+    kinds += ["dit.plan", "dit.sample", "dit.vae", "dit.encode"]
+    stages = []
+    for name, kind in zip(names, kinds, strict=True):
+        opts = ar if kind.startswith("ar.") else d
+        if kind == "ar.text_encode":
+            opts = {**ar, "max_tokens": ENCODER_TOKENS}
+        if kind == "dit.encode":
+            opts = {}
+        stages.append({"name": name, "kind": kind, "options": opts})
+    stages[3]["client_stream"] = True  # the expanded prompt, as text
+    stages[6]["client_stream"] = "previews"
+    stages[7]["client_stream"] = True  # the image before encoding, for the parity check
+    edges = [{"from": a, "to": b} for a, b in zip(names, names[1:], strict=False)]
+    edges[2]["window"] = {"size": 1}
+    return {"heartbeat_interval_s": 0.1, "stages": stages, "edges": edges, **top}
+
+
+REQUESTS = [
+    {
+        "prompt": "a red fox",
+        "max_tokens": 12,
+        "image": {"steps": 4, "width": 64, "height": 64, "preview_every": 2},
+    },
+    {
+        "prompt": "a lighthouse at dusk",
+        "max_tokens": 9,
+        "image": {"steps": 3, "width": 96, "height": 64, "format": "webp", "guidance": 3.0},
+    },
+    {
+        "prompt": "snow",
+        "max_tokens": 5,
+        "image": {"steps": 2, "width": 64, "height": 96, "format": "png", "seed": 5},
+    },
+]
+
+
+def reference_image(llm, dit, text, image):
+    """The same image from one process: the tiny Llama encodes ``text`` (padded like the
+    encoder stage pads), diffusers' SD3 pipeline paints it."""
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(llm)
+    model = AutoModelForCausalLM.from_pretrained(llm).eval()
+    ids = tok(text)["input_ids"][:ENCODER_TOKENS]
+    n = max(1, len(ids))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = ids + [pad] * (ENCODER_TOKENS - len(ids))
+    with torch.inference_mode():
+        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1]
+    embeds, pooled = hidden, hidden[:, :n].mean(dim=1)
+    path = models.resolve_model(dit)
+    pipe = StableDiffusion3Pipeline(
+        transformer=models.load_transformer(path),
+        vae=models.load_vae(path),
+        scheduler=models.load_scheduler(path),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        prompt_embeds=embeds,
+        pooled_prompt_embeds=pooled,
+        negative_prompt_embeds=torch.zeros_like(embeds),
+        negative_pooled_prompt_embeds=torch.zeros_like(pooled),
+        width=image["width"],
+        height=image["height"],
+        num_inference_steps=image["steps"],
+        guidance_scale=image.get("guidance", 1.0),
+        generator=torch.Generator("cpu").manual_seed(image.get("seed", 0)),
+        output_type="np",
+    ).images[0]
+
+
+def test_mixed_pipeline_several_requests_in_flight(llm, dit, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path))
+    with Pipeline(mixed_config(llm, dit)) as pipe:
+        handles = [pipe.submit(r) for r in REQUESTS]
+        outs = [list(h) for h in handles]
+        bad = pipe.generate(
+            [
+                {"prompt": "x", "max_tokens": 3, "image": {"width": 100}},
+                {"prompt": "x", "max_tokens": -1},
+            ]
+        )
+    for events, req in zip(outs, REQUESTS, strict=True):
+        assert events[-1].event_type == "completed", events[-1]
+        text = "".join(e.payload["text"] for e in events if e.stage == "postprocess")
+        assert any(e.stage == "postprocess" for e in events)
+        image = req["image"]
+        previews = [e.step for e in events if e.stage == "sample"]
+        every = image.get("preview_every", 0)
+        assert previews == (list(range(every, image["steps"], every)) if every else [])
+        (final,) = [e for e in events if e.stage == "encode" and e.event_type == "image"]
+        assert final.is_last and final.step == image["steps"]
+        fmt = image.get("format", "jpeg")
+        pic = Image.open(io.BytesIO(final.arrays["image"]))
+        assert pic.format == fmt.upper() and pic.size == (image["width"], image["height"])
+        (decoded,) = [e.arrays["image"] for e in events if e.stage == "vae"]
+        expected = reference_image(llm, dit, text.strip() or req["prompt"], image)
+        assert np.abs(decoded - expected).max() <= 1e-5
+    assert bad[0].finish_reason == "error" and "field 'image.width'" in bad[0].error
+    assert "'plan'" in bad[0].error
+    assert bad[1].finish_reason == "error" and "max_tokens" in bad[1].error

@@ -1,0 +1,80 @@
+"""ar.text_encode: a language model used as a text encoder, to condition diffusion stages.
+
+Input is the text of its upstream stage (the expanded prompt that ar.postprocess streams,
+stitched from one window), or, as a source stage, the request's ``prompt``. The text is
+tokenized, padded or cut to ``max_tokens`` (so every request has the same length and the
+sampler can batch them, as SD3 pads its T5 prompt), and run through the model once; the
+output is one segment with ``prompt_embeds`` ``(max_tokens, hidden)`` (the hidden states
+of ``layer``) and ``pooled`` ``(hidden,)`` (their mean over the real tokens). With
+``image.guidance > 1`` and an ``image.negative_prompt``, the negative prompt is encoded
+alike (``negative_prompt_embeds``, ``negative_pooled``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+from omni_core import Stage, StageEvent, StageInput
+
+from omni_ar.engines import load_engine
+from omni_ar.models import resolve_model
+
+
+class TextEncodeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str  # a Hugging Face model directory, or a named model ("smollm2")
+    dtype: str = "float32"
+    threads: int | None = None
+    max_tokens: int = 64  # every prompt is padded or cut to this many tokens
+    layer: int = -1  # which hidden layer conditions the image (-1: the last)
+
+
+class TextEncode(Stage):
+    Options = TextEncodeOptions
+
+    def load(self) -> None:
+        o = self.options
+        self.engine = load_engine("transformers", resolve_model(o.model), o.dtype, o.threads)
+        tok = self.engine.load_tokenizer()
+        self.engine.load_model()
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_id = int(pad if pad is not None else 0)
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        for inp in batch:
+            if inp.windows:
+                text = "".join(
+                    str(p.payload.get("text", "")) for p in inp.window.pieces if p.payload
+                ).strip()
+            else:
+                text = ""
+            if not text:  # a source stage, or an upstream that wrote nothing
+                prompt = inp.request.get("prompt")
+                if not isinstance(prompt, str) or not prompt:
+                    yield inp.fail("field 'prompt': expected a non-empty string to encode")
+                    continue
+                text = prompt
+            texts = [text]
+            image = inp.request.get("image")
+            if isinstance(image, dict) and float(image.get("guidance", 1.0) or 0) > 1.0:
+                negative = image.get("negative_prompt")
+                if isinstance(negative, str) and negative:
+                    texts.append(negative)
+            ids, lengths = zip(*(self._ids(t) for t in texts), strict=True)
+            hidden = self.engine.hidden_states(list(ids), self.options.layer)
+            arrays = {}
+            for prefix, h, n in zip(("", "negative_"), hidden, lengths, strict=False):
+                arrays[f"{prefix}prompt_embeds"] = np.ascontiguousarray(h)
+                arrays[f"{prefix}pooled"] = h[:n].mean(axis=0)
+            yield inp.segment(
+                arrays=arrays,
+                payload={"encoded_text": text, "prompt_tokens": lengths[0]},
+                is_last=True,
+            )
+
+    def _ids(self, text: str) -> tuple[list[int], int]:
+        """Token ids padded or cut to ``max_tokens``, and how many are real."""
+        ids = self.engine.encode(text)[: self.options.max_tokens]
+        n = max(1, len(ids))
+        return ids + [self.pad_id] * (self.options.max_tokens - len(ids)), n

@@ -1,0 +1,53 @@
+"""Image events to files, for ``omni run --out``: encoded images as they are, raw RGB
+previews as PNG (written here with zlib, so the core needs no imaging library)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+EXTENSIONS = {"jpeg": "jpg", "webp": "webp", "png": "png"}
+
+
+def png_bytes(rgb: np.ndarray) -> bytes:
+    """A PNG file of a ``uint8 (height, width, 3)`` image."""
+    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+        raise ValueError(f"expected uint8 (height, width, 3), got {rgb.dtype} {rgb.shape}")
+    h, w, _ = rgb.shape
+    rows = np.concatenate([np.zeros((h, 1), np.uint8), rgb.reshape(h, w * 3)], axis=1)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(rows.tobytes(), 6))
+        + chunk(b"IEND", b"")
+    )
+
+
+def save_image_event(ev: Any, out_dir: Path, tag: str) -> list[Path]:
+    """Write the images an event carries: ``bytes`` with a ``format`` in the payload as
+    that format, ``uint8 (h, w, 3)`` arrays as PNG. Returns the files written."""
+    written = []
+    payload = ev.payload if isinstance(ev.payload, dict) else {}
+    step = getattr(ev, "step", None)
+    for key, value in getattr(ev, "arrays", {}).items():
+        if isinstance(value, bytes) and payload.get("format") in EXTENSIONS:
+            name, data = f"{tag}.{EXTENSIONS[payload['format']]}", value
+        elif isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 3:
+            name, data = f"{tag}-{ev.stage}-{key}-step{step:03d}.png", png_bytes(value)
+        else:
+            continue
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / name
+        path.write_bytes(data)
+        written.append(path)
+    return written
