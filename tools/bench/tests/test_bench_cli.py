@@ -7,12 +7,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
 
 
 def bench(*args):
     out = subprocess.run(
-        [*OMNI, "bench", *args, "--json"], capture_output=True, text=True, timeout=240
+        [*OMNI, "bench", *args, "--json"], capture_output=True, text=True, timeout=400
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -40,3 +42,32 @@ def test_pipeline_keys():
 def test_unknown_benchmark_is_an_error():
     out = subprocess.run([*OMNI, "bench", "nope"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "unknown benchmark 'nope'" in out.stderr
+
+
+def test_dit_keys(tmp_path, monkeypatch):
+    """A small run of `omni bench dit` (tiny model built into a private cache)."""
+    pytest.importorskip("diffusers")
+    monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path))
+    r = bench(
+        "dit",
+        "--width",
+        "32",
+        "--size",
+        "64",
+        "--steps",
+        "2",
+        "--requests",
+        "3",
+        "--concurrency",
+        "2",
+        "--batch",
+        "2",
+    )
+    for key in (
+        "staged_img_per_s_c2",
+        "staged_unbatched_img_per_s_c2",
+        "stock_img_per_s",
+        "preview_every_step_img_per_s",
+        "no_preview_img_per_s",
+    ):
+        assert r[key] > 0, key

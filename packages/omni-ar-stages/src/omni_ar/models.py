@@ -13,7 +13,9 @@ import importlib.util
 import os
 from pathlib import Path
 
-from omni_core.model_cache import build_once
+from omni_core.model_cache import build_once, quiet_offline
+
+__all__ = ["NAMED", "quiet_offline", "resolve_model"]
 
 NAMED = {
     # name: (distribution, module, file inside it)
@@ -40,13 +42,6 @@ def resolve_model(model: str) -> str:
         _convert_gguf(Path(next(iter(spec.submodule_search_locations))) / filename, target)
 
     return str(build_once(model, convert, "config.json"))
-
-
-def quiet_offline() -> None:
-    """No progress bars in worker logs, and never a network call for weights."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:

@@ -23,6 +23,15 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
+def quiet_offline() -> None:
+    """Hugging Face libraries in a worker: never a network call for weights, no progress
+    bars or warnings in its log. Call before importing them."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
 def build_once(name: str, build: Callable[[Path], None], marker: str) -> Path:
     """The cached directory ``name``, made by ``build(tmp_dir)`` if ``marker`` (a file
     inside it) is missing; concurrent callers build it once."""

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omni_core.model_cache import build_once
+from omni_core.model_cache import build_once, quiet_offline
 
 TINY = "tiny-sd3"
 TINY_SEED = 0
@@ -28,6 +28,7 @@ TINY_SEED = 0
 
 def resolve_model(model: str, conditioning_width: int = 576) -> Path:
     """A loadable SD3-layout directory for ``model`` (building the embedded one once)."""
+    quiet_offline()
     if os.path.isdir(model):
         missing = [
             p

@@ -280,12 +280,12 @@ class VaeDecode(Stage):
     Options = ModelOptions
 
     def load(self) -> None:
-        from diffusers.image_processor import VaeImageProcessor
-
         o = self.options
         _threads(o.threads)
         self.path = models.resolve_model(o.model, o.conditioning_width)
         self.vae = models.load_vae(self.path, o.dtype)
+        from diffusers.image_processor import VaeImageProcessor
+
         scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.processor = VaeImageProcessor(vae_scale_factor=scale)
 

@@ -50,10 +50,11 @@ def dit_config(
     **top: Any,
 ) -> dict[str, Any]:
     """hash_encode -> plan -> sample -> vae [-> encode], previews to the caller."""
-    opts = {"model": model, "threads": 1}
+    model_opts = {"model": model, "conditioning_width": width}  # the width: for tiny-sd3
+    opts = {**model_opts, "threads": 1}
     stages = [
         {"name": "text", "kind": "dit.hash_encode", "options": {"width": width}},
-        {"name": "plan", "kind": "dit.plan", "options": {"model": model}},
+        {"name": "plan", "kind": "dit.plan", "options": model_opts},
         {
             "name": "sample",
             "kind": "dit.sample",

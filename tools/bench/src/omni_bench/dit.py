@@ -1,0 +1,158 @@
+"""``omni bench dit``: the staged DiT pipeline vs diffusers' own pipeline, same parts.
+
+Both arms use the same SD3-layout model (default: the embedded ``tiny-sd3``), the same
+conditioning (``dit.hash_encode``, a stand-in text encoder, so no language model is
+timed) and the same image settings, and both end in encoded JPEG bytes.
+
+* stock: ``StableDiffusion3Pipeline`` (text encoders None, embeddings given) called once
+  per request in this process, then Pillow's JPEG encoder; run with one torch thread and
+  with one per core, and the faster of the two counts.
+* staged: hash_encode -> plan -> sample -> vae -> encode, one process each (one torch
+  thread each), ``--concurrency`` requests in flight; ``--batch`` lets sample put alike
+  requests into one forward pass per step.
+* previews: the staged pipeline with a preview every step vs none.
+
+Images/s are completions over the wall time of ``--requests`` requests after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import time
+from typing import Any
+
+from omni_core import Pipeline
+from omni_core.model_cache import quiet_offline
+
+from omni_bench.report import emit
+
+
+def _requests(n: int, size: int, steps: int, preview_every: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "prompt": f"picture number {i}",
+            "image": {
+                "width": size,
+                "height": size,
+                "steps": steps,
+                "seed": i,
+                "preview_every": preview_every,
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def _config(model: str, width: int, batch: int) -> dict[str, Any]:
+    from omni_dit.testing import dit_config
+
+    return dit_config(model, width=width, sample={"max_batch_size": batch})
+
+
+def staged(pipe: Pipeline, reqs: list[dict[str, Any]], concurrency: int) -> float:
+    """Images/s with ``concurrency`` requests in flight."""
+    pipe.generate(reqs[:2])  # warm up every stage
+    t0 = time.monotonic()
+    pending = list(reqs)
+    inflight = []
+    while pending or inflight:
+        while pending and len(inflight) < concurrency:
+            inflight.append(pipe.submit(pending.pop(0)))
+        last = None
+        for ev in inflight.pop(0):
+            last = ev
+        if last is None or last.event_type != "completed":
+            raise RuntimeError(f"bench request failed: {last}")
+    return len(reqs) / (time.monotonic() - t0)
+
+
+def stock(model: str, width: int, reqs: list[dict[str, Any]], threads: int) -> float:
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+    from omni_dit import models
+    from omni_dit.testing import hash_conditioning
+
+    path = models.resolve_model(model, width)
+    pipe = StableDiffusion3Pipeline(
+        transformer=models.load_transformer(path),
+        vae=models.load_vae(path),
+        scheduler=models.load_scheduler(path),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    torch.set_num_threads(threads)
+
+    def one(r: dict[str, Any]) -> bytes:
+        embeds, pooled = hash_conditioning(r["prompt"], width, 8)
+        e, p = torch.from_numpy(embeds)[None], torch.from_numpy(pooled)[None]
+        img = r["image"]
+        image = pipe(
+            prompt_embeds=e,
+            pooled_prompt_embeds=p,
+            width=img["width"],
+            height=img["height"],
+            num_inference_steps=img["steps"],
+            guidance_scale=1.0,
+            generator=torch.Generator("cpu").manual_seed(img["seed"]),
+            output_type="pil",
+        ).images[0]
+        buf = io.BytesIO()
+        image.save(buf, format="JPEG", quality=90)
+        return buf.getvalue()
+
+    one(reqs[0])  # warm up
+    t0 = time.monotonic()
+    for r in reqs:
+        one(r)
+    return len(reqs) / (time.monotonic() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omni bench dit", description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", default="tiny-sd3", help="SD3-layout directory or tiny-sd3")
+    ap.add_argument("--width", type=int, default=576, help="conditioning width (tiny-sd3)")
+    ap.add_argument("--size", type=int, default=256, help="image side in pixels")
+    ap.add_argument("--steps", type=int, default=28, help="SD3's default step count")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8, help="sample's max_batch_size")
+    args = ap.parse_args(argv)
+    quiet_offline()
+    reqs = _requests(args.requests, args.size, args.steps, 0)
+    previews = _requests(args.requests, args.size, args.steps, 1)
+    c = args.concurrency
+    cores = len(os.sched_getaffinity(0))
+    stock_by_threads = {n: stock(args.model, args.width, reqs, n) for n in sorted({1, cores})}
+    stock_rate = max(stock_by_threads.values())
+    with Pipeline(_config(args.model, args.width, args.batch)) as pipe:
+        staged_rate = staged(pipe, reqs, c)
+        preview_rate = staged(pipe, previews, c)
+    with Pipeline(_config(args.model, args.width, 1)) as pipe:
+        unbatched = staged(pipe, reqs, c)
+    res = {
+        f"staged_img_per_s_c{c}": round(staged_rate, 3),
+        f"staged_unbatched_img_per_s_c{c}": round(unbatched, 3),
+        "stock_img_per_s": round(stock_rate, 3),
+        "stock_img_per_s_by_threads": {n: round(r, 3) for n, r in stock_by_threads.items()},
+        "staged_vs_stock": round(staged_rate / stock_rate, 3),
+        "preview_every_step_img_per_s": round(preview_rate, 3),
+        "no_preview_img_per_s": round(staged_rate, 3),
+        "preview_cost_pct": round(100 * (1 - preview_rate / staged_rate), 2),
+        "settings": {
+            "model": args.model,
+            "size": args.size,
+            "steps": args.steps,
+            "requests": args.requests,
+            "batch": args.batch,
+        },
+    }
+    emit(res, args.json)
+    return 0
