@@ -10,9 +10,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 import torch  # noqa: E402
-from diffusers import StableDiffusion3Pipeline  # noqa: E402
 from omni_core import Pipeline  # noqa: E402
 from omni_dit import models  # noqa: E402
+from omni_dit.testing import stock_image, stock_pipeline  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -88,31 +88,7 @@ def reference_image(llm, dit, text, image):
     with torch.inference_mode():
         hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1]
     embeds, pooled = hidden, hidden[:, :n].mean(dim=1)
-    path = models.resolve_model(dit)
-    pipe = StableDiffusion3Pipeline(
-        transformer=models.load_transformer(path),
-        vae=models.load_vae(path),
-        scheduler=models.load_scheduler(path),
-        text_encoder=None,
-        tokenizer=None,
-        text_encoder_2=None,
-        tokenizer_2=None,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe(
-        prompt_embeds=embeds,
-        pooled_prompt_embeds=pooled,
-        negative_prompt_embeds=torch.zeros_like(embeds),
-        negative_pooled_prompt_embeds=torch.zeros_like(pooled),
-        width=image["width"],
-        height=image["height"],
-        num_inference_steps=image["steps"],
-        guidance_scale=image.get("guidance", 1.0),
-        generator=torch.Generator("cpu").manual_seed(image.get("seed", 0)),
-        output_type="np",
-    ).images[0]
+    return stock_image(stock_pipeline(dit), embeds, pooled, image)
 
 
 def test_mixed_pipeline_several_requests_in_flight(llm, dit, tmp_path, monkeypatch):

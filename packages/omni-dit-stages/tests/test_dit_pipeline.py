@@ -10,10 +10,9 @@ import io
 import numpy as np
 import pytest
 import torch
-from diffusers import StableDiffusion3Pipeline
 from omni_core import Pipeline
-from omni_dit import models
-from omni_dit.testing import dit_config, hash_conditioning
+from omni_dit.testing import dit_config, hash_conditioning, stock_pipeline
+from omni_dit.testing import stock_image as reference
 from PIL import Image
 
 REQUESTS = [
@@ -29,37 +28,12 @@ REQUESTS = [
 
 
 def stock_image(model, request, width=32):
-    """diffusers' pipeline from the same parts, text encoders None, embeddings given, on
-    one thread like the stages (another thread count may change float rounding)."""
+    """diffusers' pipeline from the same parts, embeddings given, on one thread like the
+    stages (another thread count may change float rounding)."""
     torch.set_num_threads(1)
-    path = models.resolve_model(model)
-    pipe = StableDiffusion3Pipeline(
-        transformer=models.load_transformer(path),
-        vae=models.load_vae(path),
-        scheduler=models.load_scheduler(path),
-        text_encoder=None,
-        tokenizer=None,
-        text_encoder_2=None,
-        tokenizer_2=None,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    )
-    pipe.set_progress_bar_config(disable=True)
     embeds, pooled = hash_conditioning(request["prompt"], width, 8)
-    p = request["image"]
     embeds, pooled = torch.from_numpy(embeds)[None], torch.from_numpy(pooled)[None]
-    return pipe(
-        prompt_embeds=embeds,
-        pooled_prompt_embeds=pooled,
-        negative_prompt_embeds=torch.zeros_like(embeds),
-        negative_pooled_prompt_embeds=torch.zeros_like(pooled),
-        width=p["width"],
-        height=p["height"],
-        num_inference_steps=p["steps"],
-        guidance_scale=p.get("guidance", 1.0),
-        generator=torch.Generator("cpu").manual_seed(p.get("seed", 0)),
-        output_type="np",
-    ).images[0]
+    return reference(stock_pipeline(model, width), embeds, pooled, request["image"])
 
 
 @pytest.fixture(scope="module")

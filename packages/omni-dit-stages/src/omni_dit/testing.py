@@ -75,3 +75,47 @@ def dit_config(
         "edges": [{"from": a, "to": b} for a, b in zip(names, names[1:], strict=False)],
         **top,
     }
+
+
+def stock_pipeline(model: str, conditioning_width: int = 32) -> Any:
+    """diffusers' own ``StableDiffusion3Pipeline`` from the same parts as the stages use
+    (text encoders None: conditioning is given as embeddings): the reference."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from omni_dit import models
+
+    path = models.resolve_model(model, conditioning_width)
+    pipe = StableDiffusion3Pipeline(
+        transformer=models.load_transformer(path),
+        vae=models.load_vae(path),
+        scheduler=models.load_scheduler(path),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def stock_image(
+    pipe: Any, embeds: Any, pooled: Any, image: dict[str, Any], output_type: str = "np"
+) -> Any:
+    """One image from ``pipe`` for conditioning ``(1, tokens, width)`` / ``(1, width)`` and
+    a request's ``image`` fields; zeros stand for the negative prompt, as in plan."""
+    import torch
+
+    return pipe(
+        prompt_embeds=embeds,
+        pooled_prompt_embeds=pooled,
+        negative_prompt_embeds=torch.zeros_like(embeds),
+        negative_pooled_prompt_embeds=torch.zeros_like(pooled),
+        width=image["width"],
+        height=image["height"],
+        num_inference_steps=image["steps"],
+        guidance_scale=image.get("guidance", 1.0),
+        generator=torch.Generator("cpu").manual_seed(image.get("seed", 0)),
+        output_type=output_type,
+    ).images[0]

@@ -71,39 +71,15 @@ def staged(pipe: Pipeline, reqs: list[dict[str, Any]], concurrency: int) -> floa
 
 def stock(model: str, width: int, reqs: list[dict[str, Any]], threads: int) -> float:
     import torch
-    from diffusers import StableDiffusion3Pipeline
-    from omni_dit import models
-    from omni_dit.testing import hash_conditioning
+    from omni_dit.testing import hash_conditioning, stock_image, stock_pipeline
 
-    path = models.resolve_model(model, width)
-    pipe = StableDiffusion3Pipeline(
-        transformer=models.load_transformer(path),
-        vae=models.load_vae(path),
-        scheduler=models.load_scheduler(path),
-        text_encoder=None,
-        tokenizer=None,
-        text_encoder_2=None,
-        tokenizer_2=None,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    )
-    pipe.set_progress_bar_config(disable=True)
+    pipe = stock_pipeline(model, width)
     torch.set_num_threads(threads)
 
     def one(r: dict[str, Any]) -> bytes:
         embeds, pooled = hash_conditioning(r["prompt"], width, 8)
         e, p = torch.from_numpy(embeds)[None], torch.from_numpy(pooled)[None]
-        img = r["image"]
-        image = pipe(
-            prompt_embeds=e,
-            pooled_prompt_embeds=p,
-            width=img["width"],
-            height=img["height"],
-            num_inference_steps=img["steps"],
-            guidance_scale=1.0,
-            generator=torch.Generator("cpu").manual_seed(img["seed"]),
-            output_type="pil",
-        ).images[0]
+        image = stock_image(pipe, e, p, r["image"], output_type="pil")
         buf = io.BytesIO()
         image.save(buf, format="JPEG", quality=90)
         return buf.getvalue()
