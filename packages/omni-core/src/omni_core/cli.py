@@ -1,4 +1,6 @@
-"""The ``omni`` command: ``omni stages``, ``omni run``, ``omni trace``, ``omni bench``."""
+"""The ``omni`` command: ``omni stages``, ``omni run``, ``omni trace``, ``omni bench``, and
+the subcommands plug-ins register under the entry-point group ``omni.commands`` (``omni
+serve`` from omni-serve)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.image_files import save_image_event
-from omni_core.registry import RegistryError, benchmark_registry, default_registry
+from omni_core.registry import (
+    RegistryError,
+    benchmark_registry,
+    command_registry,
+    default_registry,
+)
+
+# plug-in subcommands named in the docs, and the distribution that brings each
+KNOWN_PLUGIN_COMMANDS = {"serve": "omni-serve"}
 
 
 def _cmd_stages(args: argparse.Namespace) -> int:
@@ -191,6 +201,16 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         trace = pipe.trace()
     with open(args.out, "w") as f:
         json.dump(trace, f)
+    if args.png is not None:
+        from omni_core.trace_png import write_timeline_png
+
+        png = args.png or str(Path(args.out).with_suffix(".png"))
+        try:
+            write_timeline_png(trace, png)
+        except ImportError as e:
+            print(f"omni trace --png: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {png}: the timeline, a row per stage", file=sys.stderr)
     spans = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")
     failed = [o for o in outs if not o.ok]
     print(
@@ -216,9 +236,34 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return int(fn(rest) or 0)
 
 
+def _cmd_plugin(name: str, rest: list[str]) -> int:
+    reg = command_registry()
+    if name not in reg.names():
+        dist = KNOWN_PLUGIN_COMMANDS[name]
+        print(
+            f"omni {name}: this command comes with the {dist} package, which is not installed "
+            f"(pip install {dist})",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        fn = reg.load(name)
+    except RegistryError as e:
+        print(f"omni {name}: {e}", file=sys.stderr)
+        return 2
+    return int(fn(rest) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni", description="omni pipeline runtime")
     sub = parser.add_subparsers(dest="command", required=True)
+    builtin = {"stages", "run", "trace", "bench"}
+    plugins: dict[str, str] = {}  # name -> help
+    for claims in command_registry().entries():
+        if claims[0].name not in builtin:
+            plugins[claims[0].name] = f"from {', '.join(e.distribution for e in claims)}"
+    for name, dist in KNOWN_PLUGIN_COMMANDS.items():
+        plugins.setdefault(name, f"needs {dist} (not installed)")
 
     p = sub.add_parser("stages", help="list the installed stage kinds")
     p.add_argument("--json", action="store_true")
@@ -241,6 +286,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", help="shorthand for a request with this prompt")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="set one request field")
     p.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
+    p.add_argument(
+        "--png",
+        nargs="?",
+        const="",
+        metavar="FILE",
+        help="also draw the timeline as a PNG (default: --out with .png)",
+    )
+
+    for name, about in sorted(plugins.items()):
+        # the plug-in parses its own arguments (``omni NAME --help`` is its help)
+        sub.add_parser(name, help=about, add_help=False)
 
     p = sub.add_parser("bench", help="run a benchmark (prints one JSON object)")
     p.add_argument("name", nargs="?", help="benchmark name; none lists them")
@@ -248,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return _cmd_bench(args, rest)
+    if args.command in plugins:
+        return _cmd_plugin(args.command, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "stages":

@@ -340,7 +340,9 @@ class Orchestrator:
         if self._closing:
             return
         st = self.cfg.stage(p.name)
-        log.error("stage %s (pid %d) %s", p.name, p.proc.pid, p.exit_reason)
+        log.error(
+            "stage %s (pid %d) %s", p.name, p.proc.pid, p.exit_reason, extra={"stage": p.name}
+        )
         # slots the dead worker was reading go back to its producers; its own arena goes
         for e in self.cfg.inbound(p.name):
             self.outbox.put(f"ctl:{e.source}", ReaderLost(reader=p.name), block=False)
@@ -398,7 +400,7 @@ class Orchestrator:
 
     def _restart(self, p: StageProc) -> None:
         p.restarts += 1
-        log.warning("restarting stage %s (restart %d)", p.name, p.restarts)
+        log.warning("restarting stage %s (restart %d)", p.name, p.restarts, extra={"stage": p.name})
         try:
             new = self._spawn(p.name)
         except Exception as e:  # cannot even start a process: the stage is dead

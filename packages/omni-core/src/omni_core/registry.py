@@ -1,4 +1,5 @@
-"""Entry-point registries: stage kinds (``omni.stages``) and benchmarks (``omni.benchmarks``).
+"""Entry-point registries: stage kinds (``omni.stages``), benchmarks (``omni.benchmarks``)
+and extra ``omni`` subcommands (``omni.commands``).
 
 The index is built lazily from installed distributions' metadata; nothing is imported
 until a name is asked for. Two distributions registering one name is an error that names
@@ -15,6 +16,7 @@ from typing import Any
 
 STAGES_GROUP = "omni.stages"
 BENCHMARKS_GROUP = "omni.benchmarks"
+COMMANDS_GROUP = "omni.commands"
 
 
 class RegistryError(LookupError):
@@ -106,6 +108,12 @@ def default_registry() -> Registry:
 @functools.cache
 def benchmark_registry() -> Registry:
     return Registry(BENCHMARKS_GROUP, "benchmark")
+
+
+@functools.cache
+def command_registry() -> Registry:
+    """Subcommands plug-ins add to ``omni``: each entry point is ``main(argv) -> int``."""
+    return Registry(COMMANDS_GROUP, "command")
 
 
 def load_stage_class(kind: str) -> type:

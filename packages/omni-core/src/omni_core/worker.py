@@ -45,6 +45,7 @@ from omni_core.events import (
     TraceSpan,
 )
 from omni_core.host import CLIENT, RequestFailed, StageHost, WorkItem, stage_context
+from omni_core.logs import configure_logging
 from omni_core.registry import load_stage_class
 from omni_core.serial import (
     ArrayCodec,
@@ -214,7 +215,11 @@ class Worker:
                 next_beat = time.monotonic() + interval
                 self._heartbeat()
                 if os.getppid() != self.spec.owner_pid:
-                    log.error("orchestrator went away; worker %s exits", self.name)
+                    log.error(
+                        "orchestrator went away; worker %s exits",
+                        self.name,
+                        extra={"stage": self.name},
+                    )
                     os._exit(3)
             if self.io_done:
                 break
@@ -286,7 +291,12 @@ class Worker:
             try:
                 self.stash.extend(decode_data_frame(frame.buffer))
             except msgspec.DecodeError as e:
-                log.error("stage %s: undecodable frame dropped: %s", self.name, e)
+                log.error(
+                    "stage %s: undecodable frame dropped: %s",
+                    self.name,
+                    e,
+                    extra={"stage": self.name},
+                )
 
     def _take_run(self, first: Segment) -> list[Segment]:
         """``first`` and the array-free segments of its request and edge right after it."""
@@ -441,7 +451,13 @@ class Worker:
             return False
         except Exception as e:
             tb = traceback.format_exc(limit=8)
-            log.error("stage %s failed on %s:\n%s", self.name, sorted(a.rids), tb)
+            log.error(
+                "stage %s failed on %s:\n%s",
+                self.name,
+                sorted(a.rids),
+                tb,
+                extra={"stage": self.name, "request_id": ",".join(sorted(a.rids))},
+            )
             self._fail_all(a, f"{type(e).__name__}: {e}")
             return False
         if type(out) is list:
@@ -537,10 +553,7 @@ class Worker:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     sys.setswitchinterval(0.001)  # bound how long the I/O thread waits for the GIL
-    logging.basicConfig(
-        level=os.environ.get("OMNI_LOG_LEVEL", "WARNING"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging()  # OMNI_LOG_LEVEL, OMNI_LOG_FORMAT (text | json)
     with open(argv[0], "rb") as f:
         spec = decode_json(f.read(), WorkerSpec)
     t0 = time.monotonic()

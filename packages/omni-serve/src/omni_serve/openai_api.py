@@ -1,0 +1,235 @@
+"""OpenAI request bodies, checked, and mapped onto pipeline requests.
+
+Text: ``{"messages" | "prompt", "max_tokens", "temperature", "top_p", "seed", "stop"}``
+(the AR intake's fields; logprobs are refused: postprocess streams text only). Images:
+``{"prompt", "image": {"width", "height", "steps", "seed", "guidance", "format",
+"quality", "preview_every", "negative_prompt"}}`` (the DiT plan's fields). Unknown fields
+are refused, naming the field; fields the OpenAI API has that change the answer in ways a
+pipeline cannot (tools, n > 1 for text, URLs for images) are refused too rather than
+ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omni_serve.errors import APIError, bad_field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    user: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0)  # omni: this request's timeout
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _TextBody(_Body):
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    ignore_eos: bool | None = None  # omni (as vLLM): decode to max_tokens
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class ChatRequest(_TextBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_TextBody):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ImageRequest(_Body):
+    prompt: str = Field(min_length=1)
+    n: int = 1
+    size: str | None = None  # "WIDTHxHEIGHT" or "auto"
+    response_format: Literal["b64_json", "url"] | None = None
+    output_format: Literal["png", "jpeg", "webp"] | None = None
+    output_compression: int | None = Field(default=None, ge=0, le=100)
+    quality: Literal["auto", "low", "medium", "high", "standard", "hd"] | None = None
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    style: str | None = None
+    moderation: str | None = None
+    stream: bool = False
+    partial_images: int | None = Field(default=None, ge=0)
+    # omni: the DiT's own fields
+    steps: int | None = None
+    seed: int | None = None
+    guidance: float | None = None
+    negative_prompt: str | None = None
+    preview_every: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)  # the AR stages of a mixed pipeline
+
+
+# pipeline field names (as stages report them) -> the request's
+IMAGE_PARAMS = {
+    "image.width": "size",
+    "image.height": "size",
+    "image.format": "output_format",
+    "image.quality": "output_compression",
+    **{f"image.{k}": k for k in ("steps", "seed", "guidance", "negative_prompt")},
+    "image.preview_every": "preview_every",
+}
+
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def parse(model: type[T], body: Any) -> T:
+    """``body`` as ``model``, or a 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = _param(err["loc"])
+        what = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        raise bad_field(param, what) from None
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """``("messages", 0, "content", "str")`` -> ``messages[0].content``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[ContentPart]", "list[str]") or "[" in str(part):
+            break  # pydantic's name of a union member, not a field
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+def _sampling(req: _TextBody, max_tokens: int | None, limit: int) -> dict[str, Any]:
+    if req.n != 1:
+        raise bad_field("n", "only n=1 is supported for text")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name):
+            raise bad_field(name, "not supported (only 0)")
+    out: dict[str, Any] = {}
+    if max_tokens is not None:
+        if max_tokens > limit:
+            raise bad_field("max_tokens", f"{max_tokens} is over this server's limit of {limit}")
+        out["max_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "seed", "ignore_eos"):
+        value = getattr(req, name)
+        if value is not None:
+            out[name] = value
+    if req.stop is not None:
+        out["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    return out
+
+
+def chat_request(req: ChatRequest, max_tokens_limit: int) -> dict[str, Any]:
+    """The pipeline request of a chat completion."""
+    if req.logprobs or req.top_logprobs:
+        # the AR postprocess stage streams text, not the decode step's logprobs
+        raise bad_field("logprobs" if req.logprobs else "top_logprobs", "not supported")
+    messages = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+        role = "system" if m.role == "developer" else m.role
+        messages.append({"role": role, "content": content})
+    out = {"messages": messages}
+    out.update(_sampling(req, req.max_completion_tokens or req.max_tokens, max_tokens_limit))
+    return out
+
+
+def completion_request(req: CompletionRequest, max_tokens_limit: int) -> dict[str, Any]:
+    """The pipeline request of a (legacy) completion."""
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise bad_field("prompt", "only one prompt per request is supported")
+        prompt = prompt[0]
+    if req.logprobs is not None:
+        raise bad_field("logprobs", "not supported")
+    if req.echo:
+        raise bad_field("echo", "not supported")
+    if req.suffix:
+        raise bad_field("suffix", "not supported")
+    out: dict[str, Any] = {"prompt": prompt}
+    out.update(_sampling(req, req.max_tokens, max_tokens_limit))
+    return out
+
+
+def image_requests(
+    req: ImageRequest, max_pixels: int, max_images: int, max_tokens_limit: int
+) -> list[dict[str, Any]]:
+    """One pipeline request per image asked for (``n``); with ``n > 1`` image ``i`` gets
+    seed ``seed + i`` (``seed`` defaults to 0), so the images differ and are reproducible."""
+    if not 1 <= req.n <= max_images:
+        raise bad_field("n", f"expected 1..{max_images}, got {req.n}")
+    if req.response_format == "url":
+        raise bad_field("response_format", "only b64_json is supported")
+    if req.background == "transparent":
+        raise bad_field("background", "transparent backgrounds are not supported")
+    image: dict[str, Any] = {}
+    if req.size not in (None, "auto"):
+        w, sep, h = req.size.lower().partition("x")
+        if not (sep and w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
+            raise bad_field("size", f"expected 'WIDTHxHEIGHT' or 'auto', got {req.size!r}")
+        if int(w) * int(h) > max_pixels:
+            raise bad_field(
+                "size", f"{req.size} is over this server's limit of {max_pixels} pixels"
+            )
+        image.update(width=int(w), height=int(h))
+    if req.output_format is not None:
+        image["format"] = req.output_format
+    if req.output_compression is not None:
+        image["quality"] = max(1, req.output_compression)
+    for name in ("steps", "guidance", "negative_prompt", "preview_every"):
+        value = getattr(req, name)
+        if value is not None:
+            image[name] = value
+    if req.stream and req.partial_images == 0:
+        image["preview_every"] = 0
+    out = []
+    for i in range(req.n):
+        one = dict(image)
+        if req.seed is not None or req.n > 1:
+            one["seed"] = (req.seed or 0) + i
+        request: dict[str, Any] = {"prompt": req.prompt, "image": one}
+        if req.max_tokens is not None:
+            if req.max_tokens > max_tokens_limit:
+                raise bad_field(
+                    "max_tokens",
+                    f"{req.max_tokens} is over this server's limit of {max_tokens_limit}",
+                )
+            request["max_tokens"] = req.max_tokens
+        out.append(request)
+    return out
