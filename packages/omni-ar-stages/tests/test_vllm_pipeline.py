@@ -104,7 +104,12 @@ def vllm_config(model, enabled=True, post_window=-1, connector="shm", max_inflig
         "heartbeat_interval_s": 0.2,
         "stages": [
             {"name": "intake", "kind": "ar.intake", "options": opts},
-            {"name": "prefill", "kind": "ar.prefill", "options": engine},
+            {
+                "name": "prefill",
+                "kind": "ar.prefill",
+                "max_batch_size": max_inflight,  # prefills batched in one engine step
+                "options": engine,
+            },
             {
                 "name": "decode",
                 "kind": "ar.decode",

@@ -107,10 +107,10 @@ class Prefill(_ModelStage):
         self.engine.load_model()
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
-        for inp in batch:
-            _, params = self._params(inp)
-            ids = inp.window.tokens
-            tok, lp, keys, values = self.engine.prefill(ids, params)
+        prompts = [inp.window.tokens for inp in batch]
+        params = [self._params(inp)[1] for inp in batch]
+        results = self.engine.prefill_many(prompts, params)  # vLLM: one batch
+        for inp, ids, (tok, lp, keys, values) in zip(batch, prompts, results, strict=True):
             yield inp.segment(
                 [tok],
                 logprobs=[lp],

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -48,20 +49,28 @@ PROMPTS = [
 
 
 def config(
-    model: str, inline: bool, engine: str = "transformers", connector: str = "shm"
+    model: str,
+    inline: bool,
+    engine: str = "transformers",
+    connector: str = "shm",
+    kv_dir: str | None = None,
 ) -> dict[str, Any]:
     common = {"model": model, "chat": True, "engine": engine}
     worker = {**common, "threads": 1}
     if engine == "vllm":
         worker["kv_connector"] = connector
     env = {"OMP_NUM_THREADS": "1"}
+    if kv_dir:  # the file connector's directory
+        env["OMNI_VLLM_KV_DIR"] = kv_dir
     decode = {"name": "decode", "kind": "ar.decode", "extra_env": env}
-    if engine == "vllm":  # one engine batches all in flight
+    prefill = {"name": "prefill", "kind": "ar.prefill", "extra_env": env, "options": worker}
+    if engine == "vllm":  # one engine step serves all waiting (prefill), all in flight (decode)
+        prefill["max_batch_size"] = 8
         decode["max_inflight"] = 8
     decode["options"] = {**worker, "max_segment_tokens": 8, "inline_detokenize": inline}
     stages = [
         {"name": "intake", "kind": "ar.intake", "options": common},
-        {"name": "prefill", "kind": "ar.prefill", "extra_env": env, "options": worker},
+        prefill,
         decode,
     ]
     edges = [{"from": "intake", "to": "prefill"}, {"from": "prefill", "to": "decode"}]
@@ -245,9 +254,10 @@ def bench_vllm(model: str, args: argparse.Namespace) -> dict[str, Any]:
     direct_ttft, direct_tps, direct_long = direct_vllm(model, n, long)
     staged_ttft, staged_tps, staged_long = staged(model, n, False, long, engine="vllm")
     _, inline_tps, _ = staged(model, n, True, engine="vllm")
-    file_ttft, _, file_long = staged(
-        model, n, False, long, c8=False, engine="vllm", connector="file"
-    )
+    with tempfile.TemporaryDirectory() as kv_dir:  # no files from earlier runs
+        file_ttft, _, file_long = staged(
+            model, n, False, long, c8=False, engine="vllm", connector="file", kv_dir=kv_dir
+        )
     res: dict[str, Any] = {
         "engine": "vllm",
         "model": args.model,

@@ -86,6 +86,13 @@ class TransformersEngine:
         g.manual_seed((params.seed or 0) + offset)
         return g
 
+    def prefill_many(
+        self, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> Iterator[tuple[int, float, np.ndarray, np.ndarray]]:
+        """``prefill`` for each prompt, in order (one forward pass each)."""
+        for ids, p in zip(prompts, params, strict=True):
+            yield self.prefill(ids, p)
+
     def prefill(
         self, ids: list[int], params: SamplingParams
     ) -> tuple[int, float, np.ndarray, np.ndarray]:

@@ -186,26 +186,42 @@ class VllmEngine:
         """(first token, its logprob, keys, values); with the ``shm`` connector as a
         producer the KV comes back as tensors of vLLM's paged blocks holding the prompt,
         ``(layers, blocks, ...)``, else it stays with vLLM (empty arrays)."""
-        shm = self.kv_role == "kv_producer" and self.kv_connector == "shm"
-        key = uuid.uuid4().hex if shm else None
-        sp = self._sampling(params, 1, key)
-        try:
-            ((tok, lp),) = list(self._stream(self._submit(ids, sp)))
-        finally:
-            from omni_ar.engines.kv_connector import OUTBOX
+        return next(self.prefill_many([ids], [params]))
 
-            kv = OUTBOX.pop(key, None) if shm else None
+    def prefill_many(
+        self, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> Iterator[tuple[int, float, Any, Any]]:
+        """``prefill`` of every prompt in the same engine steps; results in order."""
+        from omni_ar.engines.kv_connector import OUTBOX
+
+        shm = self.kv_role == "kv_producer" and self.kv_connector == "shm"
+        keys = [uuid.uuid4().hex if shm else None for _ in prompts]
+        rids = [
+            self._submit(ids, self._sampling(p, 1, key))
+            for ids, p, key in zip(prompts, params, keys, strict=True)
+        ]
+        try:
+            for rid, key in zip(rids, keys, strict=True):
+                ((tok, lp),) = list(self._stream(rid))
+                yield (tok, lp, *self._take_kv(OUTBOX.pop(key, None) if shm else None, shm))
+        finally:  # closed early: abort the rest, drop what their steps saved
+            for rid, key in zip(rids, keys, strict=True):
+                st = self._streams.pop(rid, None)
+                if st is not None and not st.done:
+                    self.engine.abort_request([rid])
+                OUTBOX.pop(key or "", None)
+
+    @staticmethod
+    def _take_kv(kv: dict[int, tuple[Any, Any]] | None, shm: bool) -> tuple[Any, Any]:
         if kv is None:
             if shm:
                 raise RuntimeError("vLLM prefill: the KV connector saved nothing")
             empty = np.zeros((0,), np.float32)
-            return tok, lp, empty, empty
+            return empty, empty
         import torch
 
         layers = sorted(kv)
-        keys = torch.stack([kv[i][0] for i in layers])
-        values = torch.stack([kv[i][1] for i in layers])
-        return tok, lp, keys, values
+        return torch.stack([kv[i][0] for i in layers]), torch.stack([kv[i][1] for i in layers])
 
     def decode(
         self,
@@ -240,7 +256,11 @@ class VllmEngine:
 
 
 def file_kv_dir(model_dir: str) -> str:
-    """Where the ``file`` connector keeps KV: one directory per model, in the temp dir,
-    so the prefill and decode workers agree on it without talking."""
+    """Where the ``file`` connector keeps KV: ``$OMNI_VLLM_KV_DIR``, else one directory
+    per model in the temp dir, so the prefill and decode workers agree on it without
+    talking. Its files outlive the run, and a later prefill of the same prompt loads
+    them instead of computing."""
+    if os.environ.get("OMNI_VLLM_KV_DIR"):
+        return os.environ["OMNI_VLLM_KV_DIR"]
     digest = hashlib.sha256(os.path.abspath(model_dir).encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"omni-vllm-kv-{os.getuid()}-{digest}")
