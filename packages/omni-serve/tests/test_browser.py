@@ -17,6 +17,8 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 PACKAGES = ["chromium", "chromium-driver"]
+# the first use may apt-get install the browser (minutes on a fresh machine)
+pytestmark = pytest.mark.timeout(1500)
 
 
 def _paths() -> tuple[str, str] | None:

@@ -166,6 +166,9 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(watch())
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (shutdown): so is the work
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if task in done:
