@@ -92,8 +92,8 @@ class VllmEngine:
     def load_model(self) -> None:
         try:
             from vllm import LLM
-        except ImportError:
-            raise RuntimeError(INSTALL_HINT) from None
+        except (ImportError, RuntimeError) as e:  # RuntimeError: a CPU-breaking torchvision
+            raise RuntimeError(f"{INSTALL_HINT} (importing it failed: {e})") from None
         args = {"enforce_eager": True, "dtype": self.dtype}
         args["kv_transfer_config"] = self._kv_transfer_config()
         self.llm = LLM(model=self.model_dir, **{**args, **self.engine_args})
@@ -130,7 +130,9 @@ class VllmEngine:
         from vllm import SamplingParams as VllmParams
         from vllm.sampling_params import RequestOutputKind
 
-        extra = {"kv_transfer_params": {"omni_kv": kv_key}} if kv_key else None
+        from omni_ar.engines.kv_connector import PARAM
+
+        extra = {"kv_transfer_params": {PARAM: kv_key}} if kv_key else None
         return VllmParams(
             max_tokens=max_tokens,
             temperature=params.temperature,
