@@ -146,9 +146,11 @@ def check(outs, reference):
     ids=["procs-window-all-shm-batched", "procs-window-3-file", "inline-window-1-shm"],
 )
 def test_staged_vllm_equals_llm_generate(
-    vllm_model, reference, enabled, post_window, connector, max_inflight
+    vllm_model, reference, enabled, post_window, connector, max_inflight, tmp_path
 ):
     cfg = vllm_config(vllm_model, enabled, post_window, connector, max_inflight)
+    for stage in cfg["stages"][1:3]:  # the file connector's files go with the test
+        stage["extra_env"] = {"OMNI_VLLM_KV_DIR": str(tmp_path)}
     with Pipeline(cfg) as pipe:
         check(pipe.generate(PROMPTS), reference)
         if max_inflight > 1:  # cancel mid-decode, with others decoding in the same batch
