@@ -60,10 +60,14 @@ def test_dit_keys(tmp_path, monkeypatch):
         "3",
         "--concurrency",
         "2",
+        "--batch",
+        "2",
+        "--rounds",
+        "1",
     )
     for key in (
         "staged_img_per_s_c2",
-        "staged_batched_img_per_s_c2",
+        "staged_unbatched_img_per_s_c2",
         "stock_img_per_s",
         "preview_every_step_img_per_s",
         "no_preview_img_per_s",

@@ -51,6 +51,8 @@ def cached_projection(model_dir: Path, load_vae: Any) -> np.ndarray:
 
 def project(x0: Any, projection: np.ndarray) -> np.ndarray:
     """``uint8 (height, width, 3)`` from one latent ``(channels, height, width)``."""
-    lat = np.asarray(x0, dtype=np.float32).transpose(1, 2, 0)
-    rgb = lat @ projection[:-1] + projection[-1]
-    return ((np.clip(rgb, -1.0, 1.0) + 1.0) * 127.5).round().astype(np.uint8)
+    lat = np.asarray(x0, dtype=np.float32)
+    c, h, w = lat.shape
+    rgb = projection[:-1].T @ lat.reshape(c, h * w) + projection[-1][:, None]  # (3, h*w)
+    rgb = (np.clip(rgb, -1.0, 1.0) + 1.0) * 127.5
+    return np.ascontiguousarray(rgb.round().astype(np.uint8).T.reshape(h, w, 3))

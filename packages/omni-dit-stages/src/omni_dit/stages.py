@@ -84,6 +84,7 @@ class Plan(Stage):
         self.pooled_width = int(t["pooled_projection_dim"])
         self.vae_scale = 2 ** (len(vae["block_out_channels"]) - 1)
         self.max_side = int(t.get("pos_embed_max_size") or 1 << 30) * self.patch * self.vae_scale
+        make_scheduler(self.scheduler_config, 1, 8, 8, self.patch)  # import diffusers now
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         import torch
