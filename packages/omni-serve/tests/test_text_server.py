@@ -42,6 +42,8 @@ def test_chat_completion_and_its_stream_give_the_same_text(client):
     assert choice.message.role == "assistant"
     assert choice.message.content
     assert full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens > 4  # the chat template's tokens and the prompt's
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
     assert choice.finish_reason in ("length", "stop")
     stream = client.chat.completions.create(
         model="tiny_chat",
@@ -55,6 +57,7 @@ def test_chat_completion_and_its_stream_give_the_same_text(client):
     assert len([d for d in deltas if d]) > 1  # it streamed, not one lump
     assert "".join(deltas) == choice.message.content  # greedy: the same text
     assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
 
 

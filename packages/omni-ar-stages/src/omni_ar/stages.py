@@ -148,7 +148,8 @@ class Decode(_ModelStage):
             first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
             prompt = w.payloads[0].get("prompt_ids")
             steps = self.engine.decode(first, arrays["keys"], arrays["values"], params, prompt)
-            yield from self._stream(inp, params, [(first, first_lp)], steps)
+            n_prompt = w.payloads[0].get("prompt_tokens")
+            yield from self._stream(inp, params, [(first, first_lp)], steps, n_prompt)
 
     def _stream(
         self,
@@ -156,8 +157,11 @@ class Decode(_ModelStage):
         params: SamplingParams,
         tokens_so_far: list[tuple[int, float]],
         steps: Iterable[tuple[int, float]],
+        prompt_tokens: int | None = None,
     ) -> Iterator[StageEvent]:
-        """Flush ``tokens_so_far`` and then the tokens of ``steps`` in segments."""
+        """Flush ``tokens_so_far`` and then the tokens of ``steps`` in segments; the first
+        carries ``prompt_tokens`` (the prompt's length, for usage counts downstream)."""
+        counted = {"prompt_tokens": prompt_tokens} if prompt_tokens is not None else {}
         o = self.options
         detok = (
             IncrementalDetokenizer(self.engine.tokenizer, stop=params.stop)
@@ -176,11 +180,16 @@ class Decode(_ModelStage):
                 len(tokens) >= o.max_segment_tokens
                 or (now - last_flush) * 1000 >= o.min_flush_interval_ms
             ):
-                yield self._segment(inp, tokens, logprobs, params, detok, last=False)
+                ev = self._segment(inp, tokens, logprobs, params, detok, last=False)
+                ev.payload.update(counted)
+                counted = {}
+                yield ev
                 if detok is not None and detok.stopped is not None:
                     return
                 tokens, logprobs, last_flush = [], [], now
-        yield self._segment(inp, tokens, logprobs, params, detok, last=True)
+        ev = self._segment(inp, tokens, logprobs, params, detok, last=True)
+        ev.payload.update(counted)
+        yield ev
 
     @staticmethod
     def _segment(inp, tokens, logprobs, params, detok, last):  # type: ignore[no-untyped-def]
@@ -206,6 +215,7 @@ class Postprocess(_ModelStage):
         self.tokenizer = self.engine.load_tokenizer()
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.counts: dict[str, int] = {}
+        self.prompt_tokens: dict[str, int] = {}  # until passed on with the next event
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
@@ -216,22 +226,28 @@ class Postprocess(_ModelStage):
                 d = self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
             if d.stopped is not None:
                 continue  # the text already ended at a stop string
+            for p in inp.window.pieces:
+                if "prompt_tokens" in p.payload:
+                    self.prompt_tokens[rid] = p.payload["prompt_tokens"]
             new = inp.window.new_tokens
             text = d.add(new)
             self.counts[rid] = self.counts.get(rid, 0) + len(new)
             if d.stopped is not None:
-                yield inp.segment(
-                    new, payload={"text": text, "finish_reason": "stop"}, is_last=True
-                )
+                payload = {"text": text, "finish_reason": "stop"}
             elif inp.last:
-                text += d.flush()
-                yield inp.segment(new, payload={"text": text, "finish_reason": "end"}, is_last=True)
+                payload = {"text": text + d.flush(), "finish_reason": "end"}
             elif new or text:
-                yield inp.segment(new, payload={"text": text})
+                payload = {"text": text}
+            else:
+                continue
+            if rid in self.prompt_tokens:
+                payload["prompt_tokens"] = self.prompt_tokens.pop(rid)
+            yield inp.segment(new, payload=payload, is_last="finish_reason" in payload)
 
     def end_request(self, request_id: str) -> None:
         self.detoks.pop(request_id, None)
         self.counts.pop(request_id, None)
+        self.prompt_tokens.pop(request_id, None)
 
 
 class Talker(_ModelStage):

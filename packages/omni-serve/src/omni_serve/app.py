@@ -85,6 +85,7 @@ class TextState:
     parts: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     end: str | None = None
+    prompt_tokens: int = 0  # the AR stages pass the prompt's length along
 
     def add(self, ev: AnyEvent) -> str | None:
         """The text delta ``ev`` carries (None when it carries none)."""
@@ -93,6 +94,7 @@ class TextState:
             return None
         self.parts.append(payload["text"])
         self.tokens.extend(ev.tokens or [])
+        self.prompt_tokens = int(payload.get("prompt_tokens", self.prompt_tokens))
         self.end = payload.get("finish_reason", self.end)
         return payload["text"]
 
@@ -107,9 +109,12 @@ class TextState:
         return "stop"
 
     def usage(self) -> dict[str, int]:
-        # the prompt's tokens are counted in the intake stage and do not reach the caller
         n = len(self.tokens)
-        return {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.prompt_tokens + n,
+        }
 
 
 async def merged(
