@@ -46,13 +46,15 @@ def test_slow_sink_depth_stays_bounded_and_every_event_arrives(no_leaked_segment
 
         t = threading.Thread(target=sample)
         t.start()
-        out = pipe.generate([{"n": 4000}])[0]
+        # far more events than every buffer on the way holds (frames of up to 256 in
+        # the sockets, one decoded frame at the sink) plus the 1,024-event watermark
+        out = pipe.generate([{"n": 8000}])[0]
         stop.set()
         t.join()
         # past the must-deliver watermark the producer was held back, and it was measured
         wait_for(lambda: pipe.metrics()["stages"]["src"]["blocked_s"] > 0, 3, "blocked time")
     assert out.ok
-    assert out.tokens == list(range(4000))  # every must-deliver event arrived, in order
+    assert out.tokens == list(range(8000))  # every must-deliver event arrived, in order
     assert len(depths) > 10 and max(depths) <= 4
 
 

@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         # the plug-in parses its own arguments (``omni NAME --help`` is its help)
         sub.add_parser(name, help=about, add_help=False)
 
-    p = sub.add_parser("bench", help="run a benchmark (prints one JSON object)")
+    # no -h of its own: `omni bench NAME --help` is the benchmark's help
+    p = sub.add_parser("bench", help="run a benchmark (prints one JSON object)", add_help=False)
     p.add_argument("name", nargs="?", help="benchmark name; none lists them")
 
     args, rest = parser.parse_known_args(argv)
