@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -157,7 +158,12 @@ def test_staged_vllm_equals_llm_generate(
             long = {"prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True}
             h = pipe.submit(long)
             others = [pipe.submit(r) for r in PROMPTS[:2]]
-            assert next(iter(h)).event_type == "segment"
+            # postprocess's window is -1 here: the caller sees nothing before the end, so
+            # wait for decode to be working on it (a heartbeat away), then cancel
+            end = time.monotonic() + 60
+            while pipe.metrics()["stages"]["decode"]["inflight"] < 1:
+                assert time.monotonic() < end, "decode never took the request"
+                time.sleep(0.02)
             assert pipe.cancel(h.request_id)
             assert [e.event_type for e in h if e.terminal] == ["cancelled"]
             check([collect(o) for o in others], (reference[0], reference[1][:2]))
