@@ -1,12 +1,9 @@
 """The AR stages end to end on the transformers engine, against the model in one process."""
 
-import os
-import signal
-import time
-
 import pytest
 import torch
 from omni_core import Pipeline
+from omni_core.testing.faults import kill_stage, wait_ready
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [
@@ -138,12 +135,10 @@ def test_cancel_mid_decode(pipe, reference):
 def test_decode_killed_mid_request(pipe, reference):
     h = pipe.submit({"prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True})
     next(iter(h))
-    os.kill(pipe.backend.pids()["decode"], signal.SIGKILL)
+    kill_stage(pipe, "decode")
     events = list(h)
     assert events[-1].event_type == "error" and "stage 'decode'" in events[-1].message
-    end = time.monotonic() + 60
-    while pipe.health()["decode"]["state"] != "ready" and time.monotonic() < end:
-        time.sleep(0.1)
+    wait_ready(pipe, "decode")
     out = pipe.generate([PROMPTS[1]])[0]
     assert text_and_tokens(out)[1] == reference[1][1]
 

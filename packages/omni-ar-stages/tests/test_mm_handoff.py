@@ -4,11 +4,8 @@ process with the full media."""
 import base64
 import copy
 import io
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +16,7 @@ from omni_ar.multimodal.testing import build_tiny_llava, synthetic_image
 from omni_ar.params import RequestError, parse_request
 from omni_core import Pipeline, StageInput
 from omni_core.stage import StageContext
+from omni_core.testing.faults import kill_stage, wait_ready
 from omni_core.windows import Piece, Window
 from PIL import Image
 
@@ -448,12 +446,10 @@ def test_decode_killed_mid_request_fails_it(pipe, requests, reference):
     long = {**copy.deepcopy(requests[0]), "max_tokens": 400, "ignore_eos": True}
     h = pipe.submit(long)
     next(iter(h))
-    os.kill(pipe.backend.pids()["decode"], signal.SIGKILL)
+    kill_stage(pipe, "decode")
     events = list(h)
     assert events[-1].event_type == "error" and "stage 'decode'" in events[-1].message
-    end = time.monotonic() + 60
-    while pipe.health()["decode"]["state"] != "ready" and time.monotonic() < end:
-        time.sleep(0.1)
+    wait_ready(pipe, "decode")
     out = pipe.generate([copy.deepcopy(requests[1])])[0]
     assert text_and_tokens(out)[1] == reference[1][1]
     assert pipe.metrics()["counts"].get("replayed", 0) == 0

@@ -219,13 +219,14 @@ class Sample(Stage):
         _, _, h, w = latents.shape
         schedule = make_scheduler(self.scheduler_config, p.steps, h, w, self.patch)
         guided = p.guidance > 1.0
+        embeds, pooled = self._conditioning(jobs, guided)
         for i, t in enumerate(schedule.timesteps):
             live = [k for k, j in enumerate(jobs) if not j.inp.cancelled]
             if not live:
                 return
             if len(live) < len(jobs):  # cancelled requests leave the batch
                 jobs, latents = [jobs[k] for k in live], latents[live]
-            embeds, pooled = self._conditioning(jobs, guided)
+                embeds, pooled = self._conditioning(jobs, guided)
             model_input = torch.cat([latents] * 2) if guided else latents
             with torch.inference_mode():
                 noise = self.transformer(
