@@ -304,3 +304,19 @@ def test_a_streaming_middle_stage_is_awaited_before_completion():
     for out in outs:
         assert out.ok, out.error
         assert [t for e in out.by_stage("src") for t in e.tokens] == list(range(8))
+
+
+def test_a_full_work_queue_takes_in_again_as_soon_as_the_stage_frees_room():
+    # queue_capacity 2 with frames of 64 events: the I/O thread stops taking in while the
+    # queue is full and must be woken when the stage takes work, not at its next heartbeat
+    # (it was: 2,000 events took over a minute)
+    cfg = chain(
+        ("burst", "synthetic.burst", {}),
+        ("count", "synthetic.count", {}, {"queue_capacity": 2}),
+        edges=[{"from": "burst", "to": "count", "window": {"size": 1}}],
+        heartbeat_interval_s=5.0,
+    )
+    with Pipeline(cfg) as pipe:
+        out = pipe.generate([{"count": 2000, "nbytes": 1024, "chunk": 64}], timeout_s=20)[0]
+    assert out.ok, out.error
+    assert out.events[-1].payload["count"] == 2000

@@ -26,6 +26,8 @@ MAX_FRAME_MESSAGES = 256  # coalesce at most this many messages into one frame
 # plain copy is cheaper than that bookkeeping.
 _ZERO_COPY_MIN = 4 << 20
 _IPC_PATH_MAX = 100
+STATUS = "orchestrator.status"  # workers -> orchestrator: ready, heartbeats, acks
+RESULTS = "client.results"  # streaming stages -> the caller's collector
 
 
 def make_socket_dir() -> str:
@@ -39,25 +41,31 @@ class Addresses:
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
-    def _ep(self, name: str) -> str:
+    def endpoint(self, name: str) -> str:
+        """The ipc:// address of endpoint ``name`` (``stage.data``, ``client.results`` ...)."""
         path = os.path.join(self.directory, name)
         if len(path) > _IPC_PATH_MAX:
             path = os.path.join(self.directory, hashlib.sha1(name.encode()).hexdigest()[:16])
         return f"ipc://{path}"
 
+    @staticmethod
+    def names(stages: list[str]) -> list[str]:
+        """Every endpoint of a pipeline with these stages."""
+        return [f"{s}.{kind}" for s in stages for kind in ("data", "ctl")] + [STATUS, RESULTS]
+
     def data(self, stage: str) -> str:
-        return self._ep(f"{stage}.data")
+        return self.endpoint(f"{stage}.data")
 
     def control(self, stage: str) -> str:
-        return self._ep(f"{stage}.ctl")
+        return self.endpoint(f"{stage}.ctl")
 
     @property
     def status(self) -> str:
-        return self._ep("orchestrator.status")
+        return self.endpoint(STATUS)
 
     @property
     def results(self) -> str:
-        return self._ep("client.results")
+        return self.endpoint(RESULTS)
 
 
 def push_socket(ctx: zmq.Context, address: str, hwm: int = 1000) -> zmq.Socket:
@@ -87,6 +95,10 @@ class Waker:
     def wake(self) -> None:
         if self.idle:
             os.eventfd_write(self.fd, 1)
+
+    def kick(self) -> None:
+        """Wake it even if it does not look idle (it may be about to block)."""
+        os.eventfd_write(self.fd, 1)
 
     def clear(self) -> None:
         try:

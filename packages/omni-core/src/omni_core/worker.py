@@ -1,4 +1,7 @@
-"""A stage worker process, started by the orchestrator with the path of its spec.
+"""A stage worker: the loop of one stage, in a process of its own.
+
+The local launcher starts it as ``python -c ... main(spec_path)``; other launchers (the
+Ray backend) call :func:`serve` with the spec inside a process they started.
 
 Two threads. The I/O thread owns the sockets: it takes in upstream events (only while the
 work queue has room, so a slow stage pushes back on its producers), applies control
@@ -69,8 +72,11 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     config: PipelineConfig
     socket_dir: str
     arena: str  # the shared-memory segment this stage writes into
-    owner_pid: int  # the orchestrator; the worker exits if it goes away
+    owner_pid: int = 0  # the orchestrator's pid: the worker exits if it goes away (0: no check)
     devices: str | None = None
+    # where the worker binds its own inbound sockets, when not ``socket_dir`` (the Ray
+    # backend: senders reach it through the node's gateway, which binds ``socket_dir``)
+    bind_dir: str | None = None
 
 
 @dataclass
@@ -120,8 +126,9 @@ class Worker:
     def _open_sockets(self) -> None:
         cfg = self.spec.config
         hwm = self.capacity
-        self.data_in = pull_socket(self.zctx, self.addr.data(self.name), hwm)
-        self.ctl_in = pull_socket(self.zctx, self.addr.control(self.name), 100_000)
+        own = Addresses(self.spec.bind_dir) if self.spec.bind_dir else self.addr
+        self.data_in = pull_socket(self.zctx, own.data(self.name), hwm)
+        self.ctl_in = pull_socket(self.zctx, own.control(self.name), 100_000)
         self.status = push_socket(self.zctx, self.addr.status, 100_000)
         # the stage thread's sockets: events to downstream stages and to the caller
         data = {CLIENT: push_socket(self.zctx, self.addr.results, hwm)}
@@ -214,7 +221,7 @@ class Worker:
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + interval
                 self._heartbeat()
-                if os.getppid() != self.spec.owner_pid:
+                if self.spec.owner_pid and os.getppid() != self.spec.owner_pid:
                     log.error(
                         "orchestrator went away; worker %s exits",
                         self.name,
@@ -384,6 +391,9 @@ class Worker:
             batch.append(w)
             rids.add(rid)
         self.stats.dequeued += len(batch)
+        if batch and (self.stash or len(self.ready) + len(batch) >= self.capacity):
+            # the I/O thread stopped taking in while the queue was full: room again now
+            self.waker.kick()
         self.ready.extendleft(reversed(skipped))
         return batch
 
@@ -552,10 +562,15 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    sys.setswitchinterval(0.001)  # bound how long the I/O thread waits for the GIL
     configure_logging()  # OMNI_LOG_LEVEL, OMNI_LOG_FORMAT (text | json)
     with open(argv[0], "rb") as f:
         spec = decode_json(f.read(), WorkerSpec)
+    return serve(spec)
+
+
+def serve(spec: WorkerSpec) -> int:
+    """Load the stage, report Ready (or LoadFailed) and run until shut down; the exit code."""
+    sys.setswitchinterval(0.001)  # bound how long the I/O thread waits for the GIL
     t0 = time.monotonic()
     zctx = zmq.Context.instance()
     status = push_socket(zctx, Addresses(spec.socket_dir).status)
