@@ -96,10 +96,27 @@ def _load(args: argparse.Namespace) -> Any:
     from omni_core.config import ConfigError, load_config
 
     try:
-        return load_config(args.config)
+        cfg = load_config(args.config)
     except ConfigError as e:
         print(f"omni {args.command}: {e}", file=sys.stderr)
         return None
+    return with_backend(cfg, getattr(args, "backend", None), getattr(args, "address", None))
+
+
+def with_backend(cfg: Any, backend: str | None, address: str | None) -> Any:
+    """``cfg`` with ``--backend`` / ``--address`` applied over its ``backend:`` block."""
+    if backend is not None:
+        cfg.backend.kind = backend
+    if address is not None:
+        cfg.backend.address = address
+    return cfg
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend", help="where the stage workers run: local | ray (default: the config's)"
+    )
+    p.add_argument("--address", help="ray: the cluster address (default: RAY_ADDRESS or local)")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -277,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
     p.add_argument("--json", action="store_true", help="print events as JSON lines")
     p.add_argument("--out", help="write image events (previews and final images) here")
+    add_backend_args(p)
 
     p = sub.add_parser("trace", help="run requests with tracing on; write Chrome trace JSON")
     p.add_argument("config", help="pipeline YAML file")
@@ -293,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="also draw the timeline as a PNG (default: --out with .png)",
     )
+    add_backend_args(p)
 
     for name, about in sorted(plugins.items()):
         # the plug-in parses its own arguments (``omni NAME --help`` is its help)

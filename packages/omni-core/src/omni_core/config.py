@@ -47,6 +47,26 @@ class MRS(_Spec, kw_only=True):
     defaults: Defaults = msgspec.field(default_factory=Defaults)
 
 
+class Placement(_Spec, kw_only=True):
+    """Where a stage's worker may run on a cluster backend (Ray): the resources its actor
+    asks for. The local backend ignores it (``devices`` says which GPUs a worker sees)."""
+
+    num_cpus: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    num_gpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    resources: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
+        default_factory=dict
+    )  # custom resources, e.g. {"node_b": 1} to land on the node that offers it
+    node_labels: dict[str, str] = msgspec.field(default_factory=dict)  # label selector
+
+
+class BackendSpec(_Spec, kw_only=True):
+    """Where the stage workers run: ``local`` processes, or a ``ray`` cluster."""
+
+    kind: Annotated[str, msgspec.Meta(pattern=NAME_RE)] = "local"
+    address: str | None = None  # ray: the cluster to join (None: RAY_ADDRESS or a new one)
+    namespace: str | None = None  # ray: the namespace of the pipeline's actors
+
+
 class StageSpec(_Spec, kw_only=True):
     name: Annotated[str, msgspec.Meta(pattern=NAME_RE)]
     kind: str
@@ -60,6 +80,7 @@ class StageSpec(_Spec, kw_only=True):
     client_stream: bool | Literal["previews"] | None = None
     max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3  # then the stage is dead
     restart_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5  # doubles per restart
+    placement: Placement = msgspec.field(default_factory=Placement)
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
@@ -75,6 +96,7 @@ class EdgeSpec(_Spec, kw_only=True):
 class PipelineConfig(_Spec, kw_only=True):
     name: str = "pipeline"
     mrs: MRS = msgspec.field(default_factory=MRS)
+    backend: BackendSpec = msgspec.field(default_factory=BackendSpec)
     stages: Annotated[list[StageSpec], msgspec.Meta(min_length=1)]
     edges: list[EdgeSpec] = msgspec.field(default_factory=list)
     shm_threshold_bytes: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_SHM_THRESHOLD

@@ -1,9 +1,11 @@
-"""The process backend: one worker process per stage, and the control plane around them.
+"""The control plane around the stage workers, the same on every backend.
 
-The orchestrator starts the workers (with their devices and environment), waits for the
-ready handshake, seeds requests into the source stages, and owns every shared-memory
-segment. It is not on the data path between stages: workers write straight to each other,
-and the stages that stream to the caller write straight to the caller's collector socket.
+Through its launcher (:mod:`omni_core.launcher`: local processes, or Ray actors) the
+orchestrator starts the workers (with their devices and environment), waits for the
+ready handshake, restarts dead ones, seeds requests into the source stages, and owns
+every shared-memory segment. It is not on the data path between stages: workers write
+straight to each other, and the stages that stream to the caller write straight to the
+caller's collector socket.
 One I/O thread (the pump) owns this process's sockets; caller threads talk to it through
 an outbox.
 """
@@ -13,10 +15,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import os
-import shutil
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -28,7 +26,6 @@ import zmq
 
 from omni_core.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
-from omni_core.devices import resolve_devices
 from omni_core.events import (
     Ack,
     Cancel,
@@ -45,29 +42,19 @@ from omni_core.events import (
     Submit,
 )
 from omni_core.host import CLIENT
+from omni_core.launcher import Launcher, ProcessLauncher, WorkerHandle
 from omni_core.registry import load_stage_class
 from omni_core.serial import (
     ArrayCodec,
     decode_event_frame,
     decode_status_frame,
     encode_frame,
-    encode_json,
     releases,
 )
-from omni_core.shm import SegmentOwner
 from omni_core.trace import TraceLog
-from omni_core.transport import Addresses, Outbox, Waker, make_socket_dir, pull_socket, push_socket
-from omni_core.worker import WorkerSpec
+from omni_core.transport import Addresses, Outbox, Waker, pull_socket, push_socket
 
 log = logging.getLogger("omni.orchestrator")
-# The worker dies with the orchestrator (PR_SET_PDEATHSIG) from its first statement, not
-# only once its imports are done; a worker whose parent is already gone exits at once.
-_WORKER_BOOT = (
-    "import ctypes, os, signal, sys; "
-    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
-    "os.getppid() == int(sys.argv[2]) or sys.exit(3); "
-    "from omni_core.worker import main; sys.exit(main(sys.argv[1:2]))"
-)
 MAX_BACKOFF_S = 10.0
 
 
@@ -85,9 +72,7 @@ class StageProc:
 
     name: str
     kind: str
-    proc: subprocess.Popen[bytes]
-    pidfd: int
-    segment: str
+    worker: WorkerHandle
     idempotent: bool = False
     ready: bool = False
     dead: bool = False  # this process has exited
@@ -102,27 +87,14 @@ class StageProc:
     rates: dict[str, float] = field(default_factory=dict)
 
 
-def _exit_reason(code: int | None) -> str:
-    if code is None:
-        return "running"
-    if code < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 class Orchestrator:
-    def __init__(self, cfg: PipelineConfig) -> None:
+    def __init__(self, cfg: PipelineConfig, launcher: Launcher | None = None) -> None:
         self.cfg = cfg
         self.sources = cfg.sources()
         self.sinks = cfg.sinks()
-        self.socket_dir = make_socket_dir()
+        self.launcher = launcher or ProcessLauncher(cfg)
+        self.socket_dir = self.launcher.socket_dir
         self.addr = Addresses(self.socket_dir)
-        self.segments = SegmentOwner()
         self.procs: dict[str, StageProc] = {}
         self.codec = ArrayCodec(CLIENT)
         self.collector = Collector(
@@ -142,8 +114,8 @@ class Orchestrator:
         self._pump: threading.Thread | None = None
         self.cancel_acks = 0
         self.trace = TraceLog([s.name for s in cfg.stages])
-        # segments of dead workers: (stage, segment, requests open when it died)
-        self.retired: list[tuple[str, str, set[str]]] = []
+        # segments of dead workers: (stage, its worker, requests open when it died)
+        self.retired: list[tuple[str, WorkerHandle, set[str]]] = []
         self.deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
 
     # ------------------------------------------------------------------ start
@@ -167,43 +139,34 @@ class Orchestrator:
 
     def _spawn(self, name: str) -> StageProc:
         st = self.cfg.stage(name)
-        segment = self.segments.create(name, self.cfg.shm_pool_bytes)
-        devices = resolve_devices(st.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        spec = WorkerSpec(
-            stage=name,
-            config=self.cfg,
-            socket_dir=self.socket_dir,
-            arena=segment,
-            owner_pid=os.getpid(),
-            devices=devices,
-        )
-        spec_path = os.path.join(self.socket_dir, f"{segment}.spec.json")  # one per process
-        fd = os.open(spec_path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(encode_json(spec))
-        env = dict(os.environ)
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices  # before any import in the worker
-        env.update(st.extra_env)
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_BOOT, spec_path, str(os.getpid())],
-            env=env,
-            close_fds=True,
-        )
+        worker = self.launcher.spawn(name)
         idempotent = bool(getattr(load_stage_class(st.kind), "idempotent", False))
-        p = StageProc(name, st.kind, proc, os.pidfd_open(proc.pid), segment, idempotent)
+        p = StageProc(name, st.kind, worker, idempotent)
         old = self.procs.get(name)
         if old is not None:
             p.restarts = old.restarts
         self.procs[name] = p
         return p
 
+    def _exits(self, events: dict[Any, int]) -> list[StageProc]:
+        """Live workers that ended: their exit fd fired, or (no fd) they report it."""
+        self.launcher.tick()
+        ended = []
+        for p in self.procs.values():
+            if p.dead:
+                continue
+            fd = p.worker.fileno()
+            if (fd in events) if fd is not None else p.worker.exited():
+                ended.append(p)
+        return ended
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.cfg.ready_timeout_s
         poller = zmq.Poller()
         poller.register(self.status, zmq.POLLIN)
         for p in self.procs.values():
-            poller.register(p.pidfd, zmq.POLLIN)
+            if p.worker.fileno() is not None:
+                poller.register(p.worker.fileno(), zmq.POLLIN)
         while not all(p.ready for p in self.procs.values()):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -215,15 +178,17 @@ class Orchestrator:
             events = dict(poller.poll(min(left, 0.5) * 1000))
             if self.status in events:
                 self._drain_status()
+            ended = self._exits(events)
             for p in self.procs.values():
                 if p.load_error:
                     raise StageStartError(
                         f"stage {p.name!r} (kind {p.kind!r}) failed to load: {p.load_error}"
                     )
-                if not p.ready and p.pidfd in events:
-                    p.proc.wait()
+                if not p.ready and p in ended:
+                    reason = p.worker.reap()
+                    p.dead = True
                     self._drain_status()
-                    detail = p.load_error or _exit_reason(p.proc.returncode)
+                    detail = p.load_error or reason
                     raise StageStartError(
                         f"stage {p.name!r} (kind {p.kind!r}) failed to start: {detail}"
                     )
@@ -235,7 +200,8 @@ class Orchestrator:
         poller.register(self.results, zmq.POLLIN)
         poller.register(self.waker.fd, zmq.POLLIN)
         for p in self.procs.values():
-            poller.register(p.pidfd, zmq.POLLIN)
+            if p.worker.fileno() is not None:
+                poller.register(p.worker.fileno(), zmq.POLLIN)
         pollout: set[str] = set()
         while not self._closing:
             for dest in pollout:
@@ -252,11 +218,12 @@ class Orchestrator:
                 self._drain_results()
             if self.status in events:
                 self._drain_status()
+            for p in self._exits(events):
+                if p.worker.fileno() is not None:
+                    poller.unregister(p.worker.fileno())
+                self._on_death(p)
             for p in list(self.procs.values()):
-                if not p.dead and p.pidfd in events:
-                    poller.unregister(p.pidfd)
-                    self._on_death(p)
-                elif p.state == "restarting" and time.monotonic() >= p.restart_at:
+                if p.state == "restarting" and time.monotonic() >= p.restart_at:
                     self._restart(p)
             self._check_deadlines()
             self._retire_segments()
@@ -332,16 +299,14 @@ class Orchestrator:
 
     def _on_death(self, p: StageProc) -> None:
         """A worker exited: end or replay its requests, reclaim its slots, restart it."""
-        p.proc.wait()
+        p.exit_reason = p.worker.reap()
         p.dead = True
         p.ready = False
-        p.exit_reason = _exit_reason(p.proc.returncode)
-        os.close(p.pidfd)
         if self._closing:
             return
         st = self.cfg.stage(p.name)
         log.error(
-            "stage %s (pid %d) %s", p.name, p.proc.pid, p.exit_reason, extra={"stage": p.name}
+            "stage %s (pid %s) %s", p.name, p.worker.pid, p.exit_reason, extra={"stage": p.name}
         )
         # slots the dead worker was reading go back to its producers; its own arena goes
         for e in self.cfg.inbound(p.name):
@@ -352,7 +317,7 @@ class Orchestrator:
             p.restart_at = time.monotonic() + backoff
         else:
             p.state = "dead"
-        why = f"stage {p.name!r} worker (pid {p.proc.pid}) {p.exit_reason}"
+        why = f"stage {p.name!r} worker (pid {p.worker.pid}, {p.worker.where}) {p.exit_reason}"
         cancel: list[str] = []
         replay: list[RequestHandle] = []
         downstream = [e.target for e in self.cfg.outbound(p.name)]
@@ -378,7 +343,7 @@ class Orchestrator:
         # segment goes once those requests have ended
         with self.lock:
             open_ids = set(self.collector.wire)
-        self.retired.append((p.name, p.segment, open_ids))
+        self.retired.append((p.name, p.worker, open_ids))
 
     def _retire_segments(self) -> None:
         """Unlink dead workers' segments once no request that may read them is open."""
@@ -387,15 +352,16 @@ class Orchestrator:
         with self.lock:
             open_ids = set(self.collector.wire)
         keep = []
-        for stage, segment, waiting in self.retired:
+        for stage, worker, waiting in self.retired:
             waiting &= open_ids
             if waiting:
-                keep.append((stage, segment, waiting))
+                keep.append((stage, worker, waiting))
                 continue
-            self.segments.unlink(segment)
-            self.codec.reader.forget(segment)
+            self.launcher.unlink_segment(worker)
+            self.codec.reader.forget(worker.segment)
             for e in self.cfg.outbound(stage):
-                self.outbox.put(f"ctl:{e.target}", SegmentGone(segment=segment), block=False)
+                msg = SegmentGone(segment=worker.segment)
+                self.outbox.put(f"ctl:{e.target}", msg, block=False)
         self.retired = keep
 
     def _restart(self, p: StageProc) -> None:
@@ -407,7 +373,8 @@ class Orchestrator:
             p.state = "dead"
             p.exit_reason = f"restart failed: {e}"
             return
-        self.poller.register(new.pidfd, zmq.POLLIN)  # state "starting" until its Ready
+        if new.worker.fileno() is not None:  # state "starting" until its Ready
+            self.poller.register(new.worker.fileno(), zmq.POLLIN)
 
     def _check_deadlines(self) -> None:
         """Time out requests whose deadline passed (a heap: no scan of open requests)."""
@@ -480,10 +447,11 @@ class Orchestrator:
         now = time.monotonic()
         return {
             n: {
-                "alive": not p.dead and p.proc.poll() is None,
+                "alive": not p.dead and not p.worker.exited(),
                 "healthy": p.state == "ready" and not p.dead,
                 "state": p.state,
-                "pid": p.proc.pid,
+                "pid": p.worker.pid,
+                "where": p.worker.where,
                 "restarts": p.restarts,
                 "exit": p.exit_reason,
                 "heartbeat_age_s": now - p.last_heartbeat if p.last_heartbeat else None,
@@ -512,7 +480,7 @@ class Orchestrator:
         return {n: p.stats for n, p in self.procs.items()}
 
     def pids(self) -> dict[str, int]:
-        return {n: p.proc.pid for n, p in self.procs.items()}
+        return {n: p.worker.pid for n, p in self.procs.items()}
 
     # ------------------------------------------------------------------ stop
     def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
@@ -533,27 +501,13 @@ class Orchestrator:
             self._pump.join(timeout=5)
         t_end = time.monotonic() + (timeout_s if graceful else 0)
         for p in self.procs.values():
-            try:
-                p.proc.wait(timeout=max(0.0, t_end - time.monotonic()) if graceful else 0.001)
-            except subprocess.TimeoutExpired:
-                p.proc.terminate()
-        for p in self.procs.values():
-            try:
-                p.proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait()
             if not p.dead:
+                p.worker.stop(max(0.0, t_end - time.monotonic()))
                 p.dead = True
-                try:
-                    os.close(p.pidfd)
-                except OSError:
-                    pass
         with self.lock:
             self.collector.fail_all("pipeline closed before the request finished")
-        self.segments.unlink_all()
         for s in [self.status, self.results, *self.sockets.values()]:
             s.close(linger=0)
         self.zctx.term()
         self.waker.close()
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        self.launcher.close()

@@ -1,8 +1,8 @@
 """The user-facing pipeline: a context manager over one execution backend.
 
-``Pipeline(config)`` picks the process backend (one worker per stage) or, with
-``mrs.enabled: false``, the in-process backend; both take the same requests and give the
-same events.
+``Pipeline(config)`` runs one worker per stage through the config's backend (``local``
+processes, or a plug-in backend such as ``ray``) or, with ``mrs.enabled: false``, every
+stage in-process; all take the same requests and give the same events.
 """
 
 from __future__ import annotations
@@ -17,11 +17,28 @@ import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
+import msgspec
+
 from omni_core.collector import RequestHandle, RequestOutput, collect
 from omni_core.config import PipelineConfig, load_config, parse_config
 from omni_core.events import AnyEvent
 from omni_core.inline import InlineRunner
+from omni_core.launcher import Launcher, ProcessLauncher
 from omni_core.orchestrator import Orchestrator
+from omni_core.registry import RegistryError, backend_registry
+
+
+def make_launcher(cfg: PipelineConfig) -> Launcher:
+    """The launcher of ``cfg.backend.kind``: ``local``, or one from ``omni.backends``."""
+    kind = cfg.backend.kind
+    if kind == "local":
+        return ProcessLauncher(cfg)
+    try:
+        cls = backend_registry().load(kind)
+    except RegistryError as e:
+        hint = " (install omni-ray: pip install packages/omni-ray)" if kind == "ray" else ""
+        raise RegistryError(f"backend {kind!r}: {e}{hint}") from None
+    return cls(cfg)
 
 
 class Pipeline:
@@ -32,16 +49,29 @@ class Pipeline:
     ...         print(event.event_type, event.tokens)
     """
 
-    def __init__(self, config: PipelineConfig | str | os.PathLike[str] | dict[str, Any]) -> None:
+    def __init__(
+        self,
+        config: PipelineConfig | str | os.PathLike[str] | dict[str, Any],
+        backend: str | None = None,
+        address: str | None = None,
+    ) -> None:
+        """``backend`` / ``address`` override the config's ``backend:`` block."""
         if isinstance(config, PipelineConfig):
             cfg = config
         elif isinstance(config, dict):
             cfg = parse_config(config)
         else:
             cfg = load_config(config)
+        if backend is not None or address is not None:
+            spec = msgspec.structs.replace(
+                cfg.backend,
+                kind=backend or cfg.backend.kind,
+                address=address if address is not None else cfg.backend.address,
+            )
+            cfg = msgspec.structs.replace(cfg, backend=spec)
         self.config = cfg
         self.backend: Orchestrator | InlineRunner = (
-            Orchestrator(cfg) if cfg.mrs.enabled else InlineRunner(cfg)
+            Orchestrator(cfg, make_launcher(cfg)) if cfg.mrs.enabled else InlineRunner(cfg)
         )
         self._started = False
 

@@ -1,5 +1,5 @@
-"""Entry-point registries: stage kinds (``omni.stages``), benchmarks (``omni.benchmarks``)
-and extra ``omni`` subcommands (``omni.commands``).
+"""Entry-point registries: stage kinds (``omni.stages``), benchmarks (``omni.benchmarks``),
+extra ``omni`` subcommands (``omni.commands``) and execution backends (``omni.backends``).
 
 The index is built lazily from installed distributions' metadata; nothing is imported
 until a name is asked for. Two distributions registering one name is an error that names
@@ -17,6 +17,7 @@ from typing import Any
 STAGES_GROUP = "omni.stages"
 BENCHMARKS_GROUP = "omni.benchmarks"
 COMMANDS_GROUP = "omni.commands"
+BACKENDS_GROUP = "omni.backends"
 
 
 class RegistryError(LookupError):
@@ -114,6 +115,13 @@ def benchmark_registry() -> Registry:
 def command_registry() -> Registry:
     """Subcommands plug-ins add to ``omni``: each entry point is ``main(argv) -> int``."""
     return Registry(COMMANDS_GROUP, "command")
+
+
+@functools.cache
+def backend_registry() -> Registry:
+    """Execution backends besides ``local``: each entry point is a
+    :class:`~omni_core.launcher.Launcher` class taking the pipeline config."""
+    return Registry(BACKENDS_GROUP, "backend")
 
 
 def load_stage_class(kind: str) -> type:

@@ -78,9 +78,9 @@ def list_segments(owner_pid: int | None = None, directory: str = SHM_DIR) -> lis
 class SegmentOwner:
     """Creates and unlinks the segments of one pipeline; lives in the orchestrator."""
 
-    def __init__(self, directory: str = SHM_DIR) -> None:
+    def __init__(self, directory: str = SHM_DIR, token: str | None = None) -> None:
         self.directory = directory
-        self.token = secrets.token_hex(4)
+        self.token = token or secrets.token_hex(4)  # tells this pipeline's segments apart
         self._names: list[str] = []
         self._serial = itertools.count()  # names are never reused, even after an unlink
         sweep_stale(directory)

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 
+from omni_core.cli import add_backend_args, with_backend
 from omni_core.logs import configure_logging
 
 log = logging.getLogger("omni.serve")
@@ -39,6 +40,7 @@ def parser() -> argparse.ArgumentParser:
         "--max-image-pixels", type=int, default=1024 * 1024, help="limit of width x height"
     )
     p.add_argument("--max-images", type=int, default=4, help="limit of an image request's n")
+    add_backend_args(p)
     p.add_argument("--log-level", default=None, help="default: $OMNI_LOG_LEVEL or INFO")
     p.add_argument(
         "--log-format", choices=["text", "json"], default=None, help="default: $OMNI_LOG_FORMAT"
@@ -60,7 +62,7 @@ def main(argv: list[str]) -> int:
     from omni_serve.app import ServeSettings, create_app, endpoints
 
     try:
-        cfg = load_config(args.config)
+        cfg = with_backend(load_config(args.config), args.backend, args.address)
     except ConfigError as e:
         print(f"omni serve: {e}", file=sys.stderr)
         return 2

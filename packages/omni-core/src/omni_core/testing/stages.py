@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Iterator
 
 import msgspec
@@ -145,17 +146,20 @@ class ArraySource(Stage):
 
 
 class ArraySink(Stage):
-    """Reads what arrives (checksum of first and last byte) and reports the byte count."""
+    """Reads what arrives and reports the byte count, a cheap check (first and last byte)
+    and a CRC-32 of every byte, in arrival order."""
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
-            total, check = 0, 0
+            total, check, crc = 0, 0, 0
             for w in inp.windows.values():
                 for p in w.pieces:
                     for a in p.arrays.values():
                         total += a.nbytes
                         check += int(a[0]) + int(a[-1]) if a.size else 0
-            yield inp.segment(None, payload={"bytes": total, "check": check}, is_last=inp.last)
+                        crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
+            payload = {"bytes": total, "check": check, "crc": crc}
+            yield inp.segment(None, payload=payload, is_last=inp.last)
 
 
 class FailOptions(msgspec.Struct, forbid_unknown_fields=True):

@@ -1,0 +1,249 @@
+"""The ``ray`` backend: stage workers as Ray actors, placed by Ray, on one or many nodes.
+
+The orchestrator (the same control plane as on the local backend) runs in the caller's
+process, which must be on a node of the cluster (the head, usually). The launcher joins
+the cluster, puts a :class:`~omni_ray.gateway.NodeGateway` on every node (on nodes that
+join later too), starts one :class:`~omni_ray.stage_actor.StageActor` per stage with the
+stage's ``placement`` (CPUs, GPUs, custom resources, node labels), and tells the gateways
+where each stage lives. Stage deaths and restarts follow the orchestrator's own policy
+(``max_restarts``, backoff, replay of idempotent stages); Ray's actor restarts stay off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from omni_core.config import PipelineConfig
+from omni_core.launcher import Launcher, WorkerHandle
+from omni_core.serial import encode_json
+from omni_core.shm import SHM_DIR, list_segments
+from omni_core.worker import WorkerSpec
+
+from omni_ray.gateway import NodeGateway, gateway_name
+from omni_ray.stage_actor import StageActor
+
+log = logging.getLogger("omni.ray")
+NODE_SCAN_S = 1.0  # how often to look for nodes that joined (they get a gateway)
+GATEWAY_THREADS = 64  # deliveries block while a consumer pushes back: one thread each
+
+
+class RayWorker(WorkerHandle):
+    """One life of a stage as a Ray actor."""
+
+    def __init__(self, stage: str, actor: Any, run_ref: Any, where_ref: Any) -> None:
+        self.stage = stage
+        self.actor = actor
+        self.run_ref = run_ref
+        self.where_ref: Any = where_ref
+        self.node: str | None = None
+        self.segment = ""
+        self.where = "pending"
+        self.ended = False
+
+    def exited(self) -> bool:
+        return self.ended
+
+    def reap(self) -> str:
+        import ray
+
+        try:
+            code = ray.get(self.run_ref, timeout=5)
+            reason = f"exited with code {code}"
+        except ray.exceptions.ActorDiedError as e:
+            cause = "its node died" if "node" in str(e).lower() else "the actor died"
+            reason = f"{cause} (Ray: {type(e).__name__})"
+        except ray.exceptions.RayError as e:
+            reason = f"failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+        self._kill()
+        return reason
+
+    def stop(self, grace_s: float) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            ray.get(self.run_ref, timeout=max(grace_s, 0.001))
+        self._kill()
+
+    def _kill(self) -> None:
+        import ray
+
+        self.ended = True
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+
+
+class RayLauncher(Launcher):
+    def __init__(self, cfg: PipelineConfig) -> None:
+        import ray
+
+        self.cfg = cfg
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            ray.init(
+                address=cfg.backend.address,
+                namespace=cfg.backend.namespace,
+                log_to_driver=True,
+                include_dashboard=False,
+                configure_logging=False,
+            )
+        self.pipeline_id = uuid.uuid4().hex[:10]
+        self.head_node = ray.get_runtime_context().get_node_id()
+        self.stages = [s.name for s in cfg.stages]
+        self.gateways: dict[str, Any] = {}  # node id -> gateway actor
+        self.routes: dict[str, tuple[str | None, int]] = {}  # stage -> (node id, version)
+        self.version = 0
+        self.workers: dict[str, RayWorker] = {}  # the current life of each stage
+        self.next_scan = 0.0
+        try:
+            head = self._add_gateway(self.head_node)
+            info = ray.get(head.info.remote(), timeout=cfg.ready_timeout_s)
+        except BaseException:
+            self._shutdown_ray()
+            raise
+        self.socket_dir = info["socket_dir"]
+        self._scan_nodes()
+
+    # ------------------------------------------------------------------ gateways
+    def _add_gateway(self, node: str) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        cls = ray.remote(NodeGateway)
+        gw = cls.options(
+            name=gateway_name(self.pipeline_id, node),
+            num_cpus=0,
+            max_concurrency=GATEWAY_THREADS,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(self.pipeline_id, node, self.head_node, self.stages)
+        if self.routes:
+            gw.set_routes.remote(dict(self.routes))
+        self.gateways[node] = gw
+        return gw
+
+    def _scan_nodes(self) -> None:
+        """Give every alive node a gateway; forget those of nodes that went away."""
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for node in alive - set(self.gateways):
+            self._add_gateway(node)
+        for node in set(self.gateways) - alive:
+            if node != self.head_node:
+                del self.gateways[node]
+        self.next_scan = time.monotonic() + NODE_SCAN_S
+
+    def _set_route(self, stage: str, node: str | None) -> None:
+        self.version += 1
+        self.routes[stage] = (node, self.version)
+        for gw in self.gateways.values():
+            gw.set_routes.remote({stage: self.routes[stage]})
+
+    # ------------------------------------------------------------------ Launcher
+    def spawn(self, stage: str) -> WorkerHandle:
+        import ray
+
+        st = self.cfg.stage(stage)
+        pl = st.placement
+        spec = WorkerSpec(stage=stage, config=self.cfg, socket_dir="", arena="")
+        options: dict[str, Any] = {
+            "num_cpus": pl.num_cpus,
+            "num_gpus": pl.num_gpus,
+            "max_concurrency": 4,
+            "max_restarts": 0,
+            "name": f"omni-{self.pipeline_id}-{stage}-{uuid.uuid4().hex[:6]}",
+        }
+        if pl.resources:
+            options["resources"] = dict(pl.resources)
+        if pl.node_labels:
+            options["label_selector"] = dict(pl.node_labels)
+        env = {k: v for k, v in os.environ.items() if k.startswith("OMNI_")}
+        env.update(st.extra_env)
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        actor = (
+            ray.remote(StageActor)
+            .options(**options)
+            .remote(
+                encode_json(spec),
+                self.pipeline_id,
+                self.cfg.shm_pool_bytes,
+                self.cfg.ready_timeout_s,
+            )
+        )
+        w = RayWorker(stage, actor, actor.run.remote(), actor.where.remote())
+        self.workers[stage] = w
+        if stage in self.routes and self.routes[stage][0] is not None:
+            self._set_route(stage, None)  # senders' frames wait until it is placed
+        return w
+
+    def tick(self) -> None:
+        import ray
+
+        if time.monotonic() >= self.next_scan:
+            self._scan_nodes()
+        pending = {w.where_ref: w for w in self.workers.values() if w.where_ref is not None}
+        if pending:
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            for ref in done:
+                w = pending[ref]
+                w.where_ref = None
+                try:
+                    info = ray.get(ref)
+                except ray.exceptions.RayError:
+                    continue  # it died before it was placed: run_ref says so
+                w.node, w.pid, w.segment = info["node"], info["pid"], info["segment"]
+                w.where = f"node {w.node[:12]}"
+                if w.node not in self.gateways:
+                    self._scan_nodes()
+                self._set_route(w.stage, w.node)
+        running = {w.run_ref: w for w in self.workers.values() if not w.ended}
+        if running:
+            done, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
+            for ref in done:
+                w = running[ref]
+                w.ended = True
+                if self.routes.get(w.stage, (None, 0))[0] == w.node:
+                    self._set_route(w.stage, None)
+
+    def unlink_segment(self, handle: WorkerHandle) -> None:
+        w = handle
+        assert isinstance(w, RayWorker)
+        if not w.segment:
+            return
+        gw = self.gateways.get(w.node or "")
+        if gw is not None:
+            gw.unlink_segment.remote(w.segment)
+        else:  # its node is gone; on this host (a simulated node) the file may remain
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, w.segment))
+
+    def close(self) -> None:
+        import ray
+
+        closing = [gw.close.remote() for gw in self.gateways.values()]
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            ray.get(closing, timeout=10)
+        for gw in self.gateways.values():
+            with contextlib.suppress(Exception):
+                ray.kill(gw, no_restart=True)
+        # segments of gateways that died with their node, if that node was this host
+        for name in list_segments():
+            if f"-{self.pipeline_id}-" in name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+        self._shutdown_ray()
+
+    def _shutdown_ray(self) -> None:
+        import ray
+
+        if self.owns_ray:
+            ray.shutdown()
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": "ray", "nodes": len(self.gateways), "head": self.head_node}

@@ -1,0 +1,57 @@
+"""The stage actor: one Ray actor per stage life, running the same worker loop as a local
+process (:func:`omni_core.worker.serve`) on whichever node Ray placed it."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+from omni_core.devices import resolve_devices
+from omni_core.worker import WorkerSpec
+
+from omni_ray.gateway import gateway_name
+
+
+class StageActor:
+    """Run as a Ray actor with ``max_concurrency > 1``: :meth:`run` holds one thread for
+    the worker's life while :meth:`where` answers."""
+
+    def __init__(self, spec: bytes, pipeline_id: str, pool_bytes: int, wait_s: float) -> None:
+        import ray
+
+        self.spec = msgspec.json.decode(spec, type=WorkerSpec)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        # the orchestrator makes a gateway on every node as it appears; wait for ours
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                gw = ray.get_actor(gateway_name(pipeline_id, self.node_id))
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"no omni gateway on node {self.node_id} after {wait_s:.0f}s"
+                    ) from None
+                time.sleep(0.1)
+        info = ray.get(gw.info.remote())
+        self.spec.socket_dir = info["socket_dir"]
+        self.spec.bind_dir = info["bind_dir"]
+        self.spec.arena = ray.get(gw.create_segment.remote(self.spec.stage, pool_bytes))
+        # `devices` keeps its meaning inside the node: an index into the GPUs Ray gave us
+        st = self.spec.config.stage(self.spec.stage)
+        devices = resolve_devices(st.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before the stage imports torch
+        self.spec.devices = devices
+
+    def where(self) -> dict[str, Any]:
+        return {"node": self.node_id, "pid": os.getpid(), "segment": self.spec.arena}
+
+    def run(self) -> int:
+        from omni_core.logs import configure_logging
+        from omni_core.worker import serve
+
+        configure_logging()
+        return serve(self.spec)

@@ -1,0 +1,55 @@
+"""A simulated multi-node Ray cluster on this machine, for tests and benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+OBJECT_STORE_BYTES = 256 << 20  # per node; Ray's default (30% of RAM) is far more
+
+
+@contextmanager
+def simulated_cluster(nodes: int = 2, num_cpus: int = 8) -> Iterator[Any]:
+    """A head node and ``nodes - 1`` more on this machine, joined by this process.
+
+    Node ``i`` offers the custom resource ``node_<letter>`` (``node_a`` is the head), so
+    a stage lands on a node with ``placement: {resources: {node_b: 1}}``. ``num_cpus`` is
+    logical: Ray schedules by it, it is not the cores the machine has.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": num_cpus,
+            "resources": {"node_a": 100},
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+        },
+    )
+    try:
+        for i in range(1, nodes):
+            add_node(cluster, f"node_{chr(ord('a') + i)}", num_cpus)
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def add_node(cluster: Any, resource: str, num_cpus: int = 8) -> Any:
+    """Another simulated node offering ``resource``; returns it (for ``remove_node``)."""
+    node = cluster.add_node(
+        num_cpus=num_cpus,
+        resources={resource: 100},
+        object_store_memory=OBJECT_STORE_BYTES,
+    )
+    cluster.wait_for_nodes()
+    return node
+
+
+def on(resource: str, num_cpus: float = 0.5) -> dict[str, Any]:
+    """A stage's ``placement`` for the simulated node offering ``resource``."""
+    return {"placement": {"num_cpus": num_cpus, "resources": {resource: 1}}}
