@@ -51,7 +51,9 @@ class Placement(_Spec, kw_only=True):
     """Where a stage's worker may run on a cluster backend (Ray): the resources its actor
     asks for. The local backend ignores it (``devices`` says which GPUs a worker sees)."""
 
-    num_cpus: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # CPUs held in Ray's accounting; 0 (the default) lets stages share a node's CPUs, as
+    # the local backend's processes do: set it (or resources) to spread stages out
+    num_cpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     num_gpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     resources: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict

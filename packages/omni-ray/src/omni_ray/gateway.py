@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import zmq
 from omni_core.events import InlineArray, ShmHandle
 from omni_core.host import CLIENT
@@ -46,9 +47,10 @@ log = logging.getLogger("omni.ray")
 
 DRIVER = "@driver"  # the route owner of the orchestrator's endpoints
 MAX_BATCH_FRAMES = 64  # frames forwarded in one actor call
-MAX_BATCH_BYTES = 256 << 20
+MAX_BATCH_BYTES = 64 << 20  # a call's frames sit in Ray's object store at once
 _SHM_TAG = b"\xa3shm"  # msgpack of the string "shm", the tag of an array-like ShmHandle
 HWM = 1000
+_ZERO_COPY = 1 << 20
 
 
 def gateway_name(pipeline_id: str, node_id: str) -> str:
@@ -134,7 +136,7 @@ class NodeGateway:
         return names
 
     # ------------------------------------------------------------------ data path
-    def deliver(self, endpoint: str, frames: list[bytes]) -> bool:
+    def deliver(self, endpoint: str, frames: list[Any]) -> bool:
         """Frames from another node's gateway for ``endpoint``; False: it is not here (any
         more), the sender asks for the route again."""
         if self._route(endpoint) != self.node_id:
@@ -214,7 +216,10 @@ class NodeGateway:
         try:
             if gw is None:
                 gw = self.gateways[node] = ray.get_actor(gateway_name(self.pipeline_id, node))
-            return bool(ray.get(gw.deliver.remote(endpoint, frames)))
+            # large frames as numpy arrays: Ray moves those without pickling copies, and
+            # the receiver hands the object store's view straight to zmq
+            wire = [np.frombuffer(f, np.uint8) if len(f) >= _ZERO_COPY else f for f in frames]
+            return bool(ray.get(gw.deliver.remote(endpoint, wire)))
         except (ValueError, ray.exceptions.RayError) as e:  # no such gateway, or it died
             self.gateways.pop(node, None)
             log.warning(

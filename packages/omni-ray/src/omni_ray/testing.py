@@ -10,7 +10,9 @@ OBJECT_STORE_BYTES = 256 << 20  # per node; Ray's default (30% of RAM) is far mo
 
 
 @contextmanager
-def simulated_cluster(nodes: int = 2, num_cpus: int = 8) -> Iterator[Any]:
+def simulated_cluster(
+    nodes: int = 2, num_cpus: int = 8, object_store_bytes: int = OBJECT_STORE_BYTES
+) -> Iterator[Any]:
     """A head node and ``nodes - 1`` more on this machine, joined by this process.
 
     Node ``i`` offers the custom resource ``node_<letter>`` (``node_a`` is the head), so
@@ -25,13 +27,13 @@ def simulated_cluster(nodes: int = 2, num_cpus: int = 8) -> Iterator[Any]:
         head_node_args={
             "num_cpus": num_cpus,
             "resources": {"node_a": 100},
-            "object_store_memory": OBJECT_STORE_BYTES,
+            "object_store_memory": object_store_bytes,
             "include_dashboard": False,
         },
     )
     try:
         for i in range(1, nodes):
-            add_node(cluster, f"node_{chr(ord('a') + i)}", num_cpus)
+            add_node(cluster, f"node_{chr(ord('a') + i)}", num_cpus, object_store_bytes)
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         yield cluster
     finally:
@@ -39,12 +41,14 @@ def simulated_cluster(nodes: int = 2, num_cpus: int = 8) -> Iterator[Any]:
         cluster.shutdown()
 
 
-def add_node(cluster: Any, resource: str, num_cpus: int = 8) -> Any:
+def add_node(
+    cluster: Any, resource: str, num_cpus: int = 8, object_store_bytes: int = OBJECT_STORE_BYTES
+) -> Any:
     """Another simulated node offering ``resource``; returns it (for ``remove_node``)."""
     node = cluster.add_node(
         num_cpus=num_cpus,
         resources={resource: 100},
-        object_store_memory=OBJECT_STORE_BYTES,
+        object_store_memory=object_store_bytes,
     )
     cluster.wait_for_nodes()
     return node

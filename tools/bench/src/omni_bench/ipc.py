@@ -7,6 +7,13 @@ written once into a shared-memory slot), and a ``synthetic.count`` worker takes 
 through its windows. Time runs from the burst's start to the last unit's arrival at the counter.
 Baselines in the same run: ``multiprocessing.Queue`` between two processes, and a plain
 numpy copy of the same size (what one write into shared memory costs at best).
+
+``--backend ray`` measures the same figures on the Ray backend, on a cluster of two
+simulated nodes started for the run (or ``--address``'s cluster, whose nodes must offer the
+custom resources ``node_a`` and ``node_b``): both stages on one node (``ray_same_node``) and
+one on each (``ray_cross_node``), next to the local backend's (``local``), and what Ray
+itself achieves: a 64 MB numpy array as the argument of an actor call between two actors
+(``ray_call_gbps_64m_same_node`` / ``_cross_node``).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import time
+from typing import Any
 
 import numpy as np
 from omni_core import Pipeline
@@ -35,28 +43,38 @@ def _runtime_run(pipe: Pipeline, count: int, nbytes: int, chunk: int = 1) -> tup
     return p["t_end"] - p["t0"], p["bytes"]
 
 
-def runtime_figures(events_1k: int, count_1m: int, count_64m: int, repeat: int) -> dict[str, float]:
+def runtime_figures(
+    events_1k: int,
+    count_1m: int,
+    count_64m: int,
+    repeat: int,
+    backend: str = "local",
+    placement: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
+) -> dict[str, float]:
+    """The runtime's figures; ``placement``: each stage's extra config (where it runs)."""
+    stages = (
+        ("burst", "synthetic.burst", {}, placement[0]),
+        ("count", "synthetic.count", {}, placement[1]),
+    )
     cfg = chain(
-        ("burst", "synthetic.burst", {}),
-        ("count", "synthetic.count", {}),
+        *stages,
         edges=[{"from": "burst", "to": "count", "window": {"size": 256}}],
         shm_pool_bytes=1 << 30,
     )
 
     res: dict[str, float] = {}
-    with Pipeline(cfg) as pipe:
+    with Pipeline(cfg, backend=backend) as pipe:
         _runtime_run(pipe, 2000, 1024)  # warm up
         best = min(_runtime_run(pipe, events_1k, 1024, CHUNK)[0] for _ in range(repeat))
         res["events_per_s_1k"] = events_1k / best
         best = min(_runtime_run(pipe, events_1k, 1024, 1)[0] for _ in range(repeat))
         res["events_per_s_1k_single_yield"] = events_1k / best
     arrays = chain(
-        ("burst", "synthetic.burst", {}),
-        ("count", "synthetic.count", {}),
+        *stages,
         edges=[{"from": "burst", "to": "count", "window": {"size": 1}}],
         shm_pool_bytes=1 << 30,
     )
-    with Pipeline(arrays) as pipe:
+    with Pipeline(arrays, backend=backend) as pipe:
         for key, count, nbytes in (("gbps_1m", count_1m, MB), ("gbps_64m", count_64m, 64 * MB)):
             _runtime_run(pipe, max(2, count // 4), nbytes)  # warm the slots' pages
             best = min(_runtime_run(pipe, count, nbytes)[0] for _ in range(repeat))
@@ -107,8 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count-1m", type=int, default=400)
     ap.add_argument("--count-64m", type=int, default=12)
     ap.add_argument("--repeat", type=int, default=3, help="best of this many runs")
+    ap.add_argument("--backend", choices=["local", "ray"], default="local")
+    ap.add_argument("--address", help="ray: a cluster to use instead of two simulated nodes")
     args = ap.parse_args(argv)
-    res = runtime_figures(args.events, args.count_1m, args.count_64m, args.repeat)
+    figures = (args.events, args.count_1m, args.count_64m, args.repeat)
+    if args.backend == "ray":
+        return _main_ray(args, figures)
+    res = runtime_figures(*figures)
     res["mpqueue_events_per_s_1k"] = mpqueue_figure(args.events, 1024, args.repeat)
     res["mpqueue_gbps_64m"] = mpqueue_figure(args.count_64m, 64 * MB, args.repeat) * 64 * MB / 1e9
     res["memcpy_gbps"] = memcpy_figure(64 * MB, 5)
@@ -121,6 +144,67 @@ def main(argv: list[str] | None = None) -> int:
     res["targets_met"] = {
         "events_per_s_1k >= 3 x mpqueue": res["events_ratio"] >= 3,
         "gbps_64m >= 0.6 x memcpy": res["gbps_64m_vs_memcpy"] >= 0.6,
+    }
+    emit(res, args.json)
+    return 0
+
+
+class _Sink:
+    def take(self, arr: np.ndarray) -> int:
+        return arr.nbytes
+
+
+class _Source:
+    def send(self, sink: Any, nbytes: int, count: int) -> float:
+        import ray
+
+        arr = np.ones(nbytes, np.uint8)
+        ray.get(sink.take.remote(arr))  # warm up
+        t0 = time.perf_counter()
+        for _ in range(count):
+            ray.get(sink.take.remote(arr))
+        return count * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def ray_call_figure(node: str, count: int) -> float:
+    """GB/s of 64 MB arrays passed by Ray alone, an actor on node_a calling one on ``node``."""
+    import ray
+
+    sink = ray.remote(_Sink).options(resources={node: 1}, num_cpus=0).remote()
+    source = ray.remote(_Source).options(resources={"node_a": 1}, num_cpus=0).remote()
+    try:
+        return ray.get(source.send.remote(sink, 64 * MB, count))
+    finally:
+        ray.kill(sink)
+        ray.kill(source)
+
+
+def _main_ray(args: argparse.Namespace, figures: tuple[int, int, int, int]) -> int:
+    import contextlib
+
+    import ray
+    from omni_ray.testing import on, simulated_cluster
+
+    res: dict[str, Any] = {"local": runtime_figures(*figures)}
+    if args.address:
+        cluster = contextlib.nullcontext(ray.init(address=args.address))
+    else:
+        cluster = simulated_cluster(nodes=2, object_store_bytes=2 << 30)
+    with cluster:
+        res["ray_same_node"] = runtime_figures(*figures, "ray", (on("node_a"), on("node_a")))
+        res["ray_cross_node"] = runtime_figures(*figures, "ray", (on("node_a"), on("node_b")))
+        for where, node in (("same_node", "node_a"), ("cross_node", "node_b")):
+            res[f"ray_call_gbps_64m_{where}"] = ray_call_figure(node, args.count_64m)
+    res["mpqueue_events_per_s_1k"] = mpqueue_figure(args.events, 1024, args.repeat)
+    res["mpqueue_gbps_64m"] = mpqueue_figure(args.count_64m, 64 * MB, args.repeat) * 64 * MB / 1e9
+    res["memcpy_gbps"] = memcpy_figure(64 * MB, 5)
+    for key in ("ray_same_node", "ray_cross_node"):
+        res[f"{key}_vs_local"] = {
+            k: round(v / res["local"][k], 3) for k, v in res[key].items() if res["local"][k]
+        }
+    res = {
+        k: ({kk: round(vv, 3) for kk, vv in v.items()} if isinstance(v, dict) else round(v, 3))
+        for k, v in res.items()
     }
     emit(res, args.json)
     return 0
