@@ -5,6 +5,7 @@ that goes away mid-request."""
 import threading
 import time
 
+import pytest
 from omni_core import Pipeline
 from omni_core.shm import list_segments
 from omni_core.testing.configs import chain
@@ -150,3 +151,24 @@ def test_a_node_that_goes_away_errors_its_requests_and_the_stage_comes_back(clus
         assert out.ok, out.error
         assert [t for e in out.by_stage("map") for t in e.tokens] == list(range(5))
     assert_no_segments_of(token)
+
+
+def test_devices_and_extra_env_keep_their_meaning_in_an_actor(cluster):
+    cfg = chain(
+        ("gpu", "synthetic.env", {}, {**on("node_b"), "devices": "1,2", "extra_env": {"X": "y"}}),
+        ("cpu", "synthetic.env", {}, {**on("node_a"), "devices": "cpu"}),
+        edges=[],
+    )
+    with Pipeline(cfg, backend="ray") as pipe:
+        out = pipe.generate([{"env": ["CUDA_VISIBLE_DEVICES", "X"]}])[0]
+    env = {e.stage: e.payload["env"] for e in out.events if e.stage}
+    assert env["gpu"] == {"CUDA_VISIBLE_DEVICES": "1,2", "X": "y"}
+    assert env["cpu"] == {"CUDA_VISIBLE_DEVICES": "", "X": None}
+
+
+def test_a_placement_no_node_offers_fails_the_start_and_says_why(cluster):
+    from omni_core.orchestrator import StageStartError
+
+    cfg = chain(("src", "synthetic.source", {}, on("node_z")), ready_timeout_s=3)
+    with pytest.raises(StageStartError, match=r"src: Ray has not placed.*'node_z': 1"):
+        Pipeline(cfg, backend="ray").start()

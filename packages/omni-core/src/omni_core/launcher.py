@@ -84,6 +84,10 @@ class Launcher(ABC):
     def tick(self) -> None:  # noqa: B027 - optional hook
         """Called from the orchestrator's loop (about every 100 ms): housekeeping."""
 
+    def waiting(self, stage: str) -> str:
+        """Why ``stage``'s worker may not have reported ready yet ("" if nothing to say)."""
+        return ""
+
     @abstractmethod
     def unlink_segment(self, handle: WorkerHandle) -> None:
         """Free the segment of an ended worker life (no reader maps it any more)."""

@@ -171,9 +171,10 @@ class Orchestrator:
             left = deadline - time.monotonic()
             if left <= 0:
                 waiting = [n for n, p in self.procs.items() if not p.ready]
+                why = "".join(f"; {n}: {w}" for n in waiting if (w := self.launcher.waiting(n)))
                 raise StageStartError(
                     f"stages {waiting} were not ready within ready_timeout_s="
-                    f"{self.cfg.ready_timeout_s}"
+                    f"{self.cfg.ready_timeout_s}{why}"
                 )
             events = dict(poller.poll(min(left, 0.5) * 1000))
             if self.status in events:

@@ -211,6 +211,24 @@ class RayLauncher(Launcher):
                 if self.routes.get(w.stage, (None, 0))[0] == w.node:
                     self._set_route(w.stage, None)
 
+    def waiting(self, stage: str) -> str:
+        w = self.workers.get(stage)
+        if w is None or w.node is not None:
+            return ""
+        import ray
+
+        pl = self.cfg.stage(stage).placement
+        asks = {"CPU": pl.num_cpus, "GPU": pl.num_gpus, **pl.resources}
+        have = ray.cluster_resources()
+        missing = {k: v for k, v in asks.items() if v and have.get(k, 0) < v}
+        labels = f" and node labels {pl.node_labels}" if pl.node_labels else ""
+        if missing:
+            return (
+                f"Ray has not placed its actor: it asks for {missing}{labels}, which no node "
+                f"of the cluster offers (cluster resources: {have})"
+            )
+        return f"Ray has not placed its actor (it asks for {asks}{labels})"
+
     def unlink_segment(self, handle: WorkerHandle) -> None:
         w = handle
         assert isinstance(w, RayWorker)
