@@ -320,3 +320,14 @@ def test_a_full_work_queue_takes_in_again_as_soon_as_the_stage_frees_room():
         out = pipe.generate([{"count": 2000, "nbytes": 1024, "chunk": 64}], timeout_s=20)[0]
     assert out.ok, out.error
     assert out.events[-1].payload["count"] == 2000
+
+
+def test_a_stage_yielding_none_gives_the_other_requests_in_flight_a_turn():
+    # each request waits, yielding None, until all four are in the stage: only possible if
+    # the worker admits and runs the others meanwhile (a continuous-batching engine's shape)
+    cfg = chain(("meet", "synthetic.rendezvous", {}, {"max_inflight": 4}))
+    with Pipeline(cfg) as pipe:
+        outs = pipe.generate([{"expect": 4}] * 4, timeout_s=30)
+    for out in outs:
+        assert out.ok, out.error
+        assert out.events[0].tokens == [4]

@@ -215,14 +215,20 @@ def test_streams_share_steps_and_closing_one_frees_its_kv(engines, monkeypatch):
         ids = prompt(40, 10 + salt)
         first, _, keys, values = prefill.prefill(ids, params)
         streams.append(decode.decode(first, keys, values, params, ids))
+    # in the engine from the call on, before any step: they decode in the same steps
+    assert decode.engine.get_num_unfinished_requests() == 3
+    unread = decode.decode(first, keys, values, params, ids)
+    assert decode.engine.get_num_unfinished_requests() == 4
+    unread.close()  # closed before its first token (cancelled while queued): aborted too
+    assert decode.engine.get_num_unfinished_requests() == 3
     steps = []
     real_step = decode.engine.step
     monkeypatch.setattr(decode.engine, "step", lambda: steps.append(1) or real_step())
     for _ in range(10):  # round-robin, as the decode worker drives its generators
         for s in streams:
             next(s)
-    # one step per round serves all three (30 tokens); the first round admits them
-    assert len(steps) <= 3 + 9
+    # one step per round serves all three (30 tokens), the first one included
+    assert len(steps) <= 10 + 1
     assert decode.engine.get_num_unfinished_requests() == 3 and kv_usage(decode) > 0
     streams.pop().close()  # a cancel: the request is aborted in vLLM at once
     assert decode.engine.get_num_unfinished_requests() == 2

@@ -140,7 +140,7 @@ class Decode(_ModelStage):
         if self.options.inline_detokenize:
             self.engine.load_tokenizer()
 
-    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         for inp in batch:
             _, params = self._params(inp)
             w = inp.window
@@ -149,7 +149,15 @@ class Decode(_ModelStage):
             prompt = w.payloads[0].get("prompt_ids")
             steps = self.engine.decode(first, arrays["keys"], arrays["values"], params, prompt)
             n_prompt = w.payloads[0].get("prompt_tokens")
-            yield from self._stream(inp, params, [(first, first_lp)], steps, n_prompt)
+            try:
+                # the other requests that arrived with this one enter the engine before
+                # its next step (vLLM batches them from their first token on)
+                yield None
+                yield from self._stream(inp, params, [(first, first_lp)], steps, n_prompt)
+            finally:
+                close = getattr(steps, "close", None)
+                if close is not None:
+                    close()
 
     def _stream(
         self,

@@ -74,6 +74,8 @@ class InlineRunner:
                     if deadline is not None and time.monotonic() > deadline:
                         self.collector.finish(h, Cancelled(request_id=rid, reason="timeout"))
                         break
+                    if step is None:  # a turn given to other requests (see Stage.process)
+                        continue
                     for out in step if type(step) is list else [step]:
                         route(*host.emit(out))
                     if h.done:

@@ -132,13 +132,18 @@ class Stage:
     def load(self) -> None:
         """Load models and warm up; runs once, inside the worker process."""
 
-    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | list[StageEvent]]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | list[StageEvent] | None]:
         """Yield events for the inputs in ``batch`` (one unless ``max_batch_size`` > 1),
         made with ``inp.segment``, ``inp.image`` or ``inp.fail``.
 
         A stage that makes several events in one step (a batched decode step: a token for
         each request) may yield them as one list; they go out in that order, and the
         runtime handles the list at once, which is much cheaper than one yield per event.
+
+        Yielding ``None`` emits nothing: it gives the stage's other requests in flight
+        (``max_inflight`` > 1) a turn first. A stage over a continuous-batching engine
+        submits a new request and yields None, so every request that arrived together is
+        in the engine before its next step, rather than joining one step at a time.
         """
         raise NotImplementedError
 

@@ -470,6 +470,8 @@ class Worker:
             )
             self._fail_all(a, f"{type(e).__name__}: {e}")
             return False
+        if out is None:  # the stage gives the other requests in flight a turn
+            return True
         if type(out) is list:
             a.outputs += len(out)
             self._handle_many(out)

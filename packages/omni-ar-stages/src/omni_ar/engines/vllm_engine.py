@@ -61,6 +61,36 @@ class _Stream:
     done: bool = False
 
 
+class _Steps:
+    """The tokens of a request already in the engine; ``close`` aborts it even when it
+    was never iterated (a generator's ``finally`` would not run then)."""
+
+    def __init__(self, engine: VllmEngine, rid: str, kv_key: str | None) -> None:
+        self.engine = engine
+        self.rid = rid
+        self.kv_key = kv_key
+        self.gen = engine._stream(rid)
+
+    def __iter__(self) -> _Steps:
+        return self
+
+    def __next__(self) -> tuple[int, float]:
+        try:
+            return next(self.gen)
+        except StopIteration:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        from omni_ar.engines.kv_connector import INBOX
+
+        self.gen.close()  # a started stream aborts in its own finally
+        st = self.engine._streams.pop(self.rid, None)
+        if st is not None and not st.done:  # never iterated
+            self.engine.engine.abort_request([self.rid])
+        INBOX.pop(self.kv_key or "", None)  # never loaded (cancelled while waiting)
+
+
 class VllmEngine:
     """vLLM behind the transformers engine's interface (same tokenizer, same calls)."""
 
@@ -235,11 +265,15 @@ class VllmEngine:
     ) -> Iterator[tuple[int, float]]:
         """Tokens after ``first`` until EOS or ``max_tokens`` in all. ``prompt`` (the
         prompt's ids) is required: vLLM runs the request as prompt + first token, taking
-        the prompt's KV from ``keys``/``values`` (``shm``) or its connector's files."""
+        the prompt's KV from ``keys``/``values`` (``shm``) or its connector's files.
+
+        The request enters the engine at this call, not at the first ``next``: requests
+        that arrive together are decoded in the same steps from the first one. Close the
+        iterator to abort the request (also before iterating)."""
         if prompt is None:
             raise ValueError("the vLLM engine decodes from the prompt's token ids: pass prompt")
         if params.max_tokens <= 1 or (first in self.eos_ids and not params.ignore_eos):
-            return
+            return iter(())
         from omni_ar.engines.kv_connector import INBOX
 
         key = None
@@ -248,9 +282,11 @@ class VllmEngine:
             INBOX[key] = (keys, values, len(prompt))
         try:
             sp = self._sampling(params, params.max_tokens - 1, key)
-            yield from self._stream(self._submit([*prompt, first], sp))
-        finally:
-            INBOX.pop(key or "", None)  # never loaded (cancelled while waiting)
+            rid = self._submit([*prompt, first], sp)  # now: it joins the engine's next step
+        except BaseException:
+            INBOX.pop(key or "", None)
+            raise
+        return _Steps(self, rid, key)
 
     def generate(self, source: str | list[dict[str, str]], params: SamplingParams) -> list[int]:
         """The whole request in one engine (the one-process run)."""

@@ -281,6 +281,28 @@ class Count(Stage):
         self._acc.pop(request_id, None)
 
 
+class Rendezvous(Stage):
+    """Admits a request, then yields ``None`` (a turn for the others in flight) until
+    ``request["expect"]`` requests are admitted or 5 s passed; reports how many it saw:
+    the shape of a stage over a continuous-batching engine."""
+
+    def load(self) -> None:
+        self.admitted: set[str] = set()
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
+        for inp in batch:
+            self.admitted.add(inp.request_id)
+            deadline = time.monotonic() + 5.0
+            while len(self.admitted) < int(inp.request["expect"]):
+                if time.monotonic() > deadline:
+                    break
+                yield None
+            yield inp.segment([len(self.admitted)], is_last=True)
+
+    def end_request(self, request_id: str) -> None:
+        pass  # admitted requests stay counted: the test asks who was there at once
+
+
 class PreviewOptions(msgspec.Struct, forbid_unknown_fields=True):
     steps: int = 20
     step_s: float = 0.0
