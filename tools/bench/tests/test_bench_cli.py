@@ -73,3 +73,25 @@ def test_dit_keys(tmp_path, monkeypatch):
         "no_preview_img_per_s",
     ):
         assert r[key] > 0, key
+
+
+def test_ipc_through_ray_keys():
+    """`omni bench ipc --backend ray` (two simulated nodes) gives the local keys per path."""
+    pytest.importorskip("ray")
+    r = bench(
+        "ipc",
+        "--backend",
+        "ray",
+        "--events",
+        "2000",
+        "--count-1m",
+        "4",
+        "--count-64m",
+        "1",
+        "--repeat",
+        "1",
+    )
+    for path in ("local", "ray_same_node", "ray_cross_node"):
+        for key in ("events_per_s_1k", "gbps_1m", "gbps_64m"):
+            assert r[path][key] > 0, (path, key)
+    assert r["ray_call_gbps_64m_cross_node"] > 0 and r["mpqueue_events_per_s_1k"] > 0
