@@ -22,6 +22,7 @@ import zmq
 from omni_core.serial import encode_frame
 
 MAX_FRAME_MESSAGES = 256  # coalesce at most this many messages into one frame
+STREAMING_S = 0.01  # a stage that emitted this recently is streaming (see Sender.streaming)
 # Zero-copy sends hand the buffer to zmq's garbage-collector thread; below this size a
 # plain copy is cheaper than that bookkeeping.
 _ZERO_COPY_MIN = 4 << 20
@@ -147,12 +148,18 @@ class Sender:
         self.previews: dict[tuple[str, str], int] = {}  # (dest, request) -> buffer index
         self.waiting = 0
         self.last_flush = 0.0
+        self.last_put = 0.0
         self.blocked_s = 0.0
         self.drops = 0
         self.sent = 0
         self.stop = False
 
+    def streaming(self) -> bool:
+        """Output came within the last ``STREAMING_S``: more is likely to follow soon."""
+        return time.perf_counter() - self.last_put < STREAMING_S
+
     def put(self, dest: str, msg: Any, droppable: bool = False) -> None:
+        self.last_put = time.perf_counter()
         with self.lock:
             buf = self.buffers[dest]
             if droppable and dest in self.stalled:
@@ -171,10 +178,11 @@ class Sender:
             self.waiting += 1
             if self._flush_if_due(dest):
                 return
-        self.waker.wake()  # no-op while the I/O thread already ticks for the tail
+        self.waker.wake()  # no-op while the I/O thread already ticks (it is streaming)
 
     def put_many(self, dest: str, msgs: list[Any]) -> None:
         """Must-deliver messages in order, as one step."""
+        self.last_put = time.perf_counter()
         with self.lock:
             self.buffers[dest].extend(msgs)
             self.waiting += len(msgs)

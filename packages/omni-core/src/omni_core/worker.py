@@ -198,12 +198,14 @@ class Worker:
                 poller.register(self.out[dest], zmq.POLLOUT)
             now = time.monotonic()
             timeout = max(0.0, next_beat - now)
-            # While the stage runs, look every gap_s for a batched tail to send, rather
-            # than being woken per frame (a wake-up costs a GIL round trip per frame).
-            busy = self.inflight > 0 or self.sender.waiting > 0
+            # While the stage streams output, look every gap_s for a batched tail to send,
+            # rather than being woken per frame (a wake-up costs a GIL round trip per
+            # frame). While it computes without output (a model step), sleep: a tick every
+            # gap_s would take the GIL from it a thousand times a second.
+            busy = self.sender.waiting > 0 or self.sender.streaming()
             if busy:
                 timeout = min(timeout, self.sender.gap_s)
-            self.waker.idle = not busy and self.outbox.count == 0
+            self.waker.idle = not busy  # before reading the outbox: no wake-up is missed
             if self.outbox.count > 0 and not pollout:
                 timeout = 0.0
             events = dict(poller.poll(timeout * 1000))
