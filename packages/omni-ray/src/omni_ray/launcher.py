@@ -29,7 +29,9 @@ from omni_ray.stage_actor import StageActor
 
 log = logging.getLogger("omni.ray")
 NODE_SCAN_S = 1.0  # how often to look for nodes that joined (they get a gateway)
-GATEWAY_THREADS = 64  # deliveries block while a consumer pushes back: one thread each
+# a delivery blocks while its consumer pushes back, holding one of the gateway's threads:
+# at most one per (other node, endpoint) at once, plus control calls
+GATEWAY_THREADS = 256
 
 
 class RayWorker(WorkerHandle):
