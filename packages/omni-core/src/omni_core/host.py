@@ -193,7 +193,9 @@ class StageHost:
                     raise self._out_of_order(edge, ev.sequence, expected)
                 expected += 1
                 n += 1
-                piece = Piece(ev.sequence, ev.tokens, {}, ev.payload, [], None, ev.logprobs)
+                tokens = ev.tokens
+                units = 1 if tokens is None else len(tokens)
+                piece = Piece(ev.sequence, tokens, {}, ev.payload, [], None, ev.logprobs, units)
                 windows = ws.push(piece, ev.is_last)
                 if windows:
                     self.window_triggers += len(windows)

@@ -29,9 +29,13 @@ class Piece:
     handles: list[ShmHandle] = field(default_factory=list)  # to release once dropped
     step: int | None = None
     logprobs: list[float] | None = None
+    units: int = -1  # counted once, at construction (-1: count them)
 
-    @property
-    def units(self) -> int:
+    def __post_init__(self) -> None:
+        if self.units < 0:
+            self.units = self._count_units()
+
+    def _count_units(self) -> int:
         tokens = self.tokens
         if tokens is not None:
             return len(tokens)
@@ -56,7 +60,7 @@ class Piece:
         if rows is not None and (self.tokens is None or rows == len(self.tokens)):
             arrays = {k: a[lo:hi] for k, a in self.arrays.items()}
         lp = self.logprobs[lo:hi] if self.logprobs is not None else None
-        return Piece(self.sequence, tokens, arrays, self.payload, [], self.step, lp)
+        return Piece(self.sequence, tokens, arrays, self.payload, [], self.step, lp, hi - lo)
 
 
 @dataclass
@@ -171,12 +175,17 @@ class WindowState:
         pos = self.base
         for p in self.pieces:
             n = p.units
+            end = pos + n
             if n == 0:  # a unit-less piece (an end marker with a payload) goes with its spot
                 if lo_new <= pos and (pos < hi or last):
                     pieces.append(p)
-            elif pos < hi and pos + n > lo:
-                pieces.append(p.slice(max(lo, pos) - pos, min(hi, pos + n) - pos))
-            pos += n
+            elif lo <= pos and end <= hi:  # whole (the common case)
+                pieces.append(p)
+            elif pos < hi and end > lo:
+                pieces.append(p.slice(max(lo, pos) - pos, min(hi, end) - pos))
+            elif pos >= hi:
+                break
+            pos = end
         self.emitted = hi
         window = Window(self.edge, self.count, lo_new, ctx, pieces, last)
         self.count += 1
@@ -188,14 +197,20 @@ class WindowState:
         freed: list[ShmHandle] = []
         if self.ended:
             keep_from = self.total + 1
-        while self.pieces:
-            p = self.pieces[0]
-            end = self.base + p.units
-            if end > keep_from or (p.units == 0 and end == keep_from):
+        pieces = self.pieces
+        k, base = 0, self.base
+        for p in pieces:
+            n = p.units
+            end = base + n
+            if end > keep_from or (n == 0 and end == keep_from):
                 break
-            self.pieces.pop(0)
-            self.base = end
-            freed.extend(p.handles)
+            if p.handles:
+                freed.extend(p.handles)
+            base = end
+            k += 1
+        if k:
+            del pieces[:k]
+            self.base = base
         return freed
 
     def drop(self) -> list[ShmHandle]:
