@@ -43,6 +43,24 @@ def two(edge: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
 # (id, data, key path, fragment of what was expected)
 BAD_CONFIGS = [
     ("unknown-top-level-key", {"stages": [stage()], "bogus": 1}, "bogus", "unknown key"),
+    (
+        "unknown-backend-key",
+        {"stages": [stage()], "backend": {"kind": "ray", "adress": "auto"}},
+        "backend.adress",
+        "unknown key",
+    ),
+    (
+        "negative-gpus-in-placement",
+        {"stages": [stage(placement={"num_gpus": -1})]},
+        "stages[0].placement.num_gpus",
+        "Expected `float` >= 0",
+    ),
+    (
+        "zero-custom-resource",
+        {"stages": [stage(placement={"resources": {"node_b": 0}})]},
+        "stages[0].placement.resources[...]",
+        "Expected `float` > 0.0",
+    ),
     ("unknown-stage-key", {"stages": [stage(bogus=1)]}, "stages[0].bogus", "unknown key"),
     (
         "unknown-edge-window-key",
