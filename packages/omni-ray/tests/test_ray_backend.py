@@ -172,3 +172,12 @@ def test_a_placement_no_node_offers_fails_the_start_and_says_why(cluster):
     cfg = chain(("src", "synthetic.source", {}, on("node_z")), ready_timeout_s=3)
     with pytest.raises(StageStartError, match=r"src: Ray has not placed.*'node_z': 1"):
         Pipeline(cfg, backend="ray").start()
+
+
+def test_a_node_label_selector_places_a_stage(cluster):
+    labelled = cluster.add_node(num_cpus=2, labels={"omni-zone": "b"})
+    cluster.wait_for_nodes()
+    cfg = chain(("env", "synthetic.env", {}, {"placement": {"node_labels": {"omni-zone": "b"}}}))
+    with Pipeline(cfg, backend="ray") as pipe:
+        assert pipe.backend.health()["env"]["where"] == f"node {labelled.node_id[:12]}"
+        assert pipe.generate([{}])[0].ok
