@@ -100,16 +100,7 @@ def _load(args: argparse.Namespace) -> Any:
     except ConfigError as e:
         print(f"omni {args.command}: {e}", file=sys.stderr)
         return None
-    return with_backend(cfg, getattr(args, "backend", None), getattr(args, "address", None))
-
-
-def with_backend(cfg: Any, backend: str | None, address: str | None) -> Any:
-    """``cfg`` with ``--backend`` / ``--address`` applied over its ``backend:`` block."""
-    if backend is not None:
-        cfg.backend.kind = backend
-    if address is not None:
-        cfg.backend.address = address
-    return cfg
+    return cfg.with_backend(getattr(args, "backend", None), getattr(args, "address", None))
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:

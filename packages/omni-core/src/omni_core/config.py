@@ -109,6 +109,17 @@ class PipelineConfig(_Spec, kw_only=True):
     trace: bool = False  # record every trigger and emitted event (omni trace)
     source_file: str = ""  # set by the loader; not read from YAML
 
+    def with_backend(self, kind: str | None, address: str | None) -> PipelineConfig:
+        """This config with ``kind`` / ``address`` (those not None) over ``backend:``."""
+        if kind is None and address is None:
+            return self
+        backend = msgspec.structs.replace(
+            self.backend,
+            kind=kind if kind is not None else self.backend.kind,
+            address=address if address is not None else self.backend.address,
+        )
+        return msgspec.structs.replace(self, backend=backend)
+
     # -- resolved views ---------------------------------------------------------
     def stage(self, name: str) -> StageSpec:
         for s in self.stages:

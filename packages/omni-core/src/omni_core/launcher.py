@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 from abc import ABC, abstractmethod
-from typing import Any
 
 from omni_core.config import PipelineConfig
 from omni_core.devices import resolve_devices
@@ -95,9 +94,6 @@ class Launcher(ABC):
     @abstractmethod
     def close(self) -> None:
         """Free every segment and the socket directory (workers have been stopped)."""
-
-    def describe(self) -> dict[str, Any]:
-        return {"backend": "local"}
 
 
 class _Process(WorkerHandle):

@@ -17,8 +17,6 @@ import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
-import msgspec
-
 from omni_core.collector import RequestHandle, RequestOutput, collect
 from omni_core.config import PipelineConfig, load_config, parse_config
 from omni_core.events import AnyEvent
@@ -62,13 +60,7 @@ class Pipeline:
             cfg = parse_config(config)
         else:
             cfg = load_config(config)
-        if backend is not None or address is not None:
-            spec = msgspec.structs.replace(
-                cfg.backend,
-                kind=backend or cfg.backend.kind,
-                address=address if address is not None else cfg.backend.address,
-            )
-            cfg = msgspec.structs.replace(cfg, backend=spec)
+        cfg = cfg.with_backend(backend, address)
         self.config = cfg
         self.backend: Orchestrator | InlineRunner = (
             Orchestrator(cfg, make_launcher(cfg)) if cfg.mrs.enabled else InlineRunner(cfg)

@@ -159,7 +159,6 @@ class Sender:
         return time.perf_counter() - self.last_put < STREAMING_S
 
     def put(self, dest: str, msg: Any, droppable: bool = False) -> None:
-        self.last_put = time.perf_counter()
         with self.lock:
             buf = self.buffers[dest]
             if droppable and dest in self.stalled:
@@ -182,7 +181,6 @@ class Sender:
 
     def put_many(self, dest: str, msgs: list[Any]) -> None:
         """Must-deliver messages in order, as one step."""
-        self.last_put = time.perf_counter()
         with self.lock:
             self.buffers[dest].extend(msgs)
             self.waiting += len(msgs)
@@ -195,7 +193,7 @@ class Sender:
         """(Lock held.) Send now if a frame is full or the stream is sparse; then wait if
         ``dest`` is past its must-deliver watermark. False: the tail is left to the I/O
         thread's tick."""
-        now = time.perf_counter()
+        now = self.last_put = time.perf_counter()
         if self.waiting < MAX_FRAME_MESSAGES and now - self.last_flush <= self.gap_s:
             return False
         self._flush(now)

@@ -79,7 +79,6 @@ class NodeGateway:
     def __init__(self, pipeline_id: str, node_id: str, head_node: str, stages: list[str]) -> None:
         self.pipeline_id = pipeline_id
         self.node_id = node_id
-        self.is_head = node_id == head_node
         self.socket_dir = make_socket_dir()
         self.bind_dir = os.path.join(self.socket_dir, "in")
         os.mkdir(self.bind_dir, 0o700)
@@ -96,7 +95,7 @@ class NodeGateway:
         self.local: dict[str, tuple[threading.Lock, zmq.Socket]] = {}  # delivery sockets
         self.stop = False
         names = Addresses.names(stages)
-        if self.is_head:  # the orchestrator binds its own endpoints here
+        if node_id == head_node:  # the orchestrator binds its own endpoints here
             names = [n for n in names if owner_of(n) != DRIVER]
         self.threads = [
             threading.Thread(target=self._forward, args=(n,), daemon=True, name=f"gw-{n}")
@@ -107,7 +106,7 @@ class NodeGateway:
 
     # ------------------------------------------------------------------ control (driver)
     def info(self) -> dict[str, Any]:
-        return {"socket_dir": self.socket_dir, "bind_dir": self.bind_dir, "pid": os.getpid()}
+        return {"socket_dir": self.socket_dir, "bind_dir": self.bind_dir}
 
     def set_routes(self, routes: dict[str, tuple[str | None, int]]) -> None:
         """``{stage: (node or None while it is not placed, version)}``; newer wins."""
@@ -124,16 +123,14 @@ class NodeGateway:
         self.reader.forget(name)
         self.segments.unlink(name)
 
-    def close(self) -> list[str]:
+    def close(self) -> None:
         """Stop forwarding, unlink this node's segments, remove the socket directory."""
         self.stop = True
         for t in self.threads:
             t.join(timeout=2)
-        names = self.segments.names
         self.segments.unlink_all()
         self.zctx.destroy(linger=0)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
-        return names
 
     # ------------------------------------------------------------------ data path
     def deliver(self, endpoint: str, frames: list[Any]) -> bool:
@@ -245,7 +242,7 @@ class NodeGateway:
             for key, h in handles.items():
                 if isinstance(h, ShmHandle):
                     buf = self.reader.buffer(h.segment)
-                    data = bytes(buf[h.offset : h.offset + h.nbytes])
+                    data = buf[h.offset : h.offset + h.nbytes]  # a copy (mmap slice)
                     handles[key] = InlineArray(data, h.dtype, h.shape, h.torch)
                     freed.append(h)
         if not freed:

@@ -12,6 +12,7 @@ where each stage lives. Stage deaths and restarts follow the orchestrator's own 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -32,6 +33,14 @@ NODE_SCAN_S = 1.0  # how often to look for nodes that joined (they get a gateway
 # a delivery blocks while its consumer pushes back, holding one of the gateway's threads:
 # at most one per (other node, endpoint) at once, plus control calls
 GATEWAY_THREADS = 256
+
+
+@functools.cache
+def actor_class(cls: type) -> Any:
+    """``cls`` as a Ray actor class, made once (``ray.remote`` exports the class anew)."""
+    import ray
+
+    return ray.remote(cls)
 
 
 class RayWorker(WorkerHandle):
@@ -112,17 +121,19 @@ class RayLauncher(Launcher):
 
     # ------------------------------------------------------------------ gateways
     def _add_gateway(self, node: str) -> Any:
-        import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        cls = ray.remote(NodeGateway)
-        gw = cls.options(
-            name=gateway_name(self.pipeline_id, node),
-            num_cpus=0,
-            max_concurrency=GATEWAY_THREADS,
-            max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(self.pipeline_id, node, self.head_node, self.stages)
+        gw = (
+            actor_class(NodeGateway)
+            .options(
+                name=gateway_name(self.pipeline_id, node),
+                num_cpus=0,
+                max_concurrency=GATEWAY_THREADS,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            )
+            .remote(self.pipeline_id, node, self.head_node, self.stages)
+        )
         if self.routes:
             gw.set_routes.remote(dict(self.routes))
         self.gateways[node] = gw
@@ -148,7 +159,6 @@ class RayLauncher(Launcher):
 
     # ------------------------------------------------------------------ Launcher
     def spawn(self, stage: str) -> WorkerHandle:
-        import ray
 
         st = self.cfg.stage(stage)
         pl = st.placement
@@ -169,7 +179,7 @@ class RayLauncher(Launcher):
         if env:
             options["runtime_env"] = {"env_vars": env}
         actor = (
-            ray.remote(StageActor)
+            actor_class(StageActor)
             .options(**options)
             .remote(
                 encode_json(spec),
@@ -264,6 +274,3 @@ class RayLauncher(Launcher):
 
         if self.owns_ray:
             ray.shutdown()
-
-    def describe(self) -> dict[str, Any]:
-        return {"backend": "ray", "nodes": len(self.gateways), "head": self.head_node}

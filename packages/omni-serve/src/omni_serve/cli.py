@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from omni_core.cli import add_backend_args, with_backend
+from omni_core.cli import add_backend_args
 from omni_core.logs import configure_logging
 
 log = logging.getLogger("omni.serve")
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     from omni_serve.app import ServeSettings, create_app, endpoints
 
     try:
-        cfg = with_backend(load_config(args.config), args.backend, args.address)
+        cfg = load_config(args.config).with_backend(args.backend, args.address)
     except ConfigError as e:
         print(f"omni serve: {e}", file=sys.stderr)
         return 2
