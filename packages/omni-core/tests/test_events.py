@@ -13,6 +13,7 @@ from omni_core.events import (
     Ready,
     Release,
     Segment,
+    SegmentRun,
     ShmHandle,
     Shutdown,
     StageStats,
@@ -23,7 +24,9 @@ from omni_core.serial import (
     decode_data_frame,
     decode_event_frame,
     decode_status_frame,
+    encode_events,
     encode_frame,
+    pack_runs,
 )
 
 EVENTS = [
@@ -103,3 +106,51 @@ def test_caller_side_arrays_attribute_is_not_serialized():
     e.arrays = {"x": object()}
     (back,) = decode_event_frame(encode_frame([e]))
     assert not hasattr(back, "arrays")
+
+
+def seg(rid, seq, **kw):
+    return Segment(request_id=rid, sequence=seq, stage="a", tokens=[seq], payload={"i": seq}, **kw)
+
+
+def test_runs_of_array_free_segments_travel_in_columns_and_come_back_equal():
+    shm = {"h": InlineArray(b"\x00" * 4, "<i4", (1,))}
+    msgs = [
+        seg("r", 0, request={"p": 1}),
+        seg("r", 1, logprobs=[-0.5]),
+        seg("r", 2),
+        seg("q", 0),  # another request: a new run
+        seg("q", 1),
+        seg("q", 2, device_handles=shm),  # arrays: alone
+        seg("q", 3),
+        seg("q", 5),  # a gap in the sequence: not one run
+        Completed(request_id="q", sequence=6, stage="a"),
+        seg("p", 0),
+        seg("p", 1, is_last=True),  # the end of a stream ends its run ...
+        seg("p", 2),  # ... even if (wrongly) more follows
+    ]
+    packed = pack_runs(msgs)
+    kinds = [(type(m).__name__, len(m) if type(m) is SegmentRun else 1) for m in packed]
+    assert kinds == [
+        ("SegmentRun", 3),
+        ("SegmentRun", 2),
+        ("Segment", 1),
+        ("Segment", 1),
+        ("Segment", 1),
+        ("Completed", 1),
+        ("SegmentRun", 2),
+        ("Segment", 1),
+    ]
+    run = packed[0]
+    assert run.logprobs == [None, [-0.5], None] and run.request == {"p": 1}
+    assert packed[1].logprobs is None and packed[6].is_last
+    frame = encode_events(msgs)
+    assert decode_event_frame(frame) == msgs  # the caller's side: expanded, equal
+    assert decode_data_frame(frame) == packed  # a worker's side: still in columns
+
+
+def test_a_run_split_for_a_full_queue_keeps_its_numbering_and_end():
+    run = SegmentRun.of([seg("r", i) for i in range(5)] + [seg("r", 5, is_last=True)], "a", 0)
+    tail = run.tail(4)
+    assert [s.sequence for s in tail.segments()] == [4, 5]
+    assert tail.segments()[-1].is_last and tail.request is None
+    assert [s.payload for s in tail.segments()] == [{"i": 4}, {"i": 5}]

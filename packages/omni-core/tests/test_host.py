@@ -1,8 +1,10 @@
-"""StageHost's intake fast path: runs of array-free segments taken in one go."""
+"""StageHost's hot paths: runs of array-free segments taken in one go, and a step's
+list of segments stamped into runs."""
 
+import pytest
 from omni_core.config import parse_config
-from omni_core.events import Segment
-from omni_core.host import StageHost, stage_context
+from omni_core.events import Segment, SegmentRun, Submit
+from omni_core.host import RequestFailed, StageHost, stage_context
 from omni_core.serial import ArrayCodec
 from omni_core.testing.configs import chain
 from omni_core.testing.stages import Count
@@ -44,7 +46,7 @@ def test_a_run_taken_in_parts_consumes_exactly_what_it_reports():
     items = host.receive(evs[0])
     rest = evs[1:]
     while rest:
-        got, n = host.receive_run(rest[:50], limit=1)
+        got, n = host.receive_run(SegmentRun.of(rest[:50], "burst", rest[0].sequence), limit=1)
         assert 1 <= n <= 50
         items += got
         rest = rest[n:]
@@ -59,9 +61,45 @@ def test_pieces_cut_across_windows_carry_their_share_of_units():
     host = make_host(size=3)
     evs = segments(5, tokens_per_event=2)  # 10 tokens in pieces of 2, windows of 3
     items = host.receive(evs[0])
-    got, n = host.receive_run(evs[1:], limit=100)
+    got, n = host.receive_run(SegmentRun.of(evs[1:], "burst", 1), limit=100)
     items += got
     assert n == 4
     windows = [it.inp.window for it in items]
     assert [w.new_tokens for w in windows] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     assert [[p.units for p in w.pieces] for w in windows] == [[2, 1], [1, 2], [2, 1], [1]]
+
+
+def test_a_run_sets_its_request_up_checks_its_numbering_and_is_dropped_once_ended():
+    host = make_host(size=4)
+    evs = segments(6)
+    items, n = host.receive_run(SegmentRun.of(evs[:3], "burst", 0, evs[0].request), 10)
+    assert n == 3 and items == []
+    assert host.requests["r"].request == {"n": 6}
+    with pytest.raises(RequestFailed, match="sequence 4 where 3 was expected"):
+        host.receive_run(SegmentRun.of(evs[4:], "burst", 4), 10)
+    host.forget("r")  # cancelled: what still comes is dropped, counted
+    assert host.receive_run(SegmentRun.of(evs[3:], "burst", 3), 10) == ([], 3)
+    assert host.dropped_late == 3
+
+
+def test_a_steps_list_becomes_one_run_per_request_in_order():
+    cfg = parse_config(chain(("src", "synthetic.burst", {}), ("sink", "synthetic.count", {})))
+    host = StageHost(cfg, "src", Count(stage_context(cfg, "src", None)), ArrayCodec("src"))
+    for rid in ("a", "b", "c"):
+        host.submit(Submit(request_id=rid, request={"id": rid}))
+    host.forget("c")  # ended here: its events are left out
+
+    def ev(rid, t, last=False):
+        return Segment(request_id=rid, tokens=[t], is_last=last)
+
+    step = [ev("a", 0), ev("a", 1), ev("b", 0), ev("c", 0), ev("a", 2, last=True), ev("a", 3)]
+    out = host.emit_plain(step)
+    assert [(type(m).__name__, m.request_id, m.sequence) for m in out] == [
+        ("SegmentRun", "a", 0),
+        ("Segment", "b", 0),
+        ("Segment", "a", 2),  # the end of a stream ends its run
+        ("Segment", "a", 3),
+    ]
+    assert out[0].request == {"id": "a"} and out[1].request == {"id": "b"}
+    assert out[0].tokens == [[0], [1]] and out[2].is_last
+    assert out[0].stage == out[1].stage == "src"

@@ -128,3 +128,21 @@ def test_states_are_independent_per_request():
     a, b = WindowState("e", 2), WindowState("e", 2)
     assert a.push(piece(0, [1, 2]))[0].tokens == [1, 2]
     assert b.push(piece(0, [9])) == []
+
+
+@pytest.mark.parametrize("size,overlap", [(-1, 0), (1, 0), (3, 0), (4, 2), (7, 3), (50, 5)])
+def test_pushing_pieces_together_cuts_the_windows_one_by_one_would(size, overlap):
+    rng = np.random.default_rng(100 + size * 10 + overlap)
+    chunks = [list(range(int(n))) for n in rng.integers(0, 6, 40)]  # empty pieces too
+
+    def key(windows):
+        return [(w.index, w.start, w.overlap, w.tokens, w.is_last, w.units) for w in windows]
+
+    one = feed(WindowState("a", size, overlap), chunks)
+    many = WindowState("a", size, overlap)
+    got = []
+    pieces = [piece(i, c) for i, c in enumerate(chunks)]
+    for lo in range(0, 40, 9):  # runs of 9, the last one ending the stream
+        part = pieces[lo : lo + 9]
+        got += many.push_many(part, sum(p.units for p in part), is_last=lo + 9 >= 40)
+    assert key(got) == key(one)

@@ -78,6 +78,82 @@ class Segment(Event, tag="segment", kw_only=True):
     request: dict[str, Any] | None = None
 
 
+class SegmentRun(msgspec.Struct, tag="segment_run", tag_field="event_type", kw_only=True, gc=False):
+    """Consecutive array-free segments of one request from one stage, in columns.
+
+    The wire form a sender gives such a run (one struct to encode and decode, not one per
+    event): what a batched decode step or a fast stream emits. Receivers either take the
+    columns as they are (a stage worker's windows) or expand it (:meth:`segments`). It holds
+    decoded data only, so it need not be tracked by the cycle collector (``gc=False``).
+    """
+
+    request_id: str
+    stage: str
+    sequence: int  # of the first segment; the others follow one by one
+    ts: list[float]
+    tokens: list[list[int] | None]
+    payloads: list[dict[str, Any]]
+    logprobs: list[list[float] | None] | None = None
+    is_last: bool = False  # of the last segment (no segment follows one that ends a stream)
+    request: dict[str, Any] | None = None  # of the first segment
+
+    @classmethod
+    def of(
+        cls,
+        segments: list[Segment],
+        stage: str,
+        sequence: int,
+        request: dict[str, Any] | None = None,
+    ) -> SegmentRun:
+        """The run of ``segments`` (of one request), numbered from ``sequence``."""
+        lps = [s.logprobs for s in segments]
+        return cls(
+            request_id=segments[0].request_id,
+            stage=stage,
+            sequence=sequence,
+            ts=[s.ts for s in segments],
+            tokens=[s.tokens for s in segments],
+            payloads=[s.payload for s in segments],
+            logprobs=None if lps.count(None) == len(lps) else lps,
+            is_last=segments[-1].is_last,
+            request=request,
+        )
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+    def segments(self) -> list[Segment]:
+        n = len(self.payloads)
+        lps = self.logprobs or [None] * n
+        return [
+            Segment(
+                request_id=self.request_id,
+                sequence=self.sequence + i,
+                ts=self.ts[i],
+                stage=self.stage,
+                payload=self.payloads[i],
+                tokens=self.tokens[i],
+                logprobs=lps[i],
+                is_last=self.is_last and i == n - 1,
+                request=self.request if i == 0 else None,
+            )
+            for i in range(n)
+        ]
+
+    def tail(self, start: int) -> SegmentRun:
+        """The segments from index ``start`` on."""
+        return SegmentRun(
+            request_id=self.request_id,
+            stage=self.stage,
+            sequence=self.sequence + start,
+            ts=self.ts[start:],
+            tokens=self.tokens[start:],
+            payloads=self.payloads[start:],
+            logprobs=self.logprobs[start:] if self.logprobs is not None else None,
+            is_last=self.is_last,
+        )
+
+
 class ImageProgress(Event, tag="image", kw_only=True):
     """A diffusion preview (``is_last=False``) or the final image (``is_last=True``)."""
 

@@ -24,6 +24,7 @@ from omni_core.events import (
     Handle,
     ImageProgress,
     Segment,
+    SegmentRun,
     ShmHandle,
     Submit,
     is_droppable,
@@ -108,8 +109,9 @@ class StageHost:
         inp = StageInput(msg.request_id, msg.request, {}, True, True, st.cancel)
         return [WorkItem(inp)]
 
-    def receive(self, event: AnyEvent) -> list[WorkItem]:
-        """An event from an upstream stage; returns the work it makes ready (hot path)."""
+    def _stream(self, event: AnyEvent | SegmentRun) -> tuple[_Request, WindowState] | None:
+        """The state of ``event``'s request and edge, checked against its sequence number;
+        None when the request already ended here (the event is dropped)."""
         edge = event.stage
         spec = self.inbound.get(edge)
         if spec is None:
@@ -120,25 +122,34 @@ class StageHost:
         st = self.requests.get(rid)
         if st is None:
             if rid in self.ended:  # cancelled or failed here: drop, free its slots
-                self.dropped_late += 1
-                self.releasable.extend(
-                    h for h in event.device_handles.values() if isinstance(h, ShmHandle)
-                )
-                return []
+                self._release_handles(event)
+                return None
             st = self.requests[rid] = _Request()
         expected = st.next_seq.get(edge, 0)
         if event.sequence != expected:
-            self.releasable.extend(
-                h for h in event.device_handles.values() if isinstance(h, ShmHandle)
-            )
+            self._release_handles(event)
             raise self._out_of_order(edge, event.sequence, expected)
-        if not is_droppable(event):
-            st.next_seq[edge] = expected + 1
         if expected == 0 and st.request is None:
             st.request = getattr(event, "request", None)
         ws = st.windows.get(edge)
         if ws is None:
             ws = st.windows[edge] = WindowState(edge, spec.size, spec.overlap)
+        return st, ws
+
+    def _release_handles(self, event: AnyEvent | SegmentRun) -> None:
+        handles = getattr(event, "device_handles", None)
+        if handles:
+            self.releasable.extend(h for h in handles.values() if isinstance(h, ShmHandle))
+
+    def receive(self, event: AnyEvent) -> list[WorkItem]:
+        """An event from an upstream stage; returns the work it makes ready."""
+        found = self._stream(event)
+        if found is None:
+            self.dropped_late += 1
+            return []
+        st, ws = found
+        if not is_droppable(event):
+            st.next_seq[event.stage] = event.sequence + 1
         kind = type(event)
         if kind is Segment or kind is ImageProgress:
             if event.device_handles:
@@ -161,7 +172,43 @@ class StageHost:
         elif kind is Completed:
             windows = ws.end()
         else:  # errors and cancels travel on the control plane, never on an edge
-            raise RequestFailed(f"unexpected {kind.__name__} on edge {edge} -> {self.name}")
+            raise RequestFailed(f"unexpected {kind.__name__} on edge {event.stage} -> {self.name}")
+        return self._windows_done(event.request_id, st, event.stage, windows)
+
+    def receive_run(self, run: SegmentRun, limit: int) -> tuple[list[WorkItem], int]:
+        """A run of segments (the hot path), taken in one go up to the segment that makes
+        ``limit`` more windows; returns (the work made ready, segments consumed)."""
+        found = self._stream(run)
+        if found is None:
+            self.dropped_late += len(run)
+            return [], len(run)
+        st, ws = found
+        tokens = run.tokens
+        units = [1 if t is None else len(t) for t in tokens]  # no arrays: a tokenless one is 1
+        take = len(units)
+        room = ws.room(limit)
+        if room is not None:
+            acc = 0
+            for k, u in enumerate(units):
+                acc += u
+                if acc >= room:
+                    take = k + 1
+                    break
+        seq = run.sequence
+        lps = run.logprobs or [None] * take
+        payloads = run.payloads
+        pieces = [
+            Piece(seq + k, tokens[k], {}, payloads[k], [], None, lps[k], units[k])
+            for k in range(take)
+        ]
+        st.next_seq[run.stage] = seq + take
+        done = run.is_last and take == len(units)
+        windows = ws.push_many(pieces, sum(units[:take]), done)
+        return self._windows_done(run.request_id, st, run.stage, windows), take
+
+    def _windows_done(
+        self, rid: str, st: _Request, edge: str, windows: list[Window]
+    ) -> list[WorkItem]:
         if not windows:
             return []
         self.window_triggers += len(windows)
@@ -170,42 +217,6 @@ class StageHost:
             pending = st.pending[edge] = deque()
         pending.extend(windows)
         return self._pair(rid, st)
-
-    def receive_run(self, evs: list[Segment], limit: int) -> tuple[list[WorkItem], int]:
-        """Consecutive array-free segments of one request from one edge, taken in one go
-        until ``limit`` work items are made; returns (items, events consumed)."""
-        first = evs[0]
-        edge, rid = first.stage, first.request_id
-        spec = self.inbound.get(edge)
-        st = self.requests.get(rid)
-        if spec is None or st is None or edge not in st.windows:
-            return self.receive(first), 1  # the general path sets things up
-        ws = st.windows[edge]
-        expected = st.next_seq[edge]
-        pending = st.pending.get(edge)
-        if pending is None:
-            pending = st.pending[edge] = deque()
-        items: list[WorkItem] = []
-        n = 0
-        try:
-            for ev in evs:
-                if ev.sequence != expected:
-                    raise self._out_of_order(edge, ev.sequence, expected)
-                expected += 1
-                n += 1
-                tokens = ev.tokens
-                units = 1 if tokens is None else len(tokens)
-                piece = Piece(ev.sequence, tokens, {}, ev.payload, [], None, ev.logprobs, units)
-                windows = ws.push(piece, ev.is_last)
-                if windows:
-                    self.window_triggers += len(windows)
-                    pending.extend(windows)
-                    items.extend(self._pair(rid, st))
-                    if len(items) >= limit:
-                        break
-        finally:
-            st.next_seq[edge] = expected
-        return items, n
 
     def _out_of_order(self, edge: str, got: int, expected: int) -> RequestFailed:
         return RequestFailed(
@@ -277,22 +288,33 @@ class StageHost:
         dests = [CLIENT] if self._client_preview(ev) else self.data_destinations
         return self._stamp(ev.request_id, ev), dests
 
-    def emit_plain(self, evs: list[Segment]) -> list[Event]:
-        """Stamp array-free segments in one go (the list-yield fast path); events of
-        requests that ended here are left out."""
-        out = []
-        requests = self.requests
-        name = self.name
-        for ev in evs:
-            st = requests.get(ev.request_id)
-            if st is None or st.cancel.is_set():
-                continue
-            ev.stage = name
-            ev.sequence = st.out_seq
-            if st.out_seq == 0:
-                ev.request = st.request
-            st.out_seq += 1
-            out.append(ev)
+    def emit_plain(self, evs: list[Segment]) -> list[Segment | SegmentRun]:
+        """Stamp array-free segments yielded in one step (the hot path): each request's
+        consecutive ones become one :class:`SegmentRun`; events of requests that ended
+        here are left out."""
+        out: list[Segment | SegmentRun] = []
+        n = len(evs)
+        i = 0
+        while i < n:
+            first = evs[i]
+            rid = first.request_id
+            j = i + 1
+            while j < n and evs[j].request_id == rid and not evs[j - 1].is_last:
+                j += 1
+            st = self.requests.get(rid)
+            if st is not None and not st.cancel.is_set():
+                seq = st.out_seq
+                if j - i == 1:
+                    first.stage = self.name
+                    first.sequence = seq
+                    if seq == 0:
+                        first.request = st.request
+                    out.append(first)
+                else:
+                    request = st.request if seq == 0 else None
+                    out.append(SegmentRun.of(evs[i:j], self.name, seq, request))
+                st.out_seq = seq + j - i
+            i = j
         return out
 
     def finish(self, item: WorkItem) -> list[tuple[Event, list[str]]]:

@@ -18,6 +18,8 @@ from omni_core.events import (
     Handle,
     InlineArray,
     Release,
+    Segment,
+    SegmentRun,
     ShmHandle,
     Submit,
     ToOrchestrator,
@@ -29,8 +31,8 @@ DEFAULT_SHM_THRESHOLD = 64 * 1024
 BYTES_DTYPE = "bytes"
 
 _encoder = msgspec.msgpack.Encoder()
-_data_decoder = msgspec.msgpack.Decoder(list[AnyEvent | Submit])
-_event_decoder = msgspec.msgpack.Decoder(list[AnyEvent])
+_data_decoder = msgspec.msgpack.Decoder(list[AnyEvent | SegmentRun | Submit])
+_event_decoder = msgspec.msgpack.Decoder(list[AnyEvent | SegmentRun])
 _control_decoder = msgspec.msgpack.Decoder(list[ToWorker])
 _status_decoder = msgspec.msgpack.Decoder(list[ToOrchestrator])
 
@@ -39,12 +41,63 @@ def encode_frame(messages: list[Any]) -> bytes:
     return _encoder.encode(messages)
 
 
-def decode_data_frame(frame: bytes) -> list[AnyEvent | Submit]:
+def encode_events(messages: list[Any]) -> bytes:
+    """A frame of data-plane messages, runs of array-free segments packed in columns."""
+    return _encoder.encode(pack_runs(messages))
+
+
+def pack_runs(messages: list[Any]) -> list[Any]:
+    """``messages`` with each run of consecutive array-free segments of one request and
+    stage (strictly one sequence number apart, none but the last ending its stream) as
+    one :class:`SegmentRun`."""
+    out: list[Any] = []
+    n = len(messages)
+    i = 0
+    while i < n:
+        m = messages[i]
+        i += 1
+        if type(m) is not Segment or m.device_handles or m.is_last:
+            out.append(m)
+            continue
+        start, rid, stage, seq = i - 1, m.request_id, m.stage, m.sequence
+        while i < n:
+            x = messages[i]
+            seq += 1
+            if (
+                type(x) is not Segment
+                or x.sequence != seq
+                or x.request_id != rid
+                or x.stage != stage
+                or x.device_handles
+            ):
+                break
+            i += 1
+            if x.is_last:
+                break
+        if i - start == 1:
+            out.append(m)
+        else:
+            out.append(SegmentRun.of(messages[start:i], stage, m.sequence, m.request))
+    return out
+
+
+def decode_data_frame(frame: bytes) -> list[AnyEvent | SegmentRun | Submit]:
+    """A stage's inbound frame; runs stay packed (the worker takes them as they are)."""
     return _data_decoder.decode(frame)
 
 
 def decode_event_frame(frame: bytes) -> list[AnyEvent]:
-    return _event_decoder.decode(frame)
+    """A frame of events, runs expanded into their segments."""
+    msgs = _event_decoder.decode(frame)
+    if not any(type(m) is SegmentRun for m in msgs):
+        return msgs
+    out: list[AnyEvent] = []
+    for m in msgs:
+        if type(m) is SegmentRun:
+            out.extend(m.segments())
+        else:
+            out.append(m)
+    return out
 
 
 def decode_control_frame(frame: bytes) -> list[ToWorker]:

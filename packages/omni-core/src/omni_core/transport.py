@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from omni_core.serial import encode_frame
+from omni_core.serial import encode_events, encode_frame
 
 MAX_FRAME_MESSAGES = 256  # coalesce at most this many messages into one frame
 STREAMING_S = 0.01  # a stage that emitted this recently is streaming (see Sender.streaming)
@@ -143,6 +143,7 @@ class Sender:
         self.max_pending = max_pending
         self.lock = threading.Lock()
         self.buffers: dict[str, list[Any]] = {d: [] for d in sockets}
+        self.counts: dict[str, int] = dict.fromkeys(sockets, 0)  # events waiting (in runs too)
         self.must: dict[str, int] = dict.fromkeys(sockets, 0)  # must-deliver waiting
         self.stalled: dict[str, bytes] = {}  # a frame the socket refused, sent first
         self.previews: dict[tuple[str, str], int] = {}  # (dest, request) -> buffer index
@@ -170,21 +171,25 @@ class Sender:
                     buf[old] = None
                     self.drops += 1
                     self.waiting -= 1
+                    self.counts[dest] -= 1
                 self.previews[key] = len(buf)
             elif not droppable:
                 self.must[dest] += 1
             buf.append(msg)
             self.waiting += 1
+            self.counts[dest] += 1
             if self._flush_if_due(dest):
                 return
         self.waker.wake()  # no-op while the I/O thread already ticks (it is streaming)
 
-    def put_many(self, dest: str, msgs: list[Any]) -> None:
-        """Must-deliver messages in order, as one step."""
+    def put_many(self, dest: str, msgs: list[Any], events: int) -> None:
+        """Must-deliver messages in order, as one step; they hold ``events`` events (a
+        :class:`~omni_core.events.SegmentRun` holds many)."""
         with self.lock:
             self.buffers[dest].extend(msgs)
-            self.waiting += len(msgs)
-            self.must[dest] += len(msgs)
+            self.waiting += events
+            self.counts[dest] += events
+            self.must[dest] += events
             if self._flush_if_due(dest):
                 return
         self.waker.wake()
@@ -236,11 +241,12 @@ class Sender:
                 continue
             msgs = [m for m in buf if m is not None]
             try:
-                frame = encode_frame(msgs)
+                frame = encode_events(msgs)
             except (TypeError, ValueError, OverflowError):
                 frame = self._encode_each(msgs, dest)
-            self.sent += len(msgs)
-            self.waiting -= len(msgs)
+            self.sent += self.counts[dest]
+            self.waiting -= self.counts[dest]
+            self.counts[dest] = 0
             self.must[dest] = 0
             buf.clear()
             if not self._try_send(dest, frame):
@@ -277,7 +283,7 @@ class Sender:
                     replacement = self.on_unencodable(msg, e, dest)
                     if replacement is not None:
                         good.append(replacement)
-        return encode_frame(good)
+        return encode_events(good)
 
 
 class Outbox:

@@ -13,20 +13,24 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from omni_core.events import ShmHandle
 
 
-@dataclass(slots=True)
-class Piece:
-    """One received data event, decoded: what a window is stitched from."""
+class Piece(msgspec.Struct, gc=False):
+    """One received data event, decoded: what a window is stitched from.
+
+    Not tracked by the cycle collector (``gc=False``): a piece holds decoded data only, so
+    it is in no reference cycle, and a fast stream of pieces does not trigger collections.
+    """
 
     sequence: int
     tokens: list[int] | None
     arrays: dict[str, Any]
     payload: dict[str, Any]
-    handles: list[ShmHandle] = field(default_factory=list)  # to release once dropped
+    handles: list[ShmHandle] = []  # to release once dropped
     step: int | None = None
     logprobs: list[float] | None = None
     units: int = -1  # counted once, at construction (-1: count them)
@@ -146,10 +150,15 @@ class WindowState:
 
     def push(self, piece: Piece, is_last: bool = False) -> list[Window]:
         """Add a piece; returns the windows it completes."""
+        return self.push_many([piece], piece.units, is_last)
+
+    def push_many(self, pieces: list[Piece], units: int, is_last: bool = False) -> list[Window]:
+        """Add consecutive pieces holding ``units`` units in all; returns the windows they
+        complete (the same as pushing them one by one)."""
         if self.ended:
             raise ValueError(f"edge {self.edge!r}: data after the end of the stream")
-        self.pieces.append(piece)
-        self.total += piece.units
+        self.pieces.extend(pieces)
+        self.total += units
         size = self.size
         if size > 0 and self.total - self.emitted >= size:
             out = []
@@ -159,6 +168,12 @@ class WindowState:
                 out.extend(self.end())
             return out
         return self.end() if is_last else []
+
+    def room(self, windows: int) -> int | None:
+        """How many more units complete ``windows`` more windows (None: only the end does)."""
+        if self.size < 0:
+            return None
+        return max(1, windows * self.size - (self.total - self.emitted))
 
     def end(self) -> list[Window]:
         """The upstream stream ended: emit what remains, flagged last (empty if nothing does)."""

@@ -40,6 +40,7 @@ from omni_core.events import (
     Release,
     Segment,
     SegmentGone,
+    SegmentRun,
     ShmHandle,
     Shutdown,
     StageStats,
@@ -151,7 +152,7 @@ class Worker:
         """``msg`` will never reach ``dest``: release its slots on that reader's behalf."""
         own = [
             (h.offset, h.rental)
-            for h in msg.device_handles.values()
+            for h in getattr(msg, "device_handles", {}).values()
             if isinstance(h, ShmHandle) and h.segment == self.arena.name
         ]
         if own:
@@ -307,34 +308,17 @@ class Worker:
                     extra={"stage": self.name},
                 )
 
-    def _take_run(self, first: Segment) -> list[Segment]:
-        """``first`` and the array-free segments of its request and edge right after it."""
-        stash = self.stash
-        run = [first]
-        rid, edge = first.request_id, first.stage
-        while stash and len(run) < 512:
-            nxt = stash[0]
-            if (
-                type(nxt) is not Segment
-                or nxt.request_id != rid
-                or nxt.stage != edge
-                or nxt.device_handles
-            ):
-                break
-            run.append(stash.popleft())
-        return run
-
     def _intake(self) -> None:
         stash = self.stash
         with self.work:
             while stash and len(self.ready) < self.capacity:
                 msg = stash.popleft()
                 try:
-                    if type(msg) is Segment and not msg.device_handles:
-                        run = self._take_run(msg)
+                    if type(msg) is SegmentRun:
                         room = self.capacity - len(self.ready)
-                        items, n = self.host.receive_run(run, room)
-                        stash.extendleft(reversed(run[n:]))
+                        items, n = self.host.receive_run(msg, room)
+                        if n < len(msg):  # the queue is full: the rest waits
+                            stash.appendleft(msg.tail(n))
                         self.stats.received += n
                     elif isinstance(msg, Submit):
                         items = self.host.submit(msg)
@@ -502,9 +486,17 @@ class Worker:
         if not out:
             return
         if self.trace:
-            self.marks.extend(TraceMark(e.request_id, e.sequence, "segment", e.ts) for e in out)
+            for m in out:
+                if type(m) is SegmentRun:
+                    self.marks.extend(
+                        TraceMark(m.request_id, m.sequence + k, "segment", ts)
+                        for k, ts in enumerate(m.ts)
+                    )
+                else:
+                    self.marks.append(TraceMark(m.request_id, m.sequence, "segment", m.ts))
+        events = sum(len(m) if type(m) is SegmentRun else 1 for m in out)
         for d in self.host.data_destinations:
-            self.sender.put_many(d, out)
+            self.sender.put_many(d, out, events)
 
     def _handle(self, ev: StageEvent) -> None:
         st = self.host.requests.get(ev.request_id)

@@ -5,8 +5,10 @@ The runtime figures go through the real path: a ``synthetic.burst`` worker emits
 per yield); they leave through its sender and socket (small payloads inline, large arrays
 written once into a shared-memory slot), and a ``synthetic.count`` worker takes them in
 through its windows. Time runs from the burst's start to the last unit's arrival at the counter.
-Baselines in the same run: ``multiprocessing.Queue`` between two processes, and a plain
-numpy copy of the same size (what one write into shared memory costs at best).
+Baselines in the same run: ``multiprocessing.Queue`` between two processes (its 1 KB runs
+interleaved with the runtime's, best of each kept, so a shared machine's drifting load
+weighs on both alike), and a plain numpy copy of the same size (what one write into shared
+memory costs at best).
 
 ``--backend ray`` measures the same figures on the Ray backend, on a cluster of two
 simulated nodes started for the run (or ``--address``'s cluster, whose nodes must offer the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,8 +53,11 @@ def runtime_figures(
     repeat: int,
     backend: str = "local",
     placement: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
+    between: Callable[[], object] | None = None,
 ) -> dict[str, float]:
-    """The runtime's figures; ``placement``: each stage's extra config (where it runs)."""
+    """The runtime's figures; ``placement``: each stage's extra config (where it runs);
+    ``between``: a baseline run after each round of event runs, so that both see the same
+    machine (its load drifts on a shared host)."""
     stages = (
         ("burst", "synthetic.burst", {}, placement[0]),
         ("count", "synthetic.count", {}, placement[1]),
@@ -65,10 +71,14 @@ def runtime_figures(
     res: dict[str, float] = {}
     with Pipeline(cfg, backend=backend) as pipe:
         _runtime_run(pipe, 2000, 1024)  # warm up
-        best = min(_runtime_run(pipe, events_1k, 1024, CHUNK)[0] for _ in range(repeat))
-        res["events_per_s_1k"] = events_1k / best
-        best = min(_runtime_run(pipe, events_1k, 1024, 1)[0] for _ in range(repeat))
-        res["events_per_s_1k_single_yield"] = events_1k / best
+        chunked, single = [], []
+        for _ in range(repeat):
+            chunked.append(_runtime_run(pipe, events_1k, 1024, CHUNK)[0])
+            single.append(_runtime_run(pipe, events_1k, 1024, 1)[0])
+            if between is not None:
+                between()
+        res["events_per_s_1k"] = events_1k / min(chunked)
+        res["events_per_s_1k_single_yield"] = events_1k / min(single)
     arrays = chain(
         *stages,
         edges=[{"from": "burst", "to": "count", "window": {"size": 1}}],
@@ -90,20 +100,23 @@ def _mp_producer(q: mp.Queue, count: int, nbytes: int) -> None:
     q.put(None)
 
 
+def mpqueue_seconds(count: int, nbytes: int) -> float:
+    """Seconds ``count`` items of ``nbytes`` bytes take through a multiprocessing.Queue
+    (from the spawned producer's first put to the last get)."""
+    q = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=_mp_producer, args=(q, count, nbytes))
+    p.start()
+    t0 = q.get()
+    while q.get() is not None:
+        pass
+    elapsed = time.time() - t0
+    p.join()
+    return elapsed
+
+
 def mpqueue_figure(count: int, nbytes: int, repeat: int) -> float:
-    """Items per second of ``nbytes`` bytes through a multiprocessing.Queue (spawned)."""
-    ctx = mp.get_context("spawn")
-    best = float("inf")
-    for _ in range(repeat):
-        q = ctx.Queue()
-        p = ctx.Process(target=_mp_producer, args=(q, count, nbytes))
-        p.start()
-        t0 = q.get()
-        while q.get() is not None:
-            pass
-        best = min(best, time.time() - t0)
-        p.join()
-    return count / best
+    """Items per second through a multiprocessing.Queue, best of ``repeat`` runs."""
+    return count / min(mpqueue_seconds(count, nbytes) for _ in range(repeat))
 
 
 def memcpy_figure(nbytes: int, repeat: int) -> float:
@@ -131,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     figures = (args.events, args.count_1m, args.count_64m, args.repeat)
     if args.backend == "ray":
         return _main_ray(args, figures)
-    res = runtime_figures(*figures)
-    res["mpqueue_events_per_s_1k"] = mpqueue_figure(args.events, 1024, args.repeat)
+    mpq: list[float] = []  # interleaved with the runtime's event runs
+    res = runtime_figures(*figures, between=lambda: mpq.append(mpqueue_seconds(args.events, 1024)))
+    res["mpqueue_events_per_s_1k"] = args.events / min(mpq)
     res["mpqueue_gbps_64m"] = mpqueue_figure(args.count_64m, 64 * MB, args.repeat) * 64 * MB / 1e9
     res["memcpy_gbps"] = memcpy_figure(64 * MB, 5)
     res["events_ratio"] = res["events_per_s_1k"] / res["mpqueue_events_per_s_1k"]
