@@ -24,7 +24,7 @@ from omni_core.serial import (
     decode_data_frame,
     decode_event_frame,
     decode_status_frame,
-    encode_events,
+    encode_events_into,
     encode_frame,
     pack_runs,
 )
@@ -143,7 +143,8 @@ def test_runs_of_array_free_segments_travel_in_columns_and_come_back_equal():
     run = packed[0]
     assert run.logprobs == [None, [-0.5], None] and run.request == {"p": 1}
     assert packed[1].logprobs is None and packed[6].is_last
-    frame = encode_events(msgs)
+    frame = bytearray(b"stale bytes of an earlier, longer frame" * 100)
+    encode_events_into(msgs, frame)
     assert decode_event_frame(frame) == msgs  # the caller's side: expanded, equal
     assert decode_data_frame(frame) == packed  # a worker's side: still in columns
 

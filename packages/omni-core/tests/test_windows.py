@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 from omni_core.events import ShmHandle
-from omni_core.windows import Piece, WindowState
+from omni_core.windows import Piece, RunPiece, WindowState
 
 
 def piece(seq, tokens, handles=()):
@@ -146,3 +146,63 @@ def test_pushing_pieces_together_cuts_the_windows_one_by_one_would(size, overlap
         part = pieces[lo : lo + 9]
         got += many.push_many(part, sum(p.units for p in part), is_last=lo + 9 >= 40)
     assert key(got) == key(one)
+
+
+def run_piece(first, chunks, logprobs=True):
+    tokens = [list(c) if c is not None else None for c in chunks]
+    lps = [[-float(t) for t in c] if c is not None else None for c in chunks]
+    counts = [1 if c is None else len(c) for c in chunks]
+    payloads = [{"seq": first + k} for k in range(len(chunks))]
+    return RunPiece(first, tokens, payloads, lps if logprobs else None, counts, sum(counts))
+
+
+@pytest.mark.parametrize("size,overlap", [(-1, 0), (1, 0), (2, 1), (3, 0), (5, 4), (8, 3), (64, 0)])
+def test_runs_kept_in_columns_give_the_windows_their_events_one_by_one_would(size, overlap):
+    # segments of 1-4 tokens (some tokenless: one unit each) in runs of 1-12 segments,
+    # cut by windows that split segments and runs anywhere
+    rng = np.random.default_rng(7 + size + overlap)
+    chunks = [
+        None if rng.random() < 0.1 else list(range(k * 10, k * 10 + int(rng.integers(1, 5))))
+        for k in range(120)
+    ]
+    one = WindowState("a", size, overlap)
+    expected = []
+    for k, c in enumerate(chunks):
+        lp = [-float(t) for t in c] if c is not None else None
+        p = Piece(k, c, {}, {"seq": k}, [], None, lp)
+        expected += one.push(p, is_last=k == len(chunks) - 1)
+    cols = WindowState("a", size, overlap)
+    got, k = [], 0
+    while k < len(chunks):
+        n = int(rng.integers(1, 13))
+        part = run_piece(k, chunks[k : k + n])
+        k += n
+        got += cols.push_many([part], part.units, is_last=k >= len(chunks))
+
+    def key(w):
+        pieces = [(p.sequence, p.tokens, p.payload, p.units, p.logprobs) for p in w.pieces]
+        return (
+            w.index,
+            w.start,
+            w.overlap,
+            w.is_last,
+            w.units,
+            w.tokens,
+            w.logprobs,
+            w.payloads,
+            pieces,
+        )
+
+    assert [key(w) for w in got] == [key(w) for w in expected]
+    assert len(got) >= 2 or size < 0
+
+
+def test_a_run_cut_inside_one_segment_keeps_that_segments_middle():
+    rp = run_piece(10, [[0, 1, 2], [3, 4, 5, 6], [7]])
+    mid = rp.slice(4, 6)  # units 4 and 5: inside the second segment
+    assert (mid.sequence, mid.tokens, mid.counts, mid.units) == (11, [[4, 5]], [2], 2)
+    assert mid.logprobs == [[-4.0, -5.0]] and mid.payloads == [{"seq": 11}]
+    across = rp.slice(2, 8)
+    assert across.tokens == [[2], [3, 4, 5, 6], [7]] and across.sequence == 10
+    assert rp.slice(0, 8) is rp
+    assert run_piece(0, [[1, 2]], logprobs=False).slice(1, 2).logprobs is None

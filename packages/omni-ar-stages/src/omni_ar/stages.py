@@ -234,9 +234,9 @@ class Postprocess(_ModelStage):
                 d = self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
             if d.stopped is not None:
                 continue  # the text already ended at a stop string
-            for p in inp.window.pieces:
-                if "prompt_tokens" in p.payload:
-                    self.prompt_tokens[rid] = p.payload["prompt_tokens"]
+            for p in inp.window.payloads:
+                if "prompt_tokens" in p:
+                    self.prompt_tokens[rid] = p["prompt_tokens"]
             new = inp.window.new_tokens
             text = d.add(new)
             self.counts[rid] = self.counts.get(rid, 0) + len(new)

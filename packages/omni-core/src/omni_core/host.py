@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from omni_core.config import PipelineConfig
@@ -31,7 +33,7 @@ from omni_core.events import (
 )
 from omni_core.serial import ArrayCodec
 from omni_core.stage import Stage, StageContext, StageInput
-from omni_core.windows import Piece, Window, WindowState
+from omni_core.windows import Piece, RunPiece, Window, WindowState
 
 CLIENT = "client"  # the destination name of the caller's collector
 MAX_TOMBSTONES = 65536  # ended requests remembered, so late events for them are dropped
@@ -185,25 +187,26 @@ class StageHost:
         st, ws = found
         tokens = run.tokens
         units = [1 if t is None else len(t) for t in tokens]  # no arrays: a tokenless one is 1
-        take = len(units)
+        n = take = len(units)
         room = ws.room(limit)
-        if room is not None:
-            acc = 0
-            for k, u in enumerate(units):
-                acc += u
-                if acc >= room:
-                    take = k + 1
-                    break
+        if room is not None:  # up to the segment that makes the limit's last window
+            take = min(n, bisect_left(list(accumulate(units)), room) + 1)
         seq = run.sequence
-        lps = run.logprobs or [None] * take
-        payloads = run.payloads
-        pieces = [
-            Piece(seq + k, tokens[k], {}, payloads[k], [], None, lps[k], units[k])
-            for k in range(take)
-        ]
+        done = run.is_last and take == n
+        payloads, lps = run.payloads, run.logprobs
+        if take < n:  # the rest waits for room
+            tokens, units, payloads = tokens[:take], units[:take], payloads[:take]
+            lps = lps[:take] if lps is not None else None
+        if 0 in units:  # a unit-less segment goes with its spot: only pieces know how
+            none = [None] * take
+            parts: list[Piece | RunPiece] = [
+                Piece(seq + k, tokens[k], {}, payloads[k], [], None, (lps or none)[k], units[k])
+                for k in range(take)
+            ]
+        else:
+            parts = [RunPiece(seq, tokens, payloads, lps, units, sum(units))]
         st.next_seq[run.stage] = seq + take
-        done = run.is_last and take == len(units)
-        windows = ws.push_many(pieces, sum(units[:take]), done)
+        windows = ws.push_many(parts, sum(units), done)
         return self._windows_done(run.request_id, st, run.stage, windows), take
 
     def _windows_done(

@@ -41,9 +41,10 @@ def encode_frame(messages: list[Any]) -> bytes:
     return _encoder.encode(messages)
 
 
-def encode_events(messages: list[Any]) -> bytes:
-    """A frame of data-plane messages, runs of array-free segments packed in columns."""
-    return _encoder.encode(pack_runs(messages))
+def encode_events_into(messages: list[Any], buffer: bytearray) -> None:
+    """A frame of data-plane messages into ``buffer`` (resized to the frame), runs of
+    array-free segments packed in columns."""
+    _encoder.encode_into(pack_runs(messages), buffer)
 
 
 def pack_runs(messages: list[Any]) -> list[Any]:

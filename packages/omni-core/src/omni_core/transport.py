@@ -19,13 +19,14 @@ from typing import Any
 
 import zmq
 
-from omni_core.serial import encode_events, encode_frame
+from omni_core.serial import encode_events_into, encode_frame
 
 MAX_FRAME_MESSAGES = 256  # coalesce at most this many messages into one frame
 STREAMING_S = 0.01  # a stage that emitted this recently is streaming (see Sender.streaming)
 # Zero-copy sends hand the buffer to zmq's garbage-collector thread; below this size a
 # plain copy is cheaper than that bookkeeping.
 _ZERO_COPY_MIN = 4 << 20
+_FRAME_BUFFER_KEEP = 16 << 20  # a sender's frame buffer larger than this is let go
 _IPC_PATH_MAX = 100
 STATUS = "orchestrator.status"  # workers -> orchestrator: ready, heartbeats, acks
 RESULTS = "client.results"  # streaming stages -> the caller's collector
@@ -154,6 +155,9 @@ class Sender:
         self.drops = 0
         self.sent = 0
         self.stop = False
+        # frames are encoded into one reused buffer: a fresh bytes object per frame costs
+        # more than the copy zmq makes of it (its pages, and regrowth as it is written)
+        self.frame = bytearray()
 
     def streaming(self) -> bool:
         """Output came within the last ``STREAMING_S``: more is likely to follow soon."""
@@ -240,23 +244,27 @@ class Sender:
             if not buf:
                 continue
             msgs = [m for m in buf if m is not None]
+            frame = self.frame
             try:
-                frame = encode_events(msgs)
+                encode_events_into(msgs, frame)
             except (TypeError, ValueError, OverflowError):
-                frame = self._encode_each(msgs, dest)
+                encode_events_into(self._encodable(msgs, dest), frame)
             self.sent += self.counts[dest]
             self.waiting -= self.counts[dest]
             self.counts[dest] = 0
             self.must[dest] = 0
             buf.clear()
             if not self._try_send(dest, frame):
-                self.stalled[dest] = frame
+                self.stalled[dest] = bytes(frame)  # the buffer is reused
+        if len(self.frame) > _FRAME_BUFFER_KEEP:
+            self.frame = bytearray()
         self.previews = {k: i for k, i in self.previews.items() if self.buffers[k[0]]}
         self.last_flush = now
 
-    def _try_send(self, dest: str, frame: bytes) -> bool:
-        try:
-            self.sockets[dest].send(frame, zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_MIN)
+    def _try_send(self, dest: str, frame: bytes | bytearray) -> bool:
+        try:  # a bytearray (the reused buffer) is copied; a large stalled frame needs not be
+            copy = type(frame) is bytearray or len(frame) < _ZERO_COPY_MIN
+            self.sockets[dest].send(frame, zmq.NOBLOCK, copy=copy)
             return True
         except zmq.Again:
             return False
@@ -271,7 +279,7 @@ class Sender:
             self._flush(time.perf_counter())
         self.blocked_s += time.monotonic() - t0
 
-    def _encode_each(self, buf: list[Any], dest: str) -> bytes:
+    def _encodable(self, buf: list[Any], dest: str) -> list[Any]:
         """A message in ``buf`` cannot be encoded: replace or drop it, keep the others."""
         good = []
         for msg in buf:
@@ -283,7 +291,7 @@ class Sender:
                     replacement = self.on_unencodable(msg, e, dest)
                     if replacement is not None:
                         good.append(replacement)
-        return encode_events(good)
+        return good
 
 
 class Outbox:

@@ -9,9 +9,11 @@ the upstream stream ends; ``size=N`` emits every N new units and the remainder a
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from itertools import accumulate
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -67,6 +69,51 @@ class Piece(msgspec.Struct, gc=False):
         return Piece(self.sequence, tokens, arrays, self.payload, [], self.step, lp, hi - lo)
 
 
+class RunPiece(msgspec.Struct, gc=False):
+    """Consecutive array-free segments of one request, kept in columns (a received
+    :class:`~omni_core.events.SegmentRun`): a window takes them as one part, and
+    :attr:`Window.pieces` expands them into :class:`Piece` s only when asked. Every segment
+    holds at least one unit (a run with a unit-less segment is taken as pieces)."""
+
+    sequence: int  # of the first segment
+    tokens: list[list[int] | None]
+    payloads: list[dict[str, Any]]
+    logprobs: list[list[float] | None] | None
+    counts: list[int]  # units per segment
+    units: int
+    handles: ClassVar[list[ShmHandle]] = []  # array-free: nothing to release
+
+    def pieces(self) -> list[Piece]:
+        seq, tokens, payloads, counts = self.sequence, self.tokens, self.payloads, self.counts
+        lps = self.logprobs or [None] * len(counts)
+        return [
+            Piece(seq + k, tokens[k], {}, payloads[k], [], None, lps[k], counts[k])
+            for k in range(len(counts))
+        ]
+
+    def slice(self, lo: int, hi: int) -> RunPiece:
+        """The units [lo, hi): the segments they fall in, the outer two cut to them."""
+        if lo == 0 and hi == self.units:
+            return self
+        starts = list(accumulate(self.counts, initial=0))
+        a = bisect_right(starts, lo) - 1  # the segment of unit lo
+        b = bisect_left(starts, hi)  # one past the segment of unit hi - 1
+        cut_lo, cut_hi = lo - starts[a], hi - starts[b - 1]  # within segments a and b - 1
+
+        def cut(column: list[Any]) -> list[Any]:
+            part = column[a:b]
+            if part[-1] is not None:
+                part[-1] = part[-1][:cut_hi]
+            if part[0] is not None:
+                part[0] = part[0][cut_lo:]
+            return part
+
+        tokens = cut(self.tokens)
+        counts = [1 if t is None else len(t) for t in tokens]
+        lps = cut(self.logprobs) if self.logprobs is not None else None
+        return RunPiece(self.sequence + a, tokens, self.payloads[a:b], lps, counts, hi - lo)
+
+
 @dataclass
 class Window:
     """What a downstream stage sees of one upstream edge for one trigger."""
@@ -75,13 +122,32 @@ class Window:
     index: int  # 0, 1, ... per (edge, request)
     start: int  # unit index of the first new unit
     overlap: int  # context units prepended before ``start``
-    pieces: list[Piece]
+    parts: list[Piece | RunPiece]  # as stitched; read ``pieces`` (or the accessors below)
     is_last: bool
     release: list[ShmHandle] = field(default_factory=list)  # slots no later window needs
 
+    @cached_property
+    def pieces(self) -> list[Piece]:
+        """One :class:`Piece` per received event (of a cut one, the units in the window)."""
+        out: list[Piece] = []
+        for p in self.parts:
+            if type(p) is RunPiece:
+                out.extend(p.pieces())
+            else:
+                out.append(p)
+        return out
+
     @property
     def tokens(self) -> list[int]:
-        return [t for p in self.pieces if p.tokens is not None for t in p.tokens]
+        out: list[int] = []
+        for p in self.parts:
+            if type(p) is RunPiece:
+                for t in p.tokens:
+                    if t is not None:
+                        out.extend(t)
+            elif p.tokens is not None:
+                out.extend(p.tokens)
+        return out
 
     @property
     def new_tokens(self) -> list[int]:
@@ -89,22 +155,42 @@ class Window:
 
     @property
     def logprobs(self) -> list[float]:
-        return [x for p in self.pieces if p.logprobs is not None for x in p.logprobs]
+        out: list[float] = []
+        for p in self.parts:
+            if type(p) is RunPiece:
+                for x in p.logprobs or ():
+                    if x is not None:
+                        out.extend(x)
+            elif p.logprobs is not None:
+                out.extend(p.logprobs)
+        return out
 
     @property
     def payloads(self) -> list[dict[str, Any]]:
-        return [p.payload for p in self.pieces]
+        """Each event's payload, in order (an event cut across windows: in each)."""
+        out: list[dict[str, Any]] = []
+        for p in self.parts:
+            if type(p) is RunPiece:
+                out.extend(p.payloads)
+            else:
+                out.append(p.payload)
+        return out
 
     @property
     def units(self) -> int:
-        return sum(p.units for p in self.pieces)
+        return sum(p.units for p in self.parts)
+
+    @property
+    def piece_arrays(self) -> list[dict[str, Any]]:
+        """The arrays of each event that has any, as they came (no concatenation)."""
+        return [p.arrays for p in self.parts if type(p) is Piece and p.arrays]
 
     @cached_property
     def arrays(self) -> dict[str, Any]:
         """Each array name concatenated along axis 0 across pieces (a view if one piece)."""
         names: dict[str, list[Any]] = {}
-        for p in self.pieces:
-            for k, a in p.arrays.items():
+        for arrays in self.piece_arrays:
+            for k, a in arrays.items():
                 names.setdefault(k, []).append(a)
         out: dict[str, Any] = {}
         for k, parts in names.items():
@@ -131,7 +217,7 @@ class Window:
 
 
 class WindowState:
-    """Stitches the pieces of one (edge, request) and cuts windows from them."""
+    """Stitches the parts (pieces, runs) of one (edge, request) and cuts windows from them."""
 
     def __init__(self, edge: str, size: int = -1, overlap: int = 0) -> None:
         if size == 0 or size < -1:
@@ -141,8 +227,8 @@ class WindowState:
         self.edge = edge
         self.size = size
         self.overlap = overlap
-        self.pieces: list[Piece] = []
-        self.base = 0  # unit index of pieces[0]
+        self.parts: list[Piece | RunPiece] = []
+        self.base = 0  # unit index of parts[0]
         self.total = 0  # units received
         self.emitted = 0  # units emitted as new
         self.count = 0  # windows emitted
@@ -152,12 +238,14 @@ class WindowState:
         """Add a piece; returns the windows it completes."""
         return self.push_many([piece], piece.units, is_last)
 
-    def push_many(self, pieces: list[Piece], units: int, is_last: bool = False) -> list[Window]:
-        """Add consecutive pieces holding ``units`` units in all; returns the windows they
-        complete (the same as pushing them one by one)."""
+    def push_many(
+        self, parts: list[Piece | RunPiece], units: int, is_last: bool = False
+    ) -> list[Window]:
+        """Add consecutive parts holding ``units`` units in all; returns the windows they
+        complete (the same as pushing their events one by one)."""
         if self.ended:
             raise ValueError(f"edge {self.edge!r}: data after the end of the stream")
-        self.pieces.extend(pieces)
+        self.parts.extend(parts)
         self.total += units
         size = self.size
         if size > 0 and self.total - self.emitted >= size:
@@ -186,35 +274,35 @@ class WindowState:
         lo_new = self.emitted
         ctx = min(self.overlap, lo_new - self.base) if self.size > 0 else 0
         lo = lo_new - ctx
-        pieces: list[Piece] = []
+        parts: list[Piece | RunPiece] = []
         pos = self.base
-        for p in self.pieces:
+        for p in self.parts:
             n = p.units
             end = pos + n
             if n == 0:  # a unit-less piece (an end marker with a payload) goes with its spot
                 if lo_new <= pos and (pos < hi or last):
-                    pieces.append(p)
+                    parts.append(p)
             elif lo <= pos and end <= hi:  # whole (the common case)
-                pieces.append(p)
+                parts.append(p)
             elif pos < hi and end > lo:
-                pieces.append(p.slice(max(lo, pos) - pos, min(hi, end) - pos))
+                parts.append(p.slice(max(lo, pos) - pos, min(hi, end) - pos))
             elif pos >= hi:
                 break
             pos = end
         self.emitted = hi
-        window = Window(self.edge, self.count, lo_new, ctx, pieces, last)
+        window = Window(self.edge, self.count, lo_new, ctx, parts, last)
         self.count += 1
         window.release = self._trim(keep_from=hi if last else hi - self.overlap)
         return window
 
     def _trim(self, keep_from: int) -> list[ShmHandle]:
-        """Drop pieces no later window reads; their slots may be released."""
+        """Drop parts no later window reads; their slots may be released."""
         freed: list[ShmHandle] = []
         if self.ended:
             keep_from = self.total + 1
-        pieces = self.pieces
+        parts = self.parts
         k, base = 0, self.base
-        for p in pieces:
+        for p in parts:
             n = p.units
             end = base + n
             if end > keep_from or (n == 0 and end == keep_from):
@@ -224,13 +312,13 @@ class WindowState:
             base = end
             k += 1
         if k:
-            del pieces[:k]
+            del parts[:k]
             self.base = base
         return freed
 
     def drop(self) -> list[ShmHandle]:
         """Forget the request (cancel or error); returns slots to release."""
-        freed = [h for p in self.pieces for h in p.handles]
-        self.pieces.clear()
+        freed = [h for p in self.parts for h in p.handles]
+        self.parts.clear()
         self.ended = True
         return freed

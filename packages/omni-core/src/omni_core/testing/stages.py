@@ -231,23 +231,22 @@ class Burst(Stage):
                 arr = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
                 blob = self._blobs[nbytes] = (arr.tobytes(), arr)
             chunk = max(1, int(inp.request.get("chunk", self.options.chunk)))
-            step: list[StageEvent] = []
             t0 = time.time()
-            for i in range(count):
-                last = i == count - 1
+            for lo in range(0, count, chunk):  # one step: a list of ``chunk`` events
+                hi = min(lo + chunk, count)
                 if inline:
-                    payload = {"data": blob[0], "t0": t0} if i == 0 else {"data": blob[0]}
-                    ev = inp.segment([i], payload=payload, is_last=last)
+                    data = blob[0]
+                    step = [inp.segment([i], payload={"data": data}) for i in range(lo, hi)]
                 else:
-                    payload = {"t0": t0} if i == 0 else {}
-                    ev = inp.segment([i], payload=payload, arrays={"data": blob[1]}, is_last=last)
+                    arrays = {"data": blob[1]}
+                    step = [inp.segment([i], arrays=arrays) for i in range(lo, hi)]
+                if lo == 0:
+                    step[0].payload["t0"] = t0
+                step[-1].is_last = hi == count
                 if chunk == 1:
-                    yield ev
-                    continue
-                step.append(ev)
-                if len(step) == chunk or last:
+                    yield step[0]
+                else:
                     yield step
-                    step = []
 
 
 class Count(Stage):
@@ -261,14 +260,12 @@ class Count(Stage):
         for inp in batch:
             acc = self._acc.setdefault(inp.request_id, [0, 0, 0.0])
             for w in inp.windows.values():
-                for p in w.pieces:
-                    if acc[0] == 0 and "t0" in p.payload:
-                        acc[2] = p.payload["t0"]
-                    acc[0] += p.units
-                    data = p.payload.get("data")
-                    acc[1] += (
-                        len(data) if data is not None else sum(a.nbytes for a in p.arrays.values())
-                    )
+                payloads = w.payloads
+                if acc[0] == 0 and payloads and "t0" in payloads[0]:
+                    acc[2] = payloads[0]["t0"]
+                acc[0] += w.units
+                acc[1] += sum(len(p["data"]) for p in payloads if "data" in p)
+                acc[1] += sum(a.nbytes for arrays in w.piece_arrays for a in arrays.values())
             if inp.last:
                 count, nbytes, t0 = self._acc.pop(inp.request_id)
                 yield inp.segment(
