@@ -113,14 +113,14 @@ def seg(rid, seq, **kw):
 
 
 def test_runs_of_array_free_segments_travel_in_columns_and_come_back_equal():
-    shm = {"h": InlineArray(b"\x00" * 4, "<i4", (1,))}
+    arrays = {"h": InlineArray(b"\x00" * 4, "<i4", (1,))}
     msgs = [
         seg("r", 0, request={"p": 1}),
         seg("r", 1, logprobs=[-0.5]),
         seg("r", 2),
         seg("q", 0),  # another request: a new run
         seg("q", 1),
-        seg("q", 2, device_handles=shm),  # arrays: alone
+        seg("q", 2, device_handles=arrays),  # arrays: alone
         seg("q", 3),
         seg("q", 5),  # a gap in the sequence: not one run
         Completed(request_id="q", sequence=6, stage="a"),
@@ -155,3 +155,12 @@ def test_a_run_split_for_a_full_queue_keeps_its_numbering_and_end():
     assert [s.sequence for s in tail.segments()] == [4, 5]
     assert tail.segments()[-1].is_last and tail.request is None
     assert [s.payload for s in tail.segments()] == [{"i": 4}, {"i": 5}]
+
+
+def test_a_run_whose_columns_disagree_is_rejected_when_decoded():
+    run = SegmentRun.of([seg("r", 0), seg("r", 1)], "a", 0)
+    raw = msgspec.msgpack.encode([msgspec.structs.asdict(run) | {"event_type": "segment_run"}])
+    assert decode_data_frame(raw)[0] == run
+    bad = msgspec.structs.asdict(run) | {"event_type": "segment_run", "tokens": [[0]]}
+    with pytest.raises(msgspec.ValidationError, match="one entry per segment"):
+        decode_data_frame(msgspec.msgpack.encode([bad]))

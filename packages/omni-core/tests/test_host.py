@@ -46,8 +46,14 @@ def test_a_run_taken_in_parts_consumes_exactly_what_it_reports():
     items = host.receive(evs[0])
     rest = evs[1:]
     while rest:
-        got, n = host.receive_run(SegmentRun.of(rest[:50], "burst", rest[0].sequence), limit=1)
+        part = rest[:50]
+        got, n = host.receive_run(SegmentRun.of(part, "burst", part[0].sequence), limit=1)
         assert 1 <= n <= 50
+        if n < len(part):  # stopped at the segment that completed the one window it had room for
+            (item,) = got
+            assert item.inp.window.tokens[-1] == part[n - 1].tokens[-1]
+        else:
+            assert len(got) <= (2 if part[-1].is_last else 1)  # (+ the end's remainder)
         items += got
         rest = rest[n:]
     windows = [it.inp.window for it in items]
@@ -103,3 +109,28 @@ def test_a_steps_list_becomes_one_run_per_request_in_order():
     assert out[0].request == {"id": "a"} and out[1].request == {"id": "b"}
     assert out[0].tokens == [[0], [1]] and out[2].is_last
     assert out[0].stage == out[1].stage == "src"
+
+
+@pytest.mark.parametrize("size", [-1, 1, 3])
+def test_a_run_with_unitless_segments_gives_the_windows_of_its_events_one_by_one(size):
+    def stream():
+        evs = segments(12)
+        for i in (0, 4, 5, 11):  # end markers with a payload and no tokens
+            evs[i].tokens = []
+        return evs
+
+    one = make_host(size)
+    expected = [w for ev in stream() for w in one.receive(ev)]
+    cols = make_host(size)
+    evs = stream()
+    got = cols.receive(evs[0])
+    for lo, hi in ((1, 7), (7, 12)):
+        got += cols.receive_run(SegmentRun.of(evs[lo:hi], "burst", lo), 100)[0]
+
+    def key(items):
+        return [
+            (w.tokens, w.payloads, w.units, [(p.sequence, p.units) for p in w.pieces], w.is_last)
+            for w in (it.inp.window for it in items)
+        ]
+
+    assert key(got) == key(expected) and len(got) >= (1 if size < 0 else 2)

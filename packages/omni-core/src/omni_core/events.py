@@ -97,6 +97,13 @@ class SegmentRun(msgspec.Struct, tag="segment_run", tag_field="event_type", kw_o
     is_last: bool = False  # of the last segment (no segment follows one that ends a stream)
     request: dict[str, Any] | None = None  # of the first segment
 
+    def __post_init__(self) -> None:  # also on decode: a malformed run fails there
+        n = len(self.payloads)
+        if n == 0 or len(self.ts) != n or len(self.tokens) != n:
+            raise ValueError("a segment run's columns must have one entry per segment")
+        if self.logprobs is not None and len(self.logprobs) != n:
+            raise ValueError("a segment run's logprobs must have one entry per segment")
+
     @classmethod
     def of(
         cls,
@@ -105,7 +112,8 @@ class SegmentRun(msgspec.Struct, tag="segment_run", tag_field="event_type", kw_o
         sequence: int,
         request: dict[str, Any] | None = None,
     ) -> SegmentRun:
-        """The run of ``segments`` (of one request), numbered from ``sequence``."""
+        """The run of ``segments`` (of one request; only the last may end its stream),
+        numbered from ``sequence``."""
         lps = [s.logprobs for s in segments]
         return cls(
             request_id=segments[0].request_id,

@@ -128,8 +128,7 @@ class StageHost:
                 return None
             st = self.requests[rid] = _Request()
         expected = st.next_seq.get(edge, 0)
-        if event.sequence != expected:
-            self._release_handles(event)
+        if event.sequence != expected:  # the caller fails the request and frees its slots
             raise self._out_of_order(edge, event.sequence, expected)
         if expected == 0 and st.request is None:
             st.request = getattr(event, "request", None)
@@ -179,7 +178,8 @@ class StageHost:
 
     def receive_run(self, run: SegmentRun, limit: int) -> tuple[list[WorkItem], int]:
         """A run of segments (the hot path), taken in one go up to the segment that makes
-        ``limit`` more windows; returns (the work made ready, segments consumed)."""
+        ``limit`` more windows (more only if that segment holds more than a window, or
+        ends the stream); returns (the work made ready, segments consumed)."""
         found = self._stream(run)
         if found is None:
             self.dropped_late += len(run)
