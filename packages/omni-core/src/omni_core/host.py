@@ -197,16 +197,12 @@ class StageHost:
         if take < n:  # the rest waits for room
             tokens, units, payloads = tokens[:take], units[:take], payloads[:take]
             lps = lps[:take] if lps is not None else None
-        if 0 in units:  # a unit-less segment goes with its spot: only pieces know how
-            none = [None] * take
-            parts: list[Piece | RunPiece] = [
-                Piece(seq + k, tokens[k], {}, payloads[k], [], None, (lps or none)[k], units[k])
-                for k in range(take)
-            ]
-        else:
-            parts = [RunPiece(seq, tokens, payloads, lps, units, sum(units))]
+        total = sum(units)
+        part = RunPiece(seq, tokens, payloads, lps, units, total)
+        # a unit-less segment goes with its spot in a window: only pieces know how
+        parts: list[Piece | RunPiece] = part.pieces() if 0 in units else [part]
         st.next_seq[run.stage] = seq + take
-        windows = ws.push_many(parts, sum(units), done)
+        windows = ws.push_many(parts, total, done)
         return self._windows_done(run.request_id, st, run.stage, windows), take
 
     def _windows_done(

@@ -137,17 +137,21 @@ class Window:
                 out.append(p)
         return out
 
-    @property
-    def tokens(self) -> list[int]:
-        out: list[int] = []
+    def _per_event(self, run_column: str, piece_field: str) -> list[Any]:
+        """Each event's value of a field, in order: a run's column, a piece's field."""
+        out: list[Any] = []
         for p in self.parts:
             if type(p) is RunPiece:
-                for t in p.tokens:
-                    if t is not None:
-                        out.extend(t)
-            elif p.tokens is not None:
-                out.extend(p.tokens)
+                column = getattr(p, run_column)
+                if column is not None:
+                    out.extend(column)
+            else:
+                out.append(getattr(p, piece_field))
         return out
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for ts in self._per_event("tokens", "tokens") if ts is not None for t in ts]
 
     @property
     def new_tokens(self) -> list[int]:
@@ -155,26 +159,13 @@ class Window:
 
     @property
     def logprobs(self) -> list[float]:
-        out: list[float] = []
-        for p in self.parts:
-            if type(p) is RunPiece:
-                for x in p.logprobs or ():
-                    if x is not None:
-                        out.extend(x)
-            elif p.logprobs is not None:
-                out.extend(p.logprobs)
-        return out
+        lps = self._per_event("logprobs", "logprobs")
+        return [x for xs in lps if xs is not None for x in xs]
 
     @property
     def payloads(self) -> list[dict[str, Any]]:
         """Each event's payload, in order (an event cut across windows: in each)."""
-        out: list[dict[str, Any]] = []
-        for p in self.parts:
-            if type(p) is RunPiece:
-                out.extend(p.payloads)
-            else:
-                out.append(p.payload)
-        return out
+        return self._per_event("payloads", "payload")
 
     @property
     def units(self) -> int:

@@ -159,7 +159,6 @@ class RayLauncher(Launcher):
 
     # ------------------------------------------------------------------ Launcher
     def spawn(self, stage: str) -> WorkerHandle:
-
         st = self.cfg.stage(stage)
         pl = st.placement
         spec = WorkerSpec(stage=stage, config=self.cfg, socket_dir="", arena="")
