@@ -11,7 +11,7 @@ pytest.importorskip("diffusers")
 
 import torch  # noqa: E402
 from omni_core import Pipeline  # noqa: E402
-from omni_dit import models  # noqa: E402
+from omni_dit import embedded  # noqa: E402
 from omni_dit.testing import stock_image, stock_pipeline  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -29,7 +29,7 @@ def llm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dit(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-sd3")
-    models.build_tiny_sd3(path, conditioning_width=64)  # the tiny Llama's hidden size
+    embedded.build_tiny_sd3(path, conditioning_width=64)  # the tiny Llama's hidden size
     return str(path)
 
 

@@ -4,7 +4,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_dit(tmp_path_factory):
     """A small SD3-layout model (seeded random weights, conditioning width 32)."""
-    from omni_dit.models import build_tiny_sd3
+    from omni_dit.embedded import build_tiny_sd3
 
     path = tmp_path_factory.mktemp("tiny-sd3")
     build_tiny_sd3(path, conditioning_width=32)

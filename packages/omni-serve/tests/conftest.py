@@ -87,10 +87,10 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def tiny_dit(tmp_path_factory: pytest.TempPathFactory) -> str:
     pytest.importorskip("diffusers")
-    from omni_dit import models
+    from omni_dit import embedded
 
     path = tmp_path_factory.mktemp("tiny-sd3")
-    models.build_tiny_sd3(path, conditioning_width=64)  # the tiny Llama's hidden size
+    embedded.build_tiny_sd3(path, conditioning_width=64)  # the tiny Llama's hidden size
     return str(path)
 
 

@@ -23,13 +23,19 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def quiet_offline() -> None:
-    """Hugging Face libraries in a worker: never a network call for weights, no progress
-    bars or warnings in its log. Call before importing them."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def quiet_hub() -> None:
+    """Hugging Face libraries in a worker: no progress bars or warnings in its log. Call
+    before importing them."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
+def quiet_offline() -> None:
+    """:func:`quiet_hub`, and never a network call for weights (for stages that load only
+    local or embedded models)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    quiet_hub()
 
 
 def build_once(name: str, build: Callable[[Path], None], marker: str) -> Path:

@@ -1,16 +1,16 @@
-"""Where a DiT stage's ``model`` option points: an SD3-family directory, or the embedded
-default.
+"""Where a DiT stage's ``model`` option points, and loading a checkpoint's parts.
 
-A model directory has the diffusers layout of Stable Diffusion 3: ``transformer/``
-(``SD3Transformer2DModel``), ``vae/`` (``AutoencoderKL``) and ``scheduler/``
-(``FlowMatchEulerDiscreteScheduler``). Text encoders are not read from it: conditioning
-comes from a text-encoder stage, whose hidden size must equal the transformer's
-``joint_attention_dim`` (and ``pooled_projection_dim``).
+``model`` is required and takes what a diffusers user writes:
 
-The embedded default, ``tiny-sd3``, is a two-layer DiT with a small VAE built from a
-config with seeded random weights, cached on first use (nothing is downloaded, nothing
-is committed). Its images are not meaningful pictures; it exists so the whole pipeline
-runs anywhere. Its conditioning width follows the encoder (``conditioning_width``).
+* a local directory in diffusers' layout (``model_index.json``, ``transformer/``,
+  ``vae/``, ``scheduler/``, and the text encoders where ``dit.text_encode`` reads them);
+* a Hugging Face id (``stabilityai/stable-diffusion-3.5-medium``), resolved through the
+  Hugging Face cache by diffusers' own ``DiffusionPipeline.download`` (so ``variant``,
+  ``HF_HUB_OFFLINE``, ``HF_HOME``/``HF_HUB_CACHE`` and ``HF_TOKEN`` work as with
+  ``from_pretrained``); with ``HF_HUB_OFFLINE=1`` only what is cached is used;
+* an embedded model by name (:data:`EMBEDDED`), built once into omni's cache.
+
+Every part is then loaded from the resolved directory with ``local_files_only``.
 """
 
 from __future__ import annotations
@@ -20,85 +20,81 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omni_core.model_cache import build_once, quiet_offline
+from omni_core.model_cache import build_once, quiet_hub
+
+from omni_dit import embedded
 
 TINY = "tiny-sd3"
-TINY_SEED = 0
+EMBEDDED = ("tiny-sd3", "tiny-sd3-full", "tiny-flux")
 
 
-def resolve_model(model: str, conditioning_width: int = 576) -> Path:
-    """A loadable SD3-layout directory for ``model`` (building the embedded one once)."""
-    quiet_offline()
+class ModelError(RuntimeError):
+    """A ``model`` that cannot be resolved or loaded; the message names it and why."""
+
+
+def resolve_model(model: str, conditioning_width: int = 576, variant: str | None = None) -> Path:
+    """A diffusers pipeline directory for ``model`` (building an embedded one once,
+    downloading a hub id unless offline)."""
+    quiet_hub()
+    if not isinstance(model, str) or not model:
+        raise ModelError("option 'model': expected a directory, a Hugging Face id or a name")
     if os.path.isdir(model):
-        missing = [
-            p
-            for p in ("transformer", "vae", "scheduler")
-            if not os.path.isdir(os.path.join(model, p))
-        ]
-        if missing:
-            raise RuntimeError(
-                f"model {model!r}: not an SD3-family directory (missing {', '.join(missing)}/)"
-            )
-        return Path(model)
-    if model != TINY:
-        raise RuntimeError(f"model {model!r}: not a directory and not the embedded model {TINY!r}")
-    return build_once(
-        f"{TINY}-c{conditioning_width}",
-        lambda target: build_tiny_sd3(target, conditioning_width),
-        "model_index.json",
-    )
-
-
-def build_tiny_sd3(target: Path, conditioning_width: int, seed: int = TINY_SEED) -> None:
-    """Write a small SD3-layout model with seeded random weights into ``target``."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-    torch.manual_seed(seed)
-    transformer = SD3Transformer2DModel(
-        sample_size=32,
-        patch_size=2,
-        in_channels=16,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=4,
-        joint_attention_dim=conditioning_width,
-        caption_projection_dim=64,
-        pooled_projection_dim=conditioning_width,
-        out_channels=16,
-        pos_embed_max_size=64,  # latents up to 128 x 128: images up to 1024 px
-    )
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4,
-        block_out_channels=[16, 32, 32, 32],
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=1.5305,  # SD3's latent statistics
-        shift_factor=0.0609,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-    transformer.save_pretrained(target / "transformer")
-    vae.save_pretrained(target / "vae")
-    scheduler.save_pretrained(target / "scheduler")
-    (target / "model_index.json").write_text(
-        json.dumps(
-            {
-                "_class_name": "StableDiffusion3Pipeline",
-                "_omni_note": "random weights: not meaningful pictures",
-                "transformer": ["diffusers", "SD3Transformer2DModel"],
-                "vae": ["diffusers", "AutoencoderKL"],
-                "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            },
-            indent=1,
+        path = Path(model)
+    elif model == TINY:
+        return build_once(
+            f"{TINY}-c{conditioning_width}",
+            lambda target: embedded.build_tiny_sd3(target, conditioning_width),
+            "model_index.json",
         )
-    )
+    elif model == "tiny-sd3-full":
+        return build_once(model, embedded.build_tiny_sd3_full, "model_index.json")
+    elif model == "tiny-flux":
+        return build_once(model, embedded.build_tiny_flux, "model_index.json")
+    elif _looks_like_hub_id(model):
+        path = _download(model, variant)
+    else:
+        raise ModelError(
+            f"model {model!r}: not a directory, not a Hugging Face id (org/name) and not an "
+            f"embedded model ({', '.join(EMBEDDED)})"
+        )
+    missing = [p for p in ("model_index.json", "transformer", "vae", "scheduler") if not (path / p).exists()]
+    if missing:
+        raise ModelError(
+            f"model {model!r}: not a diffusers pipeline directory (missing {', '.join(missing)})"
+        )
+    return path
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _download(model: str, variant: str | None) -> Path:
+    """The cached snapshot of hub id ``model``, fetched first unless offline."""
+    from diffusers import DiffusionPipeline
+
+    offline = hub_offline()
+    try:
+        return Path(
+            DiffusionPipeline.download(model, variant=variant, local_files_only=offline)
+        )
+    except Exception as e:  # noqa: BLE001 - hub errors come in many types; name the model
+        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        why = (
+            "it is not in the Hugging Face cache and HF_HUB_OFFLINE is set"
+            if offline
+            else f"download failed: {type(e).__name__}: {e}"
+        )
+        raise ModelError(f"model {model!r} (Hugging Face id, cache {cache}): {why}") from None
+
+
+def model_index(path: Path) -> dict[str, Any]:
+    return json.loads((path / "model_index.json").read_text())
 
 
 def read_config(path: Path, part: str) -> dict[str, Any]:
@@ -118,18 +114,21 @@ def torch_dtype(name: str) -> Any:
         raise ValueError(f"dtype {name!r}: expected float32, bfloat16 or float16") from None
 
 
-def load_transformer(path: Path, dtype: str = "float32") -> Any:
-    from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
-
-    return SD3Transformer2DModel.from_pretrained(
-        path / "transformer", torch_dtype=torch_dtype(dtype)
+def load_part(cls: Any, path: Path, part: str, dtype: str = "float32", variant: str | None = None) -> Any:
+    """``cls.from_pretrained(path / part)`` in eval mode, offline."""
+    return cls.from_pretrained(
+        path,
+        subfolder=part,
+        torch_dtype=torch_dtype(dtype),
+        variant=variant,
+        local_files_only=True,
     ).eval()
 
 
-def load_vae(path: Path, dtype: str = "float32") -> Any:
+def load_vae(path: Path, dtype: str = "float32", variant: str | None = None) -> Any:
     from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
-    return AutoencoderKL.from_pretrained(path / "vae", torch_dtype=torch_dtype(dtype)).eval()
+    return load_part(AutoencoderKL, path, "vae", dtype, variant)
 
 
 def load_scheduler(path: Path) -> Any:

@@ -23,7 +23,10 @@ class ImageParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     width: int = 256
     height: int = 256
     steps: int = 12
-    guidance: float = 1.0  # > 1: classifier-free guidance against the negative prompt
+    # SD3: > 1 is classifier-free guidance against the negative prompt;
+    # Flux: the embedded guidance (FLUX.1-dev's default is 3.5)
+    guidance: float = 1.0
+    true_cfg_scale: float = 1.0  # Flux: > 1 is classifier-free guidance (negative prompt)
     seed: int = 0
     format: Literal["jpeg", "webp", "png"] = "jpeg"
     quality: int = 90  # JPEG / WEBP quality, 1..100
@@ -67,8 +70,10 @@ def parse_image_request(
         )
     if not 1 <= p.steps <= max_steps:
         raise ImageRequestError(f"field 'image.steps': expected 1..{max_steps}, got {p.steps}")
-    if not 0.0 <= p.guidance <= 30.0:
-        raise ImageRequestError(f"field 'image.guidance': expected 0..30, got {p.guidance}")
+    for field in ("guidance", "true_cfg_scale"):
+        v = getattr(p, field)
+        if not 0.0 <= v <= 30.0:
+            raise ImageRequestError(f"field 'image.{field}': expected 0..30, got {v}")
     if not 1 <= p.quality <= 100:
         raise ImageRequestError(f"field 'image.quality': expected 1..100, got {p.quality}")
     if p.preview_every < 0:
@@ -76,3 +81,14 @@ def parse_image_request(
             f"field 'image.preview_every': expected >= 0, got {p.preview_every}"
         )
     return p
+
+
+def image_fields(request: dict[str, Any], defaults: dict[str, Any] | None = None) -> ImageParams:
+    """The request's image fields over ``defaults`` without the model's checks, for stages
+    before plan (a text encoder deciding whether to encode the negative prompt); fields
+    that do not parse count as left out: plan reports them."""
+    raw = request.get("image", {})
+    try:
+        return msgspec.convert({**(defaults or {}), **(raw if isinstance(raw, dict) else {})}, ImageParams)
+    except msgspec.ValidationError:
+        return msgspec.convert(defaults or {}, ImageParams)

@@ -9,8 +9,9 @@
 * vae: decodes the final latents to an RGB image (floats in [0, 1]).
 * encode: JPEG, WEBP or PNG bytes in the final image event.
 
-The loop is the one of diffusers' ``StableDiffusion3Pipeline``, split across processes, so
-the same parts, conditioning and seed give the same image.
+The loop is the one of diffusers' pipeline for the checkpoint's architecture
+(``omni_dit.architectures``: Stable Diffusion 3, Flux.1), split across processes, so the
+same parts, conditioning and seed give the same image.
 """
 
 from __future__ import annotations
@@ -26,15 +27,16 @@ import numpy as np
 from omni_core import Stage, StageEvent, StageInput
 
 from omni_dit import models
+from omni_dit.architectures import Architecture, architecture
 from omni_dit.params import ImageParams, ImageRequestError, parse_image_request
 from omni_dit.preview import cached_projection, project
-from omni_dit.schedule import make_scheduler
 
 
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: str = models.TINY  # an SD3-family directory, or the embedded "tiny-sd3"
-    conditioning_width: int = 576  # of the embedded model (the encoder's hidden size)
+    model: str  # a diffusers pipeline directory, a Hugging Face id, or an embedded model
+    variant: str | None = None  # weights variant, as diffusers takes it ("fp16")
     dtype: str = "float32"
+    conditioning_width: int = 576  # of the embedded tiny-sd3 (the encoder's hidden size)
     threads: int | None = None  # torch threads in this worker
 
 
@@ -42,6 +44,11 @@ class PlanOptions(ModelOptions, kw_only=True):
     max_pixels: int = 1024 * 1024  # width x height limit of a request
     max_steps: int = 100
     image_defaults: dict[str, Any] = {}  # image fields for requests that leave them out
+
+
+def load_architecture(o: ModelOptions) -> Architecture:
+    """The architecture of the checkpoint ``o.model`` names (resolved, configs read)."""
+    return architecture(models.resolve_model(o.model, o.conditioning_width, o.variant))
 
 
 def _arrays(inp: StageInput) -> dict[str, Any]:
@@ -73,51 +80,34 @@ class Plan(Stage):
     Options = PlanOptions
 
     def load(self) -> None:
-        o = self.options
-        self.path = models.resolve_model(o.model, o.conditioning_width)
-        t = models.read_config(self.path, "transformer")
-        vae = models.read_config(self.path, "vae")
-        self.scheduler_config = models.read_config(self.path, "scheduler")
-        self.channels = int(t["in_channels"])
-        self.patch = int(t["patch_size"])
-        self.width = int(t["joint_attention_dim"])
-        self.pooled_width = int(t["pooled_projection_dim"])
-        self.vae_scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        self.max_side = int(t.get("pos_embed_max_size") or 1 << 30) * self.patch * self.vae_scale
-        make_scheduler(self.scheduler_config, 1, 8, 8, self.patch)  # import diffusers now
+        self.arch = load_architecture(self.options)
+        p = ImageParams(width=self.arch.multiple, height=self.arch.multiple, steps=1)
+        self.arch.scheduler(1, self.arch.initial_latents(p))  # import diffusers now
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
-        import torch
-
-        o = self.options
+        o, arch = self.options, self.arch
         for inp in batch:
             try:
                 p = parse_image_request(
-                    inp.request,
-                    self.vae_scale * self.patch,
-                    o.max_pixels,
-                    o.max_steps,
-                    o.image_defaults,
+                    inp.request, arch.multiple, o.max_pixels, o.max_steps, o.image_defaults
                 )
                 for field in ("width", "height"):
-                    if getattr(p, field) > self.max_side:
+                    if arch.max_side and getattr(p, field) > arch.max_side:
                         raise ImageRequestError(
                             f"field 'image.{field}': {getattr(p, field)} is over this model's "
-                            f"largest side, {self.max_side}"
+                            f"largest side, {arch.max_side}"
                         )
+                arch.check(p)
             except ImageRequestError as e:
                 yield inp.fail(str(e))
                 continue
-            a = _arrays(inp)
             try:
-                embeds, pooled = self._conditioning(a, p)
+                embeds, pooled = self._conditioning(_arrays(inp), p)
             except ValueError as e:
                 yield inp.fail(str(e))
                 continue
-            h, w = p.height // self.vae_scale, p.width // self.vae_scale
-            gen = torch.Generator("cpu").manual_seed(p.seed)
-            latents = torch.randn((1, self.channels, h, w), generator=gen, dtype=torch.float32)
-            schedule = make_scheduler(self.scheduler_config, p.steps, h, w, self.patch)
+            latents = arch.initial_latents(p)
+            schedule = arch.scheduler(p.steps, latents)
             yield inp.segment(
                 arrays={
                     "latents": latents.numpy(),
@@ -131,7 +121,8 @@ class Plan(Stage):
 
     def _conditioning(self, a: dict[str, Any], p: ImageParams) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, tokens, width)`` and ``(rows, width)``: one row, or [negative, positive]
-        with guidance (zeros stand for the negative prompt when there is none)."""
+        with guidance (zeros stand for the negative prompt when the encoder sent none)."""
+        width, pooled_width = self.arch.embeds_width, self.arch.pooled_width
         embeds, pooled = a.get("prompt_embeds"), a.get("pooled")
         if embeds is None or pooled is None:
             raise ValueError(
@@ -139,22 +130,22 @@ class Plan(Stage):
                 "'prompt_embeds' and 'pooled' from a text-encoder stage)"
             )
         embeds, pooled = np.asarray(embeds, np.float32), np.asarray(pooled, np.float32)
-        if embeds.ndim != 2 or embeds.shape[1] != self.width:
+        if embeds.ndim != 2 or embeds.shape[1] != width:
             raise ValueError(
                 f"conditioning 'prompt_embeds' has shape {embeds.shape}; this model takes "
-                f"(tokens, {self.width}) (its joint_attention_dim)"
+                f"(tokens, {width}) (its joint_attention_dim)"
             )
-        if pooled.shape != (self.pooled_width,):
+        if pooled.shape != (pooled_width,):
             raise ValueError(
                 f"conditioning 'pooled' has shape {pooled.shape}; this model takes "
-                f"({self.pooled_width},) (its pooled_projection_dim)"
+                f"({pooled_width},) (its pooled_projection_dim)"
             )
-        if p.guidance <= 1.0:
+        if not self.arch.guided(p):
             return embeds[None], pooled[None]
         neg = np.asarray(a.get("negative_prompt_embeds", np.zeros_like(embeds)), np.float32)
         neg_pooled = np.asarray(a.get("negative_pooled", np.zeros_like(pooled)), np.float32)
         tokens = max(len(neg), len(embeds))  # pad the shorter with zeros, as SD3 pads
-        rows = np.zeros((2, tokens, self.width), np.float32)
+        rows = np.zeros((2, tokens, width), np.float32)
         rows[0, : len(neg)], rows[1, : len(embeds)] = neg, embeds
         return rows, np.stack([neg_pooled, pooled])
 
@@ -163,7 +154,7 @@ class Plan(Stage):
 class _Job:
     inp: StageInput
     params: ImageParams
-    latents: Any  # torch (1, C, h, w)
+    latents: Any  # torch (1, ...)
     embeds: Any  # torch (rows, tokens, width)
     pooled: Any  # torch (rows, width)
 
@@ -171,7 +162,15 @@ class _Job:
     def key(self) -> tuple[Any, ...]:
         """Requests that can share one forward pass per step."""
         p = self.params
-        return (p.steps, p.guidance, tuple(self.latents.shape), tuple(self.embeds.shape))
+        return (
+            p.steps,
+            p.guidance,
+            p.true_cfg_scale,
+            p.width,
+            p.height,
+            tuple(self.latents.shape),
+            tuple(self.embeds.shape),
+        )
 
 
 class Sample(Stage):
@@ -182,16 +181,17 @@ class Sample(Stage):
     def load(self) -> None:
         o = self.options
         _threads(o.threads)
-        self.path = models.resolve_model(o.model, o.conditioning_width)
-        self.transformer = models.load_transformer(self.path, o.dtype)
-        self.scheduler_config = models.read_config(self.path, "scheduler")
-        self.patch = int(self.transformer.config.patch_size)
-        self.projection = cached_projection(self.path, lambda: models.load_vae(self.path))
+        self.arch = load_architecture(o)
+        self.transformer = self.arch.load_transformer(o.dtype, o.variant)
+        self.projection = cached_projection(
+            self.arch.path, lambda: self.arch.load_vae("float32", o.variant)
+        )
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | list[StageEvent]]:
         import torch
 
         groups: dict[tuple[Any, ...], list[_Job]] = defaultdict(list)
+        dtype = self.transformer.dtype
         for inp in batch:
             try:
                 params = _image_params(inp)
@@ -203,9 +203,9 @@ class Sample(Stage):
             job = _Job(
                 inp,
                 params,
-                torch.tensor(a["latents"]),
-                torch.tensor(a["prompt_embeds"]),
-                torch.tensor(a["pooled"]),
+                torch.tensor(a["latents"], dtype=dtype),
+                torch.tensor(a["prompt_embeds"], dtype=dtype),
+                torch.tensor(a["pooled"], dtype=dtype),
             )
             groups[job.key].append(job)
         for jobs in groups.values():
@@ -214,11 +214,10 @@ class Sample(Stage):
     def _sample(self, jobs: list[_Job]) -> Iterator[StageEvent | list[StageEvent]]:
         import torch
 
-        p = jobs[0].params
+        arch, p = self.arch, jobs[0].params
         latents = torch.cat([j.latents for j in jobs])
-        _, _, h, w = latents.shape
-        schedule = make_scheduler(self.scheduler_config, p.steps, h, w, self.patch)
-        guided = p.guidance > 1.0
+        schedule = arch.scheduler(p.steps, latents)
+        guided = arch.guided(p)
         embeds, pooled = self._conditioning(jobs, guided)
         for i, t in enumerate(schedule.timesteps):
             live = [k for k, j in enumerate(jobs) if not j.inp.cancelled]
@@ -227,18 +226,7 @@ class Sample(Stage):
             if len(live) < len(jobs):  # cancelled requests leave the batch
                 jobs, latents = [jobs[k] for k in live], latents[live]
                 embeds, pooled = self._conditioning(jobs, guided)
-            model_input = torch.cat([latents] * 2) if guided else latents
-            with torch.inference_mode():
-                noise = self.transformer(
-                    hidden_states=model_input,
-                    timestep=t.expand(model_input.shape[0]),
-                    encoder_hidden_states=embeds,
-                    pooled_projections=pooled,
-                    return_dict=False,
-                )[0]
-            if guided:
-                uncond, text = noise.chunk(2)
-                noise = uncond + p.guidance * (text - uncond)
+            noise = arch.predict(self.transformer, latents, t, embeds, pooled, p)
             previews = []
             step = i + 1
             if step < p.steps:
@@ -246,7 +234,8 @@ class Sample(Stage):
                 for k, j in enumerate(jobs):
                     every = j.params.preview_every
                     if every and step % every == 0:
-                        x0 = (latents[k] - sigma * noise[k]).numpy()  # the clean estimate
+                        x0 = latents[k : k + 1] - sigma * noise[k : k + 1]  # clean estimate
+                        x0 = arch.spatial(x0, j.params)[0].float().numpy()
                         previews.append(
                             j.inp.image(
                                 step,
@@ -258,7 +247,7 @@ class Sample(Stage):
             yield previews  # also the point where a cancel takes effect
         for k, j in enumerate(jobs):
             yield j.inp.segment(
-                arrays={"latents": latents[k : k + 1].numpy()},
+                arrays={"latents": latents[k : k + 1].float().numpy()},
                 payload={"image": msgspec.to_builtins(j.params)},
                 is_last=True,
             )
@@ -284,35 +273,40 @@ class VaeDecode(Stage):
     def load(self) -> None:
         o = self.options
         _threads(o.threads)
-        self.path = models.resolve_model(o.model, o.conditioning_width)
-        self.vae = models.load_vae(self.path, o.dtype)
+        self.arch = load_architecture(o)
+        self.vae = self.arch.load_vae(o.dtype, o.variant)
         from diffusers.image_processor import VaeImageProcessor
 
-        scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        self.processor = VaeImageProcessor(vae_scale_factor=scale)
+        self.processor = VaeImageProcessor(vae_scale_factor=self.arch.multiple)
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         import torch
 
-        groups: dict[tuple[int, ...], list[tuple[StageInput, Any, dict[str, Any]]]] = defaultdict(
-            list
-        )
+        groups: dict[tuple[Any, ...], list[tuple[StageInput, Any, dict[str, Any], ImageParams]]]
+        groups = defaultdict(list)
         for inp in batch:
             a = _arrays(inp)
             if "latents" not in a:
                 yield inp.fail(f"upstream sent no 'latents' (arrays: {sorted(a) or 'none'})")
                 continue
-            payload = next((p.payload for p in inp.window.pieces if "image" in p.payload), {})
+            try:
+                params = _image_params(inp)
+            except ImageRequestError as e:
+                yield inp.fail(str(e))
+                continue
+            payload = {"image": msgspec.to_builtins(params)}
             latents = torch.tensor(a["latents"])
-            groups[tuple(latents.shape)].append((inp, latents, payload))
+            key = (tuple(latents.shape), params.height, params.width)
+            groups[key].append((inp, latents, payload, params))
         cfg = self.vae.config
         for items in groups.values():
-            latents = torch.cat([x[1] for x in items]).to(self.vae.dtype)
+            latents = torch.cat([x[1] for x in items])
+            latents = self.arch.spatial(latents, items[0][3]).to(self.vae.dtype)
             latents = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
             with torch.inference_mode():
                 decoded = self.vae.decode(latents, return_dict=False)[0]
-            images = self.processor.postprocess(decoded, output_type="np")
-            for (inp, _, payload), image in zip(items, images, strict=True):
+            images = self.processor.postprocess(decoded.float(), output_type="np")
+            for (inp, _, payload, _), image in zip(items, images, strict=True):
                 yield inp.segment(
                     arrays={"image": np.ascontiguousarray(image, dtype=np.float32)},
                     payload=payload,

@@ -83,11 +83,13 @@ def stock_pipeline(model: str, conditioning_width: int = 32) -> Any:
     from diffusers import StableDiffusion3Pipeline
 
     from omni_dit import models
+    from omni_dit.architectures import architecture
 
     path = models.resolve_model(model, conditioning_width)
+    arch = architecture(path)
     pipe = StableDiffusion3Pipeline(
-        transformer=models.load_transformer(path),
-        vae=models.load_vae(path),
+        transformer=arch.load_transformer("float32", None),
+        vae=arch.load_vae("float32", None),
         scheduler=models.load_scheduler(path),
         text_encoder=None,
         tokenizer=None,

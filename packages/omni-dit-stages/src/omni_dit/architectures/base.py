@@ -1,0 +1,114 @@
+"""What the DiT stages need from an architecture; the parts SD3 and Flux share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+
+from omni_dit import models
+from omni_dit.params import ImageParams
+
+
+class TextOptions(msgspec.Struct, kw_only=True):
+    """How ``dit.text_encode`` encodes, as the pipeline's ``encode_prompt`` takes it."""
+
+    max_sequence_length: int | None = None  # T5 tokens; None: the pipeline's default
+    use_t5: bool = True  # False: skip T5 (SD3 allows it; zeros stand for its tokens)
+    clip_skip: int | None = None  # CLIP layers skipped from the end (SD3)
+
+
+class Architecture:
+    """One diffusers architecture, read from a checkpoint directory's configs (no
+    weights are loaded until a ``load_*`` call)."""
+
+    pipeline_class: ClassVar[str]  # the diffusers pipeline it mirrors
+    label: ClassVar[str]
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.transformer_config = models.read_config(path, "transformer")
+        self.vae_config = models.read_config(path, "vae")
+        self.scheduler_config = models.read_config(path, "scheduler")
+        self.vae_scale = 2 ** (len(self.vae_config["block_out_channels"]) - 1)
+        self.embeds_width = int(self.transformer_config["joint_attention_dim"])
+        self.pooled_width = int(self.transformer_config["pooled_projection_dim"])
+
+    # -- plan ---------------------------------------------------------------------
+
+    @property
+    def multiple(self) -> int:
+        """Width and height must be multiples of this many pixels."""
+        raise NotImplementedError
+
+    @property
+    def max_side(self) -> int | None:
+        """The largest side the transformer's positions reach, if bounded."""
+        return None
+
+    def check(self, p: ImageParams) -> None:
+        """Reject fields this architecture has no use for (ImageRequestError)."""
+
+    def guided(self, p: ImageParams) -> bool:
+        """Classifier-free guidance: conditioning rows are ``[negative, positive]``."""
+        raise NotImplementedError
+
+    def cfg_scale(self, p: ImageParams) -> float:
+        raise NotImplementedError
+
+    def initial_latents(self, p: ImageParams) -> Any:
+        """The seeded noise of one request, ``(1, ...)`` float32, as the pipeline draws it."""
+        raise NotImplementedError
+
+    def scheduler(self, steps: int, latents: Any) -> Any:
+        """A fresh scheduler with its timesteps set for ``latents`` (a scheduler keeps a
+        step index, so each batch of alike requests gets its own)."""
+        raise NotImplementedError
+
+    # -- sample -------------------------------------------------------------------
+
+    def load_transformer(self, dtype: str, variant: str | None) -> Any:
+        raise NotImplementedError
+
+    def predict(
+        self, transformer: Any, latents: Any, t: Any, embeds: Any, pooled: Any, p: ImageParams
+    ) -> Any:
+        """The guided prediction for a batch of alike requests; with guidance the
+        conditioning is ``[every negative row, every positive row]``."""
+        import torch
+
+        guided = self.guided(p)
+        model_input = torch.cat([latents] * 2) if guided else latents
+        with torch.inference_mode():
+            noise = self.forward(transformer, model_input, t, embeds, pooled, p)
+        if guided:
+            uncond, text = noise.chunk(2)
+            noise = uncond + self.cfg_scale(p) * (text - uncond)
+        return noise
+
+    def forward(
+        self, transformer: Any, x: Any, t: Any, embeds: Any, pooled: Any, p: ImageParams
+    ) -> Any:
+        raise NotImplementedError
+
+    def spatial(self, latents: Any, p: ImageParams) -> Any:
+        """Latents ``(B, ...)`` as ``(B, C, h, w)`` (for the VAE and previews)."""
+        return latents
+
+    # -- vae ----------------------------------------------------------------------
+
+    def load_vae(self, dtype: str, variant: str | None) -> Any:
+        return models.load_vae(self.path, dtype, variant)
+
+    # -- text ---------------------------------------------------------------------
+
+    def load_text_pipeline(self, dtype: str, variant: str | None, o: TextOptions) -> Any:
+        """The diffusers pipeline with its tokenizers and text encoders loaded (and no
+        transformer weights, no VAE)."""
+        raise NotImplementedError
+
+    def encode(self, pipe: Any, texts: list[str], o: TextOptions) -> tuple[Any, Any]:
+        """``(embeds (B, tokens, width), pooled (B, width))`` by the pipeline's own
+        ``encode_prompt``."""
+        raise NotImplementedError

@@ -1,0 +1,134 @@
+"""Flux.1 (``FluxPipeline``): CLIP-L (pooled) + T5 text encoders,
+``FluxTransformer2DModel`` on latents packed 2 x 2 into ``(h/2 * w/2, 4C)`` tokens with
+rotary position ids, a guidance embedding (``image.guidance``, 3.5 is FLUX.1-dev's
+default) and a schedule shifted by the image's token count. ``image.true_cfg_scale`` > 1
+adds classifier-free guidance against the negative prompt, as the pipeline's
+``true_cfg_scale`` (the two predictions in one batch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_dit import models
+from omni_dit.architectures.base import Architecture, TextOptions
+from omni_dit.params import ImageParams
+
+
+class Flux(Architecture):
+    pipeline_class = "FluxPipeline"
+    label = "Flux.1"
+
+    @property
+    def multiple(self) -> int:
+        return self.vae_scale * 2  # the VAE's scale, then packing 2 x 2
+
+    def _latent_size(self, p: ImageParams) -> tuple[int, int]:
+        return 2 * (p.height // self.multiple), 2 * (p.width // self.multiple)
+
+    def guided(self, p: ImageParams) -> bool:
+        return p.true_cfg_scale > 1.0
+
+    def cfg_scale(self, p: ImageParams) -> float:
+        return p.true_cfg_scale
+
+    def initial_latents(self, p: ImageParams) -> Any:
+        import torch
+        from diffusers import FluxPipeline
+        from diffusers.utils.torch_utils import randn_tensor
+
+        channels = int(self.transformer_config["in_channels"]) // 4
+        h, w = self._latent_size(p)
+        gen = torch.Generator("cpu").manual_seed(p.seed)
+        noise = randn_tensor(
+            (1, channels, h, w), generator=gen, device=torch.device("cpu"), dtype=torch.float32
+        )
+        return FluxPipeline._pack_latents(noise, 1, channels, h, w)
+
+    def scheduler(self, steps: int, latents: Any) -> Any:
+        import numpy as np
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        c = scheduler.config
+        sigmas = None if c.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        mu = calculate_shift(
+            latents.shape[1],
+            c.get("base_image_seq_len", 256),
+            c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5),
+            c.get("max_shift", 1.15),
+        )
+        retrieve_timesteps(scheduler, steps, "cpu", sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler
+
+    def load_transformer(self, dtype: str, variant: str | None) -> Any:
+        from diffusers import FluxTransformer2DModel
+
+        return models.load_part(FluxTransformer2DModel, self.path, "transformer", dtype, variant)
+
+    def forward(
+        self, transformer: Any, x: Any, t: Any, embeds: Any, pooled: Any, p: ImageParams
+    ) -> Any:
+        import torch
+        from diffusers import FluxPipeline
+
+        h, w = self._latent_size(p)
+        image_ids = FluxPipeline._prepare_latent_image_ids(x.shape[0], h // 2, w // 2, x.device, x.dtype)
+        text_ids = torch.zeros(embeds.shape[1], 3, device=x.device, dtype=x.dtype)
+        guidance = None
+        if transformer.config.guidance_embeds:
+            guidance = torch.full([1], p.guidance, dtype=torch.float32).expand(x.shape[0])
+        timestep = t.expand(x.shape[0]).to(x.dtype)
+        return transformer(
+            hidden_states=x,
+            timestep=timestep / 1000,
+            guidance=guidance,
+            pooled_projections=pooled,
+            encoder_hidden_states=embeds,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
+
+    def spatial(self, latents: Any, p: ImageParams) -> Any:
+        from diffusers import FluxPipeline
+
+        return FluxPipeline._unpack_latents(latents, p.height, p.width, self.vae_scale)
+
+    def load_text_pipeline(self, dtype: str, variant: str | None, o: TextOptions) -> Any:
+        from diffusers import FluxPipeline
+
+        for name, value, default in (("use_t5", o.use_t5, True), ("clip_skip", o.clip_skip, None)):
+            if value != default:
+                raise models.ModelError(f"option {name!r}: Flux's encode_prompt has no such choice")
+        pipe = FluxPipeline.from_pretrained(
+            self.path,
+            transformer=None,
+            vae=None,
+            torch_dtype=models.torch_dtype(dtype),
+            variant=variant,
+            local_files_only=True,
+        )
+        missing = [
+            n for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+            if getattr(pipe, n, None) is None
+        ]
+        if missing:
+            raise models.ModelError(
+                f"model {str(self.path)!r}: no {', '.join(missing)} in the checkpoint"
+            )
+        return pipe
+
+    def encode(self, pipe: Any, texts: list[str], o: TextOptions) -> tuple[Any, Any]:
+        import torch
+
+        with torch.inference_mode():
+            embeds, pooled, _ = pipe.encode_prompt(
+                prompt=texts,
+                prompt_2=None,
+                device=torch.device("cpu"),
+                max_sequence_length=o.max_sequence_length or 512,
+            )
+        return embeds, pooled

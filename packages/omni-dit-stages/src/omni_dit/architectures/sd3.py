@@ -1,0 +1,135 @@
+"""Stable Diffusion 3 / 3.5 (``StableDiffusion3Pipeline``): CLIP-L + CLIP-G + T5 text
+encoders, ``SD3Transformer2DModel`` on ``(C, h, w)`` latents, guidance by a batch of
+``[negative, positive]``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_dit import models
+from omni_dit.architectures.base import Architecture, TextOptions
+from omni_dit.params import ImageParams, ImageRequestError
+
+
+class SD3(Architecture):
+    pipeline_class = "StableDiffusion3Pipeline"
+    label = "Stable Diffusion 3"
+
+    @property
+    def patch(self) -> int:
+        return int(self.transformer_config["patch_size"])
+
+    @property
+    def multiple(self) -> int:
+        return self.vae_scale * self.patch
+
+    @property
+    def max_side(self) -> int | None:
+        pos = self.transformer_config.get("pos_embed_max_size")
+        return int(pos) * self.patch * self.vae_scale if pos else None
+
+    def check(self, p: ImageParams) -> None:
+        if p.true_cfg_scale != 1.0:
+            raise ImageRequestError(
+                "field 'image.true_cfg_scale': Stable Diffusion 3 guides with "
+                "'image.guidance'; true_cfg_scale is for Flux"
+            )
+
+    def guided(self, p: ImageParams) -> bool:
+        return p.guidance > 1.0
+
+    def cfg_scale(self, p: ImageParams) -> float:
+        return p.guidance
+
+    def initial_latents(self, p: ImageParams) -> Any:
+        import torch
+        from diffusers.utils.torch_utils import randn_tensor
+
+        channels = int(self.transformer_config["in_channels"])
+        shape = (1, channels, p.height // self.vae_scale, p.width // self.vae_scale)
+        gen = torch.Generator("cpu").manual_seed(p.seed)
+        return randn_tensor(shape, generator=gen, device=torch.device("cpu"), dtype=torch.float32)
+
+    def scheduler(self, steps: int, latents: Any) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", None):
+            h, w = latents.shape[-2:]
+            c = scheduler.config
+            kwargs["mu"] = calculate_shift(
+                (h // self.patch) * (w // self.patch),
+                c.get("base_image_seq_len", 256),
+                c.get("max_image_seq_len", 4096),
+                c.get("base_shift", 0.5),
+                c.get("max_shift", 1.16),
+            )
+        retrieve_timesteps(scheduler, steps, "cpu", **kwargs)
+        return scheduler
+
+    def load_transformer(self, dtype: str, variant: str | None) -> Any:
+        from diffusers import SD3Transformer2DModel
+
+        return models.load_part(SD3Transformer2DModel, self.path, "transformer", dtype, variant)
+
+    def forward(
+        self, transformer: Any, x: Any, t: Any, embeds: Any, pooled: Any, p: ImageParams
+    ) -> Any:
+        return transformer(
+            hidden_states=x,
+            timestep=t.expand(x.shape[0]),
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
+
+    def load_text_pipeline(self, dtype: str, variant: str | None, o: TextOptions) -> Any:
+        import torch
+        from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+        # encode_prompt reads the transformer's config (the width of skipped T5 tokens):
+        # a stand-in on the meta device has it without a byte of weights
+        with torch.device("meta"):
+            config = SD3Transformer2DModel.load_config(self.path / "transformer")
+            stand_in = SD3Transformer2DModel.from_config(config)
+        skip = {} if o.use_t5 else {"text_encoder_3": None, "tokenizer_3": None}
+        pipe = StableDiffusion3Pipeline.from_pretrained(
+            self.path,
+            transformer=stand_in,
+            vae=None,
+            torch_dtype=models.torch_dtype(dtype),
+            variant=variant,
+            local_files_only=True,
+            **skip,
+        )
+        missing = [
+            n for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+            if getattr(pipe, n, None) is None
+        ]
+        if o.use_t5 and (pipe.text_encoder_3 is None or pipe.tokenizer_3 is None):
+            missing.append("text_encoder_3 (or set use_t5: false)")
+        if missing:
+            raise models.ModelError(
+                f"model {str(self.path)!r}: no {', '.join(missing)} in the checkpoint"
+            )
+        return pipe
+
+    def encode(self, pipe: Any, texts: list[str], o: TextOptions) -> tuple[Any, Any]:
+        import torch
+
+        with torch.inference_mode():
+            embeds, _, pooled, _ = pipe.encode_prompt(
+                prompt=texts,
+                prompt_2=None,
+                prompt_3=None,
+                device=torch.device("cpu"),
+                do_classifier_free_guidance=False,
+                clip_skip=o.clip_skip,
+                max_sequence_length=o.max_sequence_length or 256,
+            )
+        return embeds, pooled

@@ -1,0 +1,87 @@
+"""``dit.text_encode``: the checkpoint's own text encoders and tokenizers, called through
+the diffusers pipeline's ``encode_prompt`` (SD3: CLIP-L + CLIP-G + T5; Flux: CLIP-L
+pooled + T5), so a prompt is encoded exactly as the pipeline encodes it.
+
+The text is the upstream stage's text (an expanded prompt streamed by ``ar.postprocess``,
+stitched from one window) or, as a source stage, the request's ``prompt``. When the
+request is guided (SD3: ``image.guidance > 1``; Flux: ``image.true_cfg_scale > 1``) the
+negative prompt is encoded too (the empty prompt when there is none, as SD3 does).
+Alike requests are encoded as one batch (the stage's ``max_batch_size``): every prompt is
+padded to the same length (CLIP's 77 tokens, T5's ``max_sequence_length``).
+
+Output: one segment with ``prompt_embeds`` ``(tokens, width)``, ``pooled`` ``(width,)``
+and, when guided, ``negative_prompt_embeds`` and ``negative_pooled``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from omni_core import Stage, StageEvent, StageInput
+
+from omni_dit.architectures import TextOptions, architecture
+from omni_dit.models import resolve_model
+from omni_dit.params import image_fields
+
+
+class TextEncodeOptions(TextOptions, forbid_unknown_fields=True, kw_only=True):
+    model: str  # a diffusers pipeline directory, a Hugging Face id, or an embedded model
+    variant: str | None = None
+    dtype: str = "float32"
+    threads: int | None = None
+    # the plan stage's image_defaults: whether a request is guided decides whether its
+    # negative prompt is encoded
+    image_defaults: dict[str, Any] = {}
+
+
+class TextEncode(Stage):
+    Options = TextEncodeOptions
+
+    def load(self) -> None:
+        import torch
+
+        o = self.options
+        if o.threads:
+            torch.set_num_threads(o.threads)
+        self.arch = architecture(resolve_model(o.model, variant=o.variant))
+        self.pipe = self.arch.load_text_pipeline(o.dtype, o.variant, o)
+        self.arch.encode(self.pipe, ["warm up"], o)
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        o = self.options
+        texts: list[str] = []
+        jobs: list[tuple[StageInput, str, int, bool]] = []
+        for inp in batch:
+            text = _upstream_text(inp) or inp.request.get("prompt")
+            if not isinstance(text, str) or not text:
+                yield inp.fail("field 'prompt': expected a non-empty string to encode")
+                continue
+            params = image_fields(inp.request, o.image_defaults)
+            guided = self.arch.guided(params)
+            jobs.append((inp, text, len(texts), guided))
+            texts.append(text)
+            if guided:
+                texts.append(params.negative_prompt)
+        if not jobs:
+            return
+        embeds, pooled = self.arch.encode(self.pipe, texts, o)
+        embeds, pooled = embeds.float().numpy(), pooled.float().numpy()
+        for inp, text, i, guided in jobs:
+            arrays = {"prompt_embeds": embeds[i], "pooled": pooled[i]}
+            if guided:
+                arrays["negative_prompt_embeds"] = embeds[i + 1]
+                arrays["negative_pooled"] = pooled[i + 1]
+            yield inp.segment(
+                arrays={k: np.ascontiguousarray(v) for k, v in arrays.items()},
+                payload={"encoded_text": text},
+                is_last=True,
+            )
+
+
+def _upstream_text(inp: StageInput) -> str:
+    """The text the upstream stage wrote into this request's window, if any."""
+    if not inp.windows:
+        return ""
+    return "".join(str(p.get("text", "")) for p in inp.window.payloads if p).strip()
