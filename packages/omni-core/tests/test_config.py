@@ -559,3 +559,26 @@ def test_repo_config_loads(path: Path) -> None:
     # kinds and options too, where every kind the config names is installed here
     if {s.kind for s in cfg.stages} <= set(default_registry().names()):
         load_config(path)
+
+
+def test_environment_variables_in_yaml(tmp_path, monkeypatch):
+    """${NAME} and ${NAME:-default} in string values come from the environment; an unset
+    one without a default names itself and where it is used; $${ is a literal."""
+    from omni_core.config import ConfigError, load_config
+
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "stages:\n"
+        "  - name: a\n"
+        "    kind: synthetic.count\n"
+        "    options: {label: '${OMNI_T_LABEL}-x', other: '${OMNI_T_UNSET:-fallback}',"
+        " raw: '$${KEEP}'}\n"
+    )
+    monkeypatch.setenv("OMNI_T_LABEL", "from-env")
+    monkeypatch.delenv("OMNI_T_UNSET", raising=False)
+    cfg = load_config(path, check_kinds=False)
+    assert cfg.stages[0].options == {"label": "from-env-x", "other": "fallback", "raw": "${KEEP}"}
+    monkeypatch.delenv("OMNI_T_LABEL")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, check_kinds=False)
+    assert "OMNI_T_LABEL" in str(e.value) and "stages[0].options.label" in str(e.value)

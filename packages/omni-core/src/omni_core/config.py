@@ -229,7 +229,39 @@ def load_config(path: str | os.PathLike[str], check_kinds: bool = True) -> Pipel
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<yaml>"
         raise ConfigError(f"{p}: {where}: invalid YAML: {getattr(e, 'problem', e)}") from None
-    return parse_config(data, str(p), check_kinds)
+    return parse_config(expand_env(data, str(p)), str(p), check_kinds)
+
+
+_ENV_REF = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
+
+
+def expand_env(data: Any, source: str = "<config>", path: str = "") -> Any:
+    """``${NAME}`` and ``${NAME:-default}`` in the string values of a config, from the
+    environment (a model directory given per machine); an unset variable without a
+    default is an error naming it and where it is used. ``$${`` stands for ``${``."""
+    if isinstance(data, dict):
+        return {k: expand_env(v, source, f"{path}.{k}") for k, v in data.items()}
+    if isinstance(data, list):
+        return [expand_env(v, source, f"{path}[{i}]") for i, v in enumerate(data)]
+    if not isinstance(data, str) or "${" not in data:
+        return data
+
+    def value(m: re.Match[str]) -> str:
+        if m.start() > 0 and data[m.start() - 1] == "$":
+            return m.group(0)
+        found = os.environ.get(m.group("name"))
+        if found is None:
+            found = m.group("default")
+        if found is None:
+            raise _fail(
+                source,
+                _where(path),
+                f"environment variable {m.group('name')} is not set (and no "
+                f"${{{m.group('name')}:-default}} is given)",
+            )
+        return found
+
+    return _ENV_REF.sub(value, data).replace("$${", "${")
 
 
 def _check(cfg: PipelineConfig, src: str, check_kinds: bool) -> None:

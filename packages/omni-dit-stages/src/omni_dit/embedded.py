@@ -52,9 +52,8 @@ def build_tiny_sd3(target: Path, conditioning_width: int, seed: int = SEED) -> N
 def build_tiny_sd3_full(target: Path, seed: int = SEED) -> None:
     """A complete SD3 checkpoint: CLIP-L (hidden 16) + CLIP-G (hidden 24) + T5 (d_model
     64 = the joint attention width), pooled width 16 + 24."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-
     import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     torch.manual_seed(seed)
     clip_l, clip_g = _clip(16, seed + 1), _clip(24, seed + 2)

@@ -57,7 +57,11 @@ def resolve_model(model: str, conditioning_width: int = 576, variant: str | None
             f"model {model!r}: not a directory, not a Hugging Face id (org/name) and not an "
             f"embedded model ({', '.join(EMBEDDED)})"
         )
-    missing = [p for p in ("model_index.json", "transformer", "vae", "scheduler") if not (path / p).exists()]
+    missing = [
+        p
+        for p in ("model_index.json", "transformer", "vae", "scheduler")
+        if not (path / p).exists()
+    ]
     if missing:
         raise ModelError(
             f"model {model!r}: not a diffusers pipeline directory (missing {', '.join(missing)})"
@@ -80,11 +84,11 @@ def _download(model: str, variant: str | None) -> Path:
 
     offline = hub_offline()
     try:
-        return Path(
-            DiffusionPipeline.download(model, variant=variant, local_files_only=offline)
-        )
+        return Path(DiffusionPipeline.download(model, variant=variant, local_files_only=offline))
     except Exception as e:  # noqa: BLE001 - hub errors come in many types; name the model
-        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        cache = (
+            os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        )
         why = (
             "it is not in the Hugging Face cache and HF_HUB_OFFLINE is set"
             if offline
@@ -114,12 +118,14 @@ def torch_dtype(name: str) -> Any:
         raise ValueError(f"dtype {name!r}: expected float32, bfloat16 or float16") from None
 
 
-def load_part(cls: Any, path: Path, part: str, dtype: str = "float32", variant: str | None = None) -> Any:
+def load_part(
+    cls: Any, path: Path, part: str, dtype: str = "float32", variant: str | None = None
+) -> Any:
     """``cls.from_pretrained(path / part)`` in eval mode, offline."""
     return cls.from_pretrained(
         path,
         subfolder=part,
-        torch_dtype=torch_dtype(dtype),
+        dtype=torch_dtype(dtype),
         variant=variant,
         local_files_only=True,
     ).eval()

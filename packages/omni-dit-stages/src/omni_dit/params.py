@@ -89,6 +89,8 @@ def image_fields(request: dict[str, Any], defaults: dict[str, Any] | None = None
     that do not parse count as left out: plan reports them."""
     raw = request.get("image", {})
     try:
-        return msgspec.convert({**(defaults or {}), **(raw if isinstance(raw, dict) else {})}, ImageParams)
+        return msgspec.convert(
+            {**(defaults or {}), **(raw if isinstance(raw, dict) else {})}, ImageParams
+        )
     except msgspec.ValidationError:
         return msgspec.convert(defaults or {}, ImageParams)

@@ -1,5 +1,5 @@
-"""Helpers for tests and benchmarks of the DiT family: a stand-in text encoder and
-pipeline configs over any SD3-layout model directory."""
+"""Helpers for tests and benchmarks of the DiT family: a stand-in text encoder, pipeline
+configs over any model directory, and diffusers' own pipelines as the reference."""
 
 from __future__ import annotations
 
@@ -47,14 +47,29 @@ def dit_config(
     encode: bool = True,
     enabled: bool = True,
     sample: dict[str, Any] | None = None,
+    text: dict[str, Any] | None = None,
+    image_defaults: dict[str, Any] | None = None,
     **top: Any,
 ) -> dict[str, Any]:
-    """hash_encode -> plan -> sample -> vae [-> encode], previews to the caller."""
+    """text -> plan -> sample -> vae [-> encode], previews to the caller.
+
+    The text stage is ``dit.hash_encode`` of ``width``, or with ``text`` (its options,
+    e.g. ``{}``) ``dit.text_encode`` on the checkpoint's own encoders."""
     model_opts = {"model": model, "conditioning_width": width}  # the width: for tiny-sd3
     opts = {**model_opts, "threads": 1}
+    defaults = {"image_defaults": image_defaults or {}}
+    if text is None:
+        encoder = {"name": "text", "kind": "dit.hash_encode", "options": {"width": width}}
+    else:
+        encoder = {
+            "name": "text",
+            "kind": "dit.text_encode",
+            "max_batch_size": 8,
+            "options": {"model": model, "threads": 1, **defaults, **text},
+        }
     stages = [
-        {"name": "text", "kind": "dit.hash_encode", "options": {"width": width}},
-        {"name": "plan", "kind": "dit.plan", "options": model_opts},
+        encoder,
+        {"name": "plan", "kind": "dit.plan", "options": {**model_opts, **defaults}},
         {
             "name": "sample",
             "kind": "dit.sample",
@@ -75,6 +90,48 @@ def dit_config(
         "edges": [{"from": a, "to": b} for a, b in zip(names, names[1:], strict=False)],
         **top,
     }
+
+
+def checkpoint_pipeline(model: str, **components: Any) -> Any:
+    """diffusers' own pipeline for a complete checkpoint, loaded the way its users load
+    it (``from_pretrained``, offline), progress bar off: the reference of the full layouts."""
+    from diffusers import DiffusionPipeline
+
+    from omni_dit import models
+
+    path = models.resolve_model(model)
+    pipe = DiffusionPipeline.from_pretrained(path, local_files_only=True, **components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def checkpoint_image(
+    pipe: Any, request: dict[str, Any], output_type: str = "np", **extra: Any
+) -> Any:
+    """One image from a complete checkpoint's pipeline for a request as the stages take
+    it (prompt, ``image`` fields); guidance arguments in the pipeline's own terms."""
+    import torch
+
+    image = request.get("image", {})
+    kwargs: dict[str, Any] = {"guidance_scale": image.get("guidance", 1.0)}
+    negative = image.get("negative_prompt", "")
+    if type(pipe).__name__ == "FluxPipeline":
+        cfg = image.get("true_cfg_scale", 1.0)
+        kwargs["true_cfg_scale"] = cfg
+        if cfg > 1.0:
+            kwargs["negative_prompt"] = negative
+    elif negative:
+        kwargs["negative_prompt"] = negative
+    return pipe(
+        prompt=request["prompt"],
+        width=image["width"],
+        height=image["height"],
+        num_inference_steps=image["steps"],
+        generator=torch.Generator("cpu").manual_seed(image.get("seed", 0)),
+        output_type=output_type,
+        **kwargs,
+        **extra,
+    ).images[0]
 
 
 def stock_pipeline(model: str, conditioning_width: int = 32) -> Any:

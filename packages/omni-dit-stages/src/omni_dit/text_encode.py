@@ -47,37 +47,38 @@ class TextEncode(Stage):
             torch.set_num_threads(o.threads)
         self.arch = architecture(resolve_model(o.model, variant=o.variant))
         self.pipe = self.arch.load_text_pipeline(o.dtype, o.variant, o)
-        self.arch.encode(self.pipe, ["warm up"], o)
+        self.arch.encode(self.pipe, ["warm up"], None, o)
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         o = self.options
-        texts: list[str] = []
-        jobs: list[tuple[StageInput, str, int, bool]] = []
+        # guided and unguided requests: one encode_prompt call each, as the pipeline
+        # encodes a batch with or without its negative prompts
+        groups: dict[bool, list[tuple[StageInput, str, str]]] = {True: [], False: []}
         for inp in batch:
             text = _upstream_text(inp) or inp.request.get("prompt")
             if not isinstance(text, str) or not text:
                 yield inp.fail("field 'prompt': expected a non-empty string to encode")
                 continue
             params = image_fields(inp.request, o.image_defaults)
-            guided = self.arch.guided(params)
-            jobs.append((inp, text, len(texts), guided))
-            texts.append(text)
-            if guided:
-                texts.append(params.negative_prompt)
-        if not jobs:
-            return
-        embeds, pooled = self.arch.encode(self.pipe, texts, o)
-        embeds, pooled = embeds.float().numpy(), pooled.float().numpy()
-        for inp, text, i, guided in jobs:
-            arrays = {"prompt_embeds": embeds[i], "pooled": pooled[i]}
-            if guided:
-                arrays["negative_prompt_embeds"] = embeds[i + 1]
-                arrays["negative_pooled"] = pooled[i + 1]
-            yield inp.segment(
-                arrays={k: np.ascontiguousarray(v) for k, v in arrays.items()},
-                payload={"encoded_text": text},
-                is_last=True,
+            groups[self.arch.guided(params)].append((inp, text, params.negative_prompt))
+        for guided, jobs in groups.items():
+            if not jobs:
+                continue
+            negatives = [neg for _, _, neg in jobs] if guided else None
+            out = self.arch.encode(self.pipe, [text for _, text, _ in jobs], negatives, o)
+            embeds, pooled, neg, neg_pooled = (
+                None if x is None else x.float().numpy() for x in out
             )
+            for i, (inp, text, _) in enumerate(jobs):
+                arrays = {"prompt_embeds": embeds[i], "pooled": pooled[i]}
+                if guided:
+                    arrays["negative_prompt_embeds"] = neg[i]
+                    arrays["negative_pooled"] = neg_pooled[i]
+                yield inp.segment(
+                    arrays={k: np.ascontiguousarray(v) for k, v in arrays.items()},
+                    payload={"encoded_text": text},
+                    is_last=True,
+                )
 
 
 def _upstream_text(inp: StageInput) -> str:

@@ -108,7 +108,10 @@ class Architecture:
         transformer weights, no VAE)."""
         raise NotImplementedError
 
-    def encode(self, pipe: Any, texts: list[str], o: TextOptions) -> tuple[Any, Any]:
-        """``(embeds (B, tokens, width), pooled (B, width))`` by the pipeline's own
-        ``encode_prompt``."""
+    def encode(
+        self, pipe: Any, prompts: list[str], negatives: list[str] | None, o: TextOptions
+    ) -> tuple[Any, Any, Any, Any]:
+        """``(embeds (B, tokens, width), pooled (B, width), negative_embeds,
+        negative_pooled)`` by the pipeline's own ``encode_prompt``, the negatives (None
+        without guidance) encoded as the pipeline encodes them."""
         raise NotImplementedError

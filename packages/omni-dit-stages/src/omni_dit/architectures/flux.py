@@ -75,7 +75,9 @@ class Flux(Architecture):
         from diffusers import FluxPipeline
 
         h, w = self._latent_size(p)
-        image_ids = FluxPipeline._prepare_latent_image_ids(x.shape[0], h // 2, w // 2, x.device, x.dtype)
+        image_ids = FluxPipeline._prepare_latent_image_ids(
+            x.shape[0], h // 2, w // 2, x.device, x.dtype
+        )
         text_ids = torch.zeros(embeds.shape[1], 3, device=x.device, dtype=x.dtype)
         guidance = None
         if transformer.config.guidance_embeds:
@@ -107,12 +109,13 @@ class Flux(Architecture):
             self.path,
             transformer=None,
             vae=None,
-            torch_dtype=models.torch_dtype(dtype),
+            dtype=models.torch_dtype(dtype),
             variant=variant,
             local_files_only=True,
         )
         missing = [
-            n for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+            n
+            for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
             if getattr(pipe, n, None) is None
         ]
         if missing:
@@ -121,14 +124,21 @@ class Flux(Architecture):
             )
         return pipe
 
-    def encode(self, pipe: Any, texts: list[str], o: TextOptions) -> tuple[Any, Any]:
+    def encode(
+        self, pipe: Any, prompts: list[str], negatives: list[str] | None, o: TextOptions
+    ) -> tuple[Any, Any, Any, Any]:
         import torch
 
-        with torch.inference_mode():
-            embeds, pooled, _ = pipe.encode_prompt(
-                prompt=texts,
-                prompt_2=None,
-                device=torch.device("cpu"),
-                max_sequence_length=o.max_sequence_length or 512,
-            )
-        return embeds, pooled
+        def encode(texts: list[str]) -> tuple[Any, Any]:
+            with torch.inference_mode():
+                embeds, pooled, _ = pipe.encode_prompt(
+                    prompt=texts,
+                    prompt_2=None,
+                    device=torch.device("cpu"),
+                    max_sequence_length=o.max_sequence_length or 512,
+                )
+            return embeds, pooled
+
+        embeds, pooled = encode(prompts)
+        neg, neg_pooled = encode(negatives) if negatives is not None else (None, None)
+        return embeds, pooled, neg, neg_pooled

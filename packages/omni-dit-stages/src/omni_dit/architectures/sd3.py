@@ -102,13 +102,14 @@ class SD3(Architecture):
             self.path,
             transformer=stand_in,
             vae=None,
-            torch_dtype=models.torch_dtype(dtype),
+            dtype=models.torch_dtype(dtype),
             variant=variant,
             local_files_only=True,
             **skip,
         )
         missing = [
-            n for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+            n
+            for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
             if getattr(pipe, n, None) is None
         ]
         if o.use_t5 and (pipe.text_encoder_3 is None or pipe.tokenizer_3 is None):
@@ -119,17 +120,20 @@ class SD3(Architecture):
             )
         return pipe
 
-    def encode(self, pipe: Any, texts: list[str], o: TextOptions) -> tuple[Any, Any]:
+    def encode(
+        self, pipe: Any, prompts: list[str], negatives: list[str] | None, o: TextOptions
+    ) -> tuple[Any, Any, Any, Any]:
         import torch
 
         with torch.inference_mode():
-            embeds, _, pooled, _ = pipe.encode_prompt(
-                prompt=texts,
+            embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
+                prompt=prompts,
                 prompt_2=None,
                 prompt_3=None,
                 device=torch.device("cpu"),
-                do_classifier_free_guidance=False,
+                do_classifier_free_guidance=negatives is not None,
+                negative_prompt=negatives,
                 clip_skip=o.clip_skip,
                 max_sequence_length=o.max_sequence_length or 256,
             )
-        return embeds, pooled
+        return embeds, pooled, neg, neg_pooled
