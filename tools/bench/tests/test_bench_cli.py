@@ -45,7 +45,8 @@ def test_unknown_benchmark_is_an_error():
 
 
 def test_dit_keys(tmp_path, monkeypatch):
-    """A small run of `omni bench dit` (tiny model built into a private cache)."""
+    """A small run of `omni bench dit` (tiny models built into a private cache), its
+    full-layout arms included."""
     pytest.importorskip("diffusers")
     monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path))
     r = bench(
@@ -71,8 +72,11 @@ def test_dit_keys(tmp_path, monkeypatch):
         "stock_img_per_s",
         "preview_every_step_img_per_s",
         "no_preview_img_per_s",
+        "full_layout_vs_stock",
+        "second_arch_vs_stock",
     ):
         assert r[key] > 0, key
+    assert r["full_layout"]["staged_img_per_s_c2"] > 0 and r["second_arch"]["stock_img_per_s"] > 0
 
 
 def test_ipc_through_ray_keys():

@@ -12,6 +12,13 @@ timed) and the same image settings, and both end in encoded JPEG bytes.
   configs ship it (``--batch``, 8: alike requests share one forward pass per step); also
   with ``max_batch_size: 1`` (``staged_unbatched_img_per_s_c*``).
 * previews: the staged pipeline with a preview every step vs none.
+* full_layout: a complete checkpoint (``--full-model``, default the embedded
+  ``tiny-sd3-full``: CLIP-L, CLIP-G, T5) with the prompt encoded by ``dit.text_encode``
+  as a stage, against diffusers' ``StableDiffusion3Pipeline.from_pretrained`` doing
+  everything in one process (``full_layout_vs_stock``); the same for the second
+  architecture (``--second-model``, default ``tiny-flux``: ``FluxPipeline``,
+  ``second_arch_vs_stock``). Each uses its architecture's usual guidance (SD3: CFG 4.5
+  against the empty negative prompt; Flux: embedded guidance 3.5).
 
 Images/s are completions over the wall time of ``--requests`` requests after a warm-up;
 the staged arms with and without previews alternate for ``--rounds`` and keep their best.
@@ -26,12 +33,14 @@ import time
 from typing import Any
 
 from omni_core import Pipeline
-from omni_core.model_cache import quiet_offline
+from omni_core.model_cache import quiet_hub
 
 from omni_bench.report import emit
 
 
-def _requests(n: int, size: int, steps: int, preview_every: int) -> list[dict[str, Any]]:
+def _requests(
+    n: int, size: int, steps: int, preview_every: int, **image: Any
+) -> list[dict[str, Any]]:
     return [
         {
             "prompt": f"picture number {i}",
@@ -41,6 +50,7 @@ def _requests(n: int, size: int, steps: int, preview_every: int) -> list[dict[st
                 "steps": steps,
                 "seed": i,
                 "preview_every": preview_every,
+                **image,
             },
         }
         for i in range(n)
@@ -92,6 +102,45 @@ def stock(model: str, width: int, reqs: list[dict[str, Any]], threads: int) -> f
     return len(reqs) / (time.monotonic() - t0)
 
 
+def _jpeg(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def stock_full(model: str, reqs: list[dict[str, Any]], threads: int) -> float:
+    """diffusers' pipeline from the checkpoint doing everything, one request at a time."""
+    import torch
+    from omni_dit.testing import checkpoint_image, checkpoint_pipeline
+
+    pipe = checkpoint_pipeline(model)
+    torch.set_num_threads(threads)
+    _jpeg(checkpoint_image(pipe, reqs[0], output_type="pil"))  # warm up
+    t0 = time.monotonic()
+    for r in reqs:
+        _jpeg(checkpoint_image(pipe, r, output_type="pil"))
+    return len(reqs) / (time.monotonic() - t0)
+
+
+def full_layout(
+    model: str, reqs: list[dict[str, Any]], concurrency: int, batch: int, rounds: int, cores: int
+) -> dict[str, Any]:
+    """Staged (text encoders as a stage) vs diffusers' pipeline on one complete checkpoint."""
+    from omni_dit.testing import dit_config
+
+    by_threads = {n: stock_full(model, reqs, n) for n in sorted({1, cores})}
+    stock_rate = max(by_threads.values())
+    cfg = dit_config(model, text={}, sample={"max_batch_size": batch})
+    with Pipeline(cfg) as pipe:
+        staged_rate = max(staged(pipe, reqs, concurrency) for _ in range(rounds))
+    return {
+        f"staged_img_per_s_c{concurrency}": round(staged_rate, 3),
+        "stock_img_per_s": round(stock_rate, 3),
+        "stock_img_per_s_by_threads": {n: round(r, 3) for n, r in by_threads.items()},
+        "vs_stock": round(staged_rate / stock_rate, 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="omni bench dit", description=__doc__)
     ap.add_argument("--json", action="store_true")
@@ -103,12 +152,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8, help="sample's max_batch_size")
     ap.add_argument("--rounds", type=int, default=2, help="staged runs with/without previews")
+    ap.add_argument("--full-model", default="tiny-sd3-full", help="complete SD3 checkpoint")
+    ap.add_argument("--second-model", default="tiny-flux", help="complete Flux checkpoint")
+    ap.add_argument(
+        "--arms", default="embeds,full,second", help="which of embeds, full, second to run"
+    )
     args = ap.parse_args(argv)
-    quiet_offline()
-    reqs = _requests(args.requests, args.size, args.steps, 0)
-    previews = _requests(args.requests, args.size, args.steps, 1)
+    quiet_hub()
+    arms = set(args.arms.split(","))
     c = args.concurrency
     cores = len(os.sched_getaffinity(0))
+    res: dict[str, Any] = {}
+    if "embeds" in arms:
+        res.update(embeds_arm(args, c, cores))
+    if "full" in arms:
+        sd3 = _requests(args.requests, args.size, args.steps, 0, guidance=4.5)
+        full = full_layout(args.full_model, sd3, c, args.batch, args.rounds, cores)
+        res["full_layout"] = full
+        res["full_layout_vs_stock"] = full["vs_stock"]
+    if "second" in arms:
+        flux = _requests(args.requests, args.size, args.steps, 0, guidance=3.5)
+        second = full_layout(args.second_model, flux, c, args.batch, args.rounds, cores)
+        res["second_arch"] = second
+        res["second_arch_vs_stock"] = second["vs_stock"]
+    res["settings"] = {
+        "model": args.model,
+        "full_model": args.full_model,
+        "second_model": args.second_model,
+        "size": args.size,
+        "steps": args.steps,
+        "requests": args.requests,
+        "batch": args.batch,
+    }
+    emit(res, args.json)
+    return 0
+
+
+def embeds_arm(args: argparse.Namespace, c: int, cores: int) -> dict[str, Any]:
+    """tiny-sd3 conditioned by dit.hash_encode: the sampling stages alone."""
+    reqs = _requests(args.requests, args.size, args.steps, 0)
+    previews = _requests(args.requests, args.size, args.steps, 1)
     stock_by_threads = {n: stock(args.model, args.width, reqs, n) for n in sorted({1, cores})}
     stock_rate = max(stock_by_threads.values())
     with Pipeline(_config(args.model, args.width, args.batch)) as pipe:
@@ -119,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             preview_rate = max(preview_rate, staged(pipe, previews, c))
     with Pipeline(_config(args.model, args.width, 1)) as pipe:
         unbatched = max(staged(pipe, reqs, c) for _ in range(args.rounds))
-    res = {
+    return {
         f"staged_img_per_s_c{c}": round(staged_rate, 3),
         f"staged_unbatched_img_per_s_c{c}": round(unbatched, 3),
         "stock_img_per_s": round(stock_rate, 3),
@@ -128,13 +211,4 @@ def main(argv: list[str] | None = None) -> int:
         "preview_every_step_img_per_s": round(preview_rate, 3),
         "no_preview_img_per_s": round(staged_rate, 3),
         "preview_cost_pct": round(100 * (1 - preview_rate / staged_rate), 2),
-        "settings": {
-            "model": args.model,
-            "size": args.size,
-            "steps": args.steps,
-            "requests": args.requests,
-            "batch": args.batch,
-        },
     }
-    emit(res, args.json)
-    return 0
