@@ -95,6 +95,8 @@ def test_bad_image_requests_name_the_field(image_server, body, param):
     [
         ({"size": "96x40"}, "size", "field 'image.height': 40 is not a positive multiple of 16"),
         ({"steps": 0}, "steps", "field 'image.steps': expected 1..100, got 0"),
+        # passed through to plan, which knows the model (SD3 here) has no use for it
+        ({"true_cfg_scale": 2.0}, "true_cfg_scale", "true_cfg_scale is for Flux"),
     ],
 )
 def test_fields_the_plan_stage_rejects(client, image_server, body, param, message):

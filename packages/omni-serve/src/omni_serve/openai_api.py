@@ -2,9 +2,9 @@
 
 Text: ``{"messages" | "prompt", "max_tokens", "temperature", "top_p", "seed", "stop"}``
 (the AR intake's fields; logprobs are refused: postprocess streams text only). Images:
-``{"prompt", "image": {"width", "height", "steps", "seed", "guidance", "format",
-"quality", "preview_every", "negative_prompt"}}`` (the DiT plan's fields). Unknown fields
-are refused, naming the field; fields the OpenAI API has that change the answer in ways a
+``{"prompt", "image": {"width", "height", "steps", "seed", "guidance", "true_cfg_scale",
+"format", "quality", "preview_every", "negative_prompt"}}`` (the DiT plan's fields).
+Unknown fields are refused, naming the field; fields the OpenAI API has that change the answer in ways a
 pipeline cannot (tools, n > 1 for text, URLs for images) are refused too rather than
 ignored.
 """
@@ -89,6 +89,7 @@ class ImageRequest(_Body):
     steps: int | None = None
     seed: int | None = None
     guidance: float | None = None
+    true_cfg_scale: float | None = None  # Flux: classifier-free guidance
     negative_prompt: str | None = None
     preview_every: int | None = None
     max_tokens: int | None = Field(default=None, ge=1)  # the AR stages of a mixed pipeline
@@ -100,7 +101,10 @@ IMAGE_PARAMS = {
     "image.height": "size",
     "image.format": "output_format",
     "image.quality": "output_compression",
-    **{f"image.{k}": k for k in ("steps", "seed", "guidance", "negative_prompt")},
+    **{
+        f"image.{k}": k
+        for k in ("steps", "seed", "guidance", "true_cfg_scale", "negative_prompt")
+    },
     "image.preview_every": "preview_every",
 }
 
@@ -212,7 +216,7 @@ def image_requests(
         image["format"] = req.output_format
     if req.output_compression is not None:
         image["quality"] = max(1, req.output_compression)
-    for name in ("steps", "guidance", "negative_prompt", "preview_every"):
+    for name in ("steps", "guidance", "true_cfg_scale", "negative_prompt", "preview_every"):
         value = getattr(req, name)
         if value is not None:
             image[name] = value
