@@ -80,7 +80,13 @@ def test_flux_image_config_on_a_checkpoint_directory(tmp_path):
         {"prompt": "a red fox", "image": {"width": 64, "height": 64, "steps": 3}},
         {
             "prompt": "a cat",
-            "image": {"width": 64, "height": 96, "steps": 3, "true_cfg_scale": 2.5},
+            "image": {
+                "width": 64,
+                "height": 96,
+                "steps": 3,
+                "true_cfg_scale": 2.5,
+                "negative_prompt": "a dog",
+            },
         },
     ]
     cfg, outs = run_config("flux_image", requests, OMNI_FLUX_MODEL=str(tmp_path))

@@ -578,7 +578,14 @@ def test_environment_variables_in_yaml(tmp_path, monkeypatch):
     monkeypatch.delenv("OMNI_T_UNSET", raising=False)
     cfg = load_config(path, check_kinds=False)
     assert cfg.stages[0].options == {"label": "from-env-x", "other": "fallback", "raw": "${KEEP}"}
+    monkeypatch.setenv("OMNI_T_UNSET", "")  # set but empty: the default, as in a shell
+    monkeypatch.setenv("OMNI_T_LABEL", "a$${b")  # a value is not expanded again
+    cfg = load_config(path, check_kinds=False)
+    assert cfg.stages[0].options == {"label": "a$${b-x", "other": "fallback", "raw": "${KEEP}"}
     monkeypatch.delenv("OMNI_T_LABEL")
     with pytest.raises(ConfigError) as e:
         load_config(path, check_kinds=False)
     assert "OMNI_T_LABEL" in str(e.value) and "stages[0].options.label" in str(e.value)
+    # anchors under x- keys are not expanded where they stand (their uses are)
+    path.write_text("x-unused: '${OMNI_T_LABEL}'\nstages:\n  - {name: a, kind: synthetic.count}\n")
+    assert load_config(path, check_kinds=False).stages[0].name == "a"

@@ -75,6 +75,7 @@ FLUX_REQUESTS = [
         "prompt": "the cat",
         "image": {"width": 64, "height": 64, "steps": 4, "seed": 9, "guidance": 3.5},
     },
+    # no guidance: the pipeline's 3.5; true_cfg_scale without a negative prompt: none
     {
         "prompt": "a tree",
         "image": {"width": 64, "height": 64, "steps": 4, "seed": 4, "true_cfg_scale": 2.0},
@@ -215,3 +216,45 @@ def test_hub_ids_resolve_through_the_cache_offline(flux, tmp_path, monkeypatch):
     with pytest.raises(Exception) as e, Pipeline(config("omni-test/not-cached", enabled=False)):
         pass
     assert "omni-test/not-cached" in str(e.value) and "HF_HUB_OFFLINE" in str(e.value)
+
+
+def test_bfloat16_follows_the_pipeline_in_bfloat16(sd3_full):
+    """dtype bfloat16 on every part, against the pipeline loaded in bfloat16 (the VAE's
+    output is post-processed in float32 here, in bfloat16 there: a few 1e-3 apart)."""
+    request = SD3_REQUESTS[2]
+    expected = expected_images(sd3_full, [request], dtype=torch.bfloat16)[0].astype(np.float32)
+    cfg = config(sd3_full, enabled=False, text={"dtype": "bfloat16"})
+    for stage in cfg["stages"][1:4]:
+        stage["options"]["dtype"] = "bfloat16"
+    with Pipeline(cfg) as pipe:
+        image = decoded(pipe.generate([request])[0])
+    assert image.dtype == np.float32
+    assert np.abs(image - expected).max() <= 2e-2, np.abs(image - expected).max()
+
+
+def test_plan_refuses_guidance_its_encoder_did_not_prepare(sd3_full):
+    """dit.text_encode decides from its own image_defaults whether to encode the negative
+    prompt; a plan whose defaults make the request guided fails it, naming why (no silent
+    zeros for the negative prompt)."""
+    cfg = config(sd3_full, enabled=False)
+    cfg["stages"][1]["options"]["image_defaults"] = {"guidance": 5.0}
+    with Pipeline(cfg) as pipe:
+        out = pipe.generate([SD3_REQUESTS[0]])[0]
+    assert out.finish_reason == "error"
+    assert "did not encode a negative prompt" in out.error and "'plan'" in out.error
+
+
+@pytest.mark.parametrize(
+    ("model", "text", "message"),
+    [
+        ("tiny-sd3", {}, "text_encoder"),  # no text encoders in that checkpoint
+        ("full", {"max_sequence_length": 600}, "max_sequence_length"),
+        ("full", {"image_defaults": {"steps": "many"}}, "image_defaults"),
+        ("flux", {"clip_skip": 1}, "clip_skip"),
+    ],
+)
+def test_text_encoder_load_errors_name_the_cause(model, text, message, sd3_full, flux):
+    model = {"full": sd3_full, "flux": flux}.get(model, model)
+    with pytest.raises(Exception) as e, Pipeline(config(model, enabled=False, text=text)):
+        pass
+    assert message in str(e.value), str(e.value)

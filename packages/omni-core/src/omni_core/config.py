@@ -232,36 +232,41 @@ def load_config(path: str | os.PathLike[str], check_kinds: bool = True) -> Pipel
     return parse_config(expand_env(data, str(p)), str(p), check_kinds)
 
 
-_ENV_REF = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
+_ENV_REF = re.compile(r"\$\$\{|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 
 
 def expand_env(data: Any, source: str = "<config>", path: str = "") -> Any:
     """``${NAME}`` and ``${NAME:-default}`` in the string values of a config, from the
-    environment (a model directory given per machine); an unset variable without a
-    default is an error naming it and where it is used. ``$${`` stands for ``${``."""
+    environment (a model directory given per machine); as in a shell, the default also
+    stands for a variable that is set but empty. An unset variable without a default is
+    an error naming it and where it is used. ``$${`` is a literal ``${``. Values stay
+    strings; top-level ``x-`` keys (anchors only) are left alone."""
     if isinstance(data, dict):
-        return {k: expand_env(v, source, f"{path}.{k}") for k, v in data.items()}
+        return {
+            k: v if not path and str(k).startswith("x-") else expand_env(v, source, f"{path}.{k}")
+            for k, v in data.items()
+        }
     if isinstance(data, list):
         return [expand_env(v, source, f"{path}[{i}]") for i, v in enumerate(data)]
     if not isinstance(data, str) or "${" not in data:
         return data
 
     def value(m: re.Match[str]) -> str:
-        if m.start() > 0 and data[m.start() - 1] == "$":
-            return m.group(0)
-        found = os.environ.get(m.group("name"))
-        if found is None:
-            found = m.group("default")
+        name, default = m.group("name"), m.group("default")
+        if name is None:  # $${
+            return "${"
+        found = os.environ.get(name)
+        if default is not None and not found:
+            return default
         if found is None:
             raise _fail(
                 source,
                 _where(path),
-                f"environment variable {m.group('name')} is not set (and no "
-                f"${{{m.group('name')}:-default}} is given)",
+                f"environment variable {name} is not set (and no ${{{name}:-default}} is given)",
             )
         return found
 
-    return _ENV_REF.sub(value, data).replace("$${", "${")
+    return _ENV_REF.sub(value, data)
 
 
 def _check(cfg: PipelineConfig, src: str, check_kinds: bool) -> None:

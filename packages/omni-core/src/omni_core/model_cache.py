@@ -34,7 +34,9 @@ def quiet_hub() -> None:
 def quiet_offline() -> None:
     """:func:`quiet_hub`, and never a network call for weights (for stages that load only
     local or embedded models)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if "HF_HUB_OFFLINE" not in os.environ:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["OMNI_SET_HF_HUB_OFFLINE"] = "1"  # so a later hub error can say who
     quiet_hub()
 
 

@@ -89,22 +89,40 @@ def _download(model: str, variant: str | None) -> Path:
         cache = (
             os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
         )
-        why = (
-            "it is not in the Hugging Face cache and HF_HUB_OFFLINE is set"
-            if offline
-            else f"download failed: {type(e).__name__}: {e}"
-        )
-        raise ModelError(f"model {model!r} (Hugging Face id, cache {cache}): {why}") from None
+        if offline:
+            who = (
+                " (set by omni's AR stages loaded in this process: fetch it first, or run "
+                "with mrs.enabled: true)"
+                if os.environ.get("OMNI_SET_HF_HUB_OFFLINE")
+                else ""
+            )
+            why = f"not usable from the Hugging Face cache and HF_HUB_OFFLINE is set{who}"
+        else:
+            why = "download failed"
+        raise ModelError(
+            f"model {model!r} (no local directory of that name; taken as a Hugging Face id, "
+            f"cache {cache}): {why}: {type(e).__name__}: {e}"
+        ) from None
 
 
 def model_index(path: Path) -> dict[str, Any]:
-    return json.loads((path / "model_index.json").read_text())
+    """The checkpoint's ``model_index.json`` (:class:`ModelError` when unreadable)."""
+    try:
+        index = json.loads((path / "model_index.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"model {str(path)!r}: cannot read model_index.json: {e}") from None
+    if not isinstance(index, dict):
+        raise ModelError(f"model {str(path)!r}: model_index.json is not a JSON object")
+    return index
 
 
 def read_config(path: Path, part: str) -> dict[str, Any]:
     """A part's config, without loading its weights."""
     name = "scheduler_config.json" if part == "scheduler" else "config.json"
-    return json.loads((path / part / name).read_text())
+    try:
+        return json.loads((path / part / name).read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"model {str(path)!r}: cannot read {part}/{name}: {e}") from None
 
 
 def torch_dtype(name: str) -> Any:

@@ -23,10 +23,12 @@ class ImageParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     width: int = 256
     height: int = 256
     steps: int = 12
-    # SD3: > 1 is classifier-free guidance against the negative prompt;
-    # Flux: the embedded guidance (FLUX.1-dev's default is 3.5)
-    guidance: float = 1.0
-    true_cfg_scale: float = 1.0  # Flux: > 1 is classifier-free guidance (negative prompt)
+    # SD3: > 1 is classifier-free guidance against the negative prompt; Flux: the
+    # embedded guidance. None: the architecture's default (SD3 1.0: none; Flux 3.5, as
+    # its pipeline)
+    guidance: float | None = None
+    # Flux: > 1 with a negative prompt is classifier-free guidance against it
+    true_cfg_scale: float = 1.0
     seed: int = 0
     format: Literal["jpeg", "webp", "png"] = "jpeg"
     quality: int = 90  # JPEG / WEBP quality, 1..100
@@ -72,7 +74,7 @@ def parse_image_request(
         raise ImageRequestError(f"field 'image.steps': expected 1..{max_steps}, got {p.steps}")
     for field in ("guidance", "true_cfg_scale"):
         v = getattr(p, field)
-        if not 0.0 <= v <= 30.0:
+        if v is not None and not 0.0 <= v <= 30.0:
             raise ImageRequestError(f"field 'image.{field}': expected 0..30, got {v}")
     if not 1 <= p.quality <= 100:
         raise ImageRequestError(f"field 'image.quality': expected 1..100, got {p.quality}")

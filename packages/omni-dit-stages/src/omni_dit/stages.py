@@ -51,6 +51,15 @@ def load_architecture(o: ModelOptions) -> Architecture:
     return architecture(models.resolve_model(o.model, o.conditioning_width, o.variant))
 
 
+def check_image_defaults(defaults: dict[str, Any]) -> None:
+    """A stage's ``image_defaults`` option must parse as image fields (checked at load,
+    not on every request)."""
+    try:
+        msgspec.convert(defaults, ImageParams)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"option 'image_defaults': {e}") from None
+
+
 def _arrays(inp: StageInput) -> dict[str, Any]:
     """Every array of the upstream window, by name (the last piece's wins)."""
     out: dict[str, Any] = {}
@@ -67,6 +76,15 @@ def _image_params(inp: StageInput) -> ImageParams:
     raise ImageRequestError("no image parameters from upstream (is plan before this stage?)")
 
 
+def _negatives_flag(inp: StageInput) -> bool | None:
+    """Whether the upstream encoder encoded negative prompts, where it says (dit.text_encode
+    does); None: it does not say, and zeros stand for a missing negative prompt."""
+    for p in inp.window.pieces:
+        if "negatives" in p.payload:
+            return bool(p.payload["negatives"])
+    return None
+
+
 def _threads(n: int | None) -> None:
     if n:
         import torch
@@ -80,6 +98,7 @@ class Plan(Stage):
     Options = PlanOptions
 
     def load(self) -> None:
+        check_image_defaults(self.options.image_defaults)
         self.arch = load_architecture(self.options)
         p = ImageParams(width=self.arch.multiple, height=self.arch.multiple, steps=1)
         self.arch.scheduler(1, self.arch.initial_latents(p))  # import diffusers now
@@ -98,11 +117,12 @@ class Plan(Stage):
                             f"largest side, {arch.max_side}"
                         )
                 arch.check(p)
+                p = arch.with_defaults(p)
             except ImageRequestError as e:
                 yield inp.fail(str(e))
                 continue
             try:
-                embeds, pooled = self._conditioning(_arrays(inp), p)
+                embeds, pooled = self._conditioning(_arrays(inp), p, _negatives_flag(inp))
             except ValueError as e:
                 yield inp.fail(str(e))
                 continue
@@ -119,7 +139,9 @@ class Plan(Stage):
                 is_last=True,
             )
 
-    def _conditioning(self, a: dict[str, Any], p: ImageParams) -> tuple[np.ndarray, np.ndarray]:
+    def _conditioning(
+        self, a: dict[str, Any], p: ImageParams, encoded_negatives: bool | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, tokens, width)`` and ``(rows, width)``: one row, or [negative, positive]
         with guidance (zeros stand for the negative prompt when the encoder sent none)."""
         width, pooled_width = self.arch.embeds_width, self.arch.pooled_width
@@ -142,6 +164,11 @@ class Plan(Stage):
             )
         if not self.arch.guided(p):
             return embeds[None], pooled[None]
+        if "negative_prompt_embeds" not in a and encoded_negatives is False:
+            raise ValueError(
+                "the request is guided but its text encoder did not encode a negative "
+                "prompt: give dit.text_encode the same image_defaults as plan"
+            )
         neg = np.asarray(a.get("negative_prompt_embeds", np.zeros_like(embeds)), np.float32)
         neg_pooled = np.asarray(a.get("negative_pooled", np.zeros_like(pooled)), np.float32)
         tokens = max(len(neg), len(embeds))  # pad the shorter with zeros, as SD3 pads

@@ -113,15 +113,16 @@ def checkpoint_image(
     import torch
 
     image = request.get("image", {})
-    kwargs: dict[str, Any] = {"guidance_scale": image.get("guidance", 1.0)}
-    negative = image.get("negative_prompt", "")
-    if type(pipe).__name__ == "FluxPipeline":
-        cfg = image.get("true_cfg_scale", 1.0)
-        kwargs["true_cfg_scale"] = cfg
-        if cfg > 1.0:
-            kwargs["negative_prompt"] = negative
-    elif negative:
-        kwargs["negative_prompt"] = negative
+    flux = type(pipe).__name__ == "FluxPipeline"
+    kwargs: dict[str, Any] = {}
+    if image.get("guidance") is not None:
+        kwargs["guidance_scale"] = image["guidance"]
+    elif not flux:
+        kwargs["guidance_scale"] = 1.0  # omni's SD3 default: no guidance unless asked
+    if image.get("negative_prompt"):  # the API's "" stands for the pipeline's None
+        kwargs["negative_prompt"] = image["negative_prompt"]
+    if flux:
+        kwargs["true_cfg_scale"] = image.get("true_cfg_scale", 1.0)
     return pipe(
         prompt=request["prompt"],
         width=image["width"],

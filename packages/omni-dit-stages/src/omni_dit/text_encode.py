@@ -22,8 +22,9 @@ import numpy as np
 from omni_core import Stage, StageEvent, StageInput
 
 from omni_dit.architectures import TextOptions, architecture
-from omni_dit.models import resolve_model
+from omni_dit.models import ModelError, resolve_model
 from omni_dit.params import image_fields
+from omni_dit.stages import check_image_defaults
 
 
 class TextEncodeOptions(TextOptions, forbid_unknown_fields=True, kw_only=True):
@@ -43,6 +44,12 @@ class TextEncode(Stage):
         import torch
 
         o = self.options
+        check_image_defaults(o.image_defaults)
+        if o.max_sequence_length is not None and not 1 <= o.max_sequence_length <= 512:
+            raise ModelError(
+                f"option 'max_sequence_length': expected 1..512 (the pipelines' limit), "
+                f"got {o.max_sequence_length}"
+            )
         if o.threads:
             torch.set_num_threads(o.threads)
         self.arch = architecture(resolve_model(o.model, variant=o.variant))
@@ -59,7 +66,7 @@ class TextEncode(Stage):
             if not isinstance(text, str) or not text:
                 yield inp.fail("field 'prompt': expected a non-empty string to encode")
                 continue
-            params = image_fields(inp.request, o.image_defaults)
+            params = self.arch.with_defaults(image_fields(inp.request, o.image_defaults))
             groups[self.arch.guided(params)].append((inp, text, params.negative_prompt))
         for guided, jobs in groups.items():
             if not jobs:
@@ -76,7 +83,7 @@ class TextEncode(Stage):
                     arrays["negative_pooled"] = neg_pooled[i]
                 yield inp.segment(
                     arrays={k: np.ascontiguousarray(v) for k, v in arrays.items()},
-                    payload={"encoded_text": text},
+                    payload={"encoded_text": text, "negatives": guided},
                     is_last=True,
                 )
 

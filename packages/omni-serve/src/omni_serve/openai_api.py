@@ -4,9 +4,9 @@ Text: ``{"messages" | "prompt", "max_tokens", "temperature", "top_p", "seed", "s
 (the AR intake's fields; logprobs are refused: postprocess streams text only). Images:
 ``{"prompt", "image": {"width", "height", "steps", "seed", "guidance", "true_cfg_scale",
 "format", "quality", "preview_every", "negative_prompt"}}`` (the DiT plan's fields).
-Unknown fields are refused, naming the field; fields the OpenAI API has that change the answer in ways a
-pipeline cannot (tools, n > 1 for text, URLs for images) are refused too rather than
-ignored.
+Unknown fields are refused, naming the field; fields the OpenAI API has that change the
+answer in ways a pipeline cannot (tools, n > 1 for text, URLs for images) are refused too
+rather than ignored.
 """
 
 from __future__ import annotations
@@ -101,10 +101,7 @@ IMAGE_PARAMS = {
     "image.height": "size",
     "image.format": "output_format",
     "image.quality": "output_compression",
-    **{
-        f"image.{k}": k
-        for k in ("steps", "seed", "guidance", "true_cfg_scale", "negative_prompt")
-    },
+    **{f"image.{k}": k for k in ("steps", "seed", "guidance", "true_cfg_scale", "negative_prompt")},
     "image.preview_every": "preview_every",
 }
 

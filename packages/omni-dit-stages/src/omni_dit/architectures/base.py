@@ -25,6 +25,8 @@ class Architecture:
 
     pipeline_class: ClassVar[str]  # the diffusers pipeline it mirrors
     label: ClassVar[str]
+    default_guidance: ClassVar[float]  # image.guidance when a request leaves it out
+    max_sequence_length: ClassVar[int]  # T5 tokens when the options leave it out
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -50,6 +52,12 @@ class Architecture:
     def check(self, p: ImageParams) -> None:
         """Reject fields this architecture has no use for (ImageRequestError)."""
 
+    def with_defaults(self, p: ImageParams) -> ImageParams:
+        """``p`` with the fields it leaves to the architecture filled in."""
+        if p.guidance is None:
+            return msgspec.structs.replace(p, guidance=self.default_guidance)
+        return p
+
     def guided(self, p: ImageParams) -> bool:
         """Classifier-free guidance: conditioning rows are ``[negative, positive]``."""
         raise NotImplementedError
@@ -65,6 +73,18 @@ class Architecture:
         """A fresh scheduler with its timesteps set for ``latents`` (a scheduler keeps a
         step index, so each batch of alike requests gets its own)."""
         raise NotImplementedError
+
+    def new_scheduler(self) -> Any:
+        """The checkpoint's scheduler class (``model_index.json``) from its config."""
+        import diffusers
+
+        name = models.model_index(self.path).get("scheduler", [None, None])[1]
+        cls = getattr(diffusers, str(name), None)
+        if cls is None:
+            raise models.ModelError(
+                f"model {str(self.path)!r}: scheduler class {name!r} is not in diffusers"
+            )
+        return cls.from_config(self.scheduler_config)
 
     # -- sample -------------------------------------------------------------------
 
@@ -107,6 +127,16 @@ class Architecture:
         """The diffusers pipeline with its tokenizers and text encoders loaded (and no
         transformer weights, no VAE)."""
         raise NotImplementedError
+
+    def require_parts(self, parts: list[str]) -> None:
+        """:class:`ModelError` naming the parts ``model_index.json`` does not list."""
+        index = models.model_index(self.path)
+        missing = [p for p in parts if not (isinstance(index.get(p), list) and index[p][0])]
+        if missing:
+            raise models.ModelError(
+                f"model {str(self.path)!r}: no {', '.join(missing)} in the checkpoint "
+                "(model_index.json); dit.text_encode needs the checkpoint's text encoders"
+            )
 
     def encode(
         self, pipe: Any, prompts: list[str], negatives: list[str] | None, o: TextOptions

@@ -17,6 +17,8 @@ from omni_dit.params import ImageParams
 class Flux(Architecture):
     pipeline_class = "FluxPipeline"
     label = "Flux.1"
+    default_guidance = 3.5  # the pipeline's guidance_scale
+    max_sequence_length = 512
 
     @property
     def multiple(self) -> int:
@@ -26,7 +28,8 @@ class Flux(Architecture):
         return 2 * (p.height // self.multiple), 2 * (p.width // self.multiple)
 
     def guided(self, p: ImageParams) -> bool:
-        return p.true_cfg_scale > 1.0
+        # as the pipeline: true CFG needs a negative prompt (the API's "" stands for None)
+        return p.true_cfg_scale > 1.0 and bool(p.negative_prompt)
 
     def cfg_scale(self, p: ImageParams) -> float:
         return p.true_cfg_scale
@@ -46,10 +49,9 @@ class Flux(Architecture):
 
     def scheduler(self, steps: int, latents: Any) -> Any:
         import numpy as np
-        from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        scheduler = self.new_scheduler()
         c = scheduler.config
         sigmas = None if c.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
         mu = calculate_shift(
@@ -105,6 +107,7 @@ class Flux(Architecture):
         for name, value, default in (("use_t5", o.use_t5, True), ("clip_skip", o.clip_skip, None)):
             if value != default:
                 raise models.ModelError(f"option {name!r}: Flux's encode_prompt has no such choice")
+        self.require_parts(["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"])
         pipe = FluxPipeline.from_pretrained(
             self.path,
             transformer=None,
@@ -113,15 +116,6 @@ class Flux(Architecture):
             variant=variant,
             local_files_only=True,
         )
-        missing = [
-            n
-            for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
-            if getattr(pipe, n, None) is None
-        ]
-        if missing:
-            raise models.ModelError(
-                f"model {str(self.path)!r}: no {', '.join(missing)} in the checkpoint"
-            )
         return pipe
 
     def encode(
@@ -135,7 +129,7 @@ class Flux(Architecture):
                     prompt=texts,
                     prompt_2=None,
                     device=torch.device("cpu"),
-                    max_sequence_length=o.max_sequence_length or 512,
+                    max_sequence_length=o.max_sequence_length or self.max_sequence_length,
                 )
             return embeds, pooled
 

@@ -14,6 +14,8 @@ from omni_dit.params import ImageParams, ImageRequestError
 class SD3(Architecture):
     pipeline_class = "StableDiffusion3Pipeline"
     label = "Stable Diffusion 3"
+    default_guidance = 1.0  # no guidance unless asked (the configs set the checkpoint's)
+    max_sequence_length = 256
 
     @property
     def patch(self) -> int:
@@ -51,13 +53,12 @@ class SD3(Architecture):
         return randn_tensor(shape, generator=gen, device=torch.device("cpu"), dtype=torch.float32)
 
     def scheduler(self, steps: int, latents: Any) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
             calculate_shift,
             retrieve_timesteps,
         )
 
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        scheduler = self.new_scheduler()
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", None):
             h, w = latents.shape[-2:]
@@ -97,6 +98,8 @@ class SD3(Architecture):
         with torch.device("meta"):
             config = SD3Transformer2DModel.load_config(self.path / "transformer")
             stand_in = SD3Transformer2DModel.from_config(config)
+        parts = ["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"]
+        self.require_parts(parts + (["text_encoder_3", "tokenizer_3"] if o.use_t5 else []))
         skip = {} if o.use_t5 else {"text_encoder_3": None, "tokenizer_3": None}
         pipe = StableDiffusion3Pipeline.from_pretrained(
             self.path,
@@ -107,17 +110,6 @@ class SD3(Architecture):
             local_files_only=True,
             **skip,
         )
-        missing = [
-            n
-            for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
-            if getattr(pipe, n, None) is None
-        ]
-        if o.use_t5 and (pipe.text_encoder_3 is None or pipe.tokenizer_3 is None):
-            missing.append("text_encoder_3 (or set use_t5: false)")
-        if missing:
-            raise models.ModelError(
-                f"model {str(self.path)!r}: no {', '.join(missing)} in the checkpoint"
-            )
         return pipe
 
     def encode(
@@ -134,6 +126,6 @@ class SD3(Architecture):
                 do_classifier_free_guidance=negatives is not None,
                 negative_prompt=negatives,
                 clip_skip=o.clip_skip,
-                max_sequence_length=o.max_sequence_length or 256,
+                max_sequence_length=o.max_sequence_length or self.max_sequence_length,
             )
         return embeds, pooled, neg, neg_pooled
