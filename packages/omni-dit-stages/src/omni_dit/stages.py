@@ -99,6 +99,7 @@ class Plan(Stage):
 
     def load(self) -> None:
         check_image_defaults(self.options.image_defaults)
+        _threads(self.options.threads)
         self.arch = load_architecture(self.options)
         p = ImageParams(width=self.arch.multiple, height=self.arch.multiple, steps=1)
         self.arch.scheduler(1, self.arch.initial_latents(p))  # import diffusers now

@@ -13,13 +13,15 @@ timed) and the same image settings, and both end in encoded JPEG bytes.
   with ``max_batch_size: 1`` (``staged_unbatched_img_per_s_c*``).
 * previews: the staged pipeline with a preview every step vs none.
 * full_layout: a complete checkpoint (``--full-model``, default the embedded
-  ``tiny-sd3-full``: CLIP-L, CLIP-G, T5) with the prompt encoded by ``dit.text_encode``
-  as a stage, against diffusers' ``StableDiffusion3Pipeline.from_pretrained`` doing
+  ``tiny-sd3-full``: CLIP-L, CLIP-G, T5) through ``configs/sd3_image.yaml`` as shipped
+  (the prompt encoded by ``dit.text_encode`` as a stage; every worker with torch's
+  default threads), against diffusers' ``StableDiffusion3Pipeline.from_pretrained`` doing
   everything in one process (``full_layout_vs_stock``); the same for the second
-  architecture (``--second-model``, default ``tiny-flux``: ``FluxPipeline``,
-  ``second_arch_vs_stock``). Each uses its architecture's usual guidance (SD3: CFG 4.5
-  against the empty negative prompt; Flux: embedded guidance 3.5); the stock runs (1
-  thread, one per core) and the staged run alternate for ``--rounds``, best of each.
+  architecture (``--second-model``, default ``tiny-flux``, through
+  ``configs/flux_image.yaml``: ``FluxPipeline``, ``second_arch_vs_stock``). Each uses
+  its architecture's usual guidance (SD3: CFG 4.5 against the empty negative prompt;
+  Flux: embedded guidance 3.5); the stock runs (1 thread, one per core) and the staged
+  run alternate for ``--rounds``, best of each.
 
 Images/s are completions over the wall time of ``--requests`` requests after a warm-up;
 the staged arms with and without previews alternate for ``--rounds`` and keep their best.
@@ -31,12 +33,17 @@ import argparse
 import io
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from omni_core import Pipeline
 from omni_core.model_cache import quiet_hub
 
 from omni_bench.report import emit
+
+CONFIGS = Path(__file__).resolve().parents[4] / "configs"  # the repository's
+# the shipped real-checkpoint configs, and the variable each takes its checkpoint from
+CHECKPOINT_CONFIGS = {"sd3_image.yaml": "OMNI_SD3_MODEL", "flux_image.yaml": "OMNI_FLUX_MODEL"}
 
 
 def _requests(
@@ -66,7 +73,10 @@ def _config(model: str, width: int, batch: int) -> dict[str, Any]:
 
 def staged(pipe: Pipeline, reqs: list[dict[str, Any]], concurrency: int) -> float:
     """Images/s with ``concurrency`` requests in flight."""
-    pipe.generate(reqs[:2])  # warm up every stage
+    # warm up every stage, at the batch sizes the run will see (a new batch size is a new
+    # set of kernels the first time)
+    for n in sorted({1, concurrency}):
+        pipe.generate(reqs[:n])
     t0 = time.monotonic()
     pending = list(reqs)
     inflight = []
@@ -110,12 +120,15 @@ def _jpeg(image: Any) -> bytes:
 
 
 def full_layout(
-    model: str, reqs: list[dict[str, Any]], concurrency: int, batch: int, rounds: int, cores: int
+    model: str, config: str, reqs: list[dict[str, Any]], concurrency: int, rounds: int, cores: int
 ) -> dict[str, Any]:
-    """Staged (text encoders as a stage) vs diffusers' pipeline from the checkpoint doing
-    everything, one request at a time; the arms alternate for ``rounds``, best of each."""
+    """Staged (the shipped ``config``, text encoders as a stage, the checkpoint given as
+    its users give it: the environment variable the config names) vs diffusers' pipeline
+    from the checkpoint doing everything, one request at a time; the arms alternate for
+    ``rounds``, best of each."""
     import torch
-    from omni_dit.testing import checkpoint_image, checkpoint_pipeline, dit_config
+    from omni_core import load_config
+    from omni_dit.testing import checkpoint_image, checkpoint_pipeline
 
     stock_pipe = checkpoint_pipeline(model)
 
@@ -129,8 +142,8 @@ def full_layout(
 
     by_threads = dict.fromkeys(sorted({1, cores}), 0.0)
     staged_rate = 0.0
-    cfg = dit_config(model, text={}, sample={"max_batch_size": batch})
-    with Pipeline(cfg) as pipe:
+    os.environ[CHECKPOINT_CONFIGS[config]] = model
+    with Pipeline(load_config(CONFIGS / config)) as pipe:
         for _ in range(rounds):
             for n in by_threads:
                 by_threads[n] = max(by_threads[n], stock_rate(n))
@@ -170,12 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         res.update(embeds_arm(args, c, cores))
     if "full" in arms:
         sd3 = _requests(args.requests, args.size, args.steps, 0, guidance=4.5)
-        full = full_layout(args.full_model, sd3, c, args.batch, args.rounds, cores)
+        full = full_layout(args.full_model, "sd3_image.yaml", sd3, c, args.rounds, cores)
         res["full_layout"] = full
         res["full_layout_vs_stock"] = full["vs_stock"]
     if "second" in arms:
         flux = _requests(args.requests, args.size, args.steps, 0, guidance=3.5)
-        second = full_layout(args.second_model, flux, c, args.batch, args.rounds, cores)
+        second = full_layout(args.second_model, "flux_image.yaml", flux, c, args.rounds, cores)
         res["second_arch"] = second
         res["second_arch_vs_stock"] = second["vs_stock"]
     res["settings"] = {
