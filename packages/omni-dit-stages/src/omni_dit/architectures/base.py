@@ -128,6 +128,18 @@ class Architecture:
         transformer weights, no VAE)."""
         raise NotImplementedError
 
+    def text_pipeline(self, cls: Any, dtype: str, variant: str | None, **parts: Any) -> Any:
+        """``cls.from_pretrained`` of this checkpoint without its VAE (and whatever
+        ``parts`` replace), offline: the text encoders and tokenizers it loads."""
+        return cls.from_pretrained(
+            self.path,
+            vae=None,
+            dtype=models.torch_dtype(dtype),
+            variant=variant,
+            local_files_only=True,
+            **parts,
+        )
+
     def require_parts(self, parts: list[str]) -> None:
         """:class:`ModelError` naming the parts ``model_index.json`` does not list."""
         index = models.model_index(self.path)

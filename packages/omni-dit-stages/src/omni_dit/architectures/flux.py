@@ -108,15 +108,7 @@ class Flux(Architecture):
             if value != default:
                 raise models.ModelError(f"option {name!r}: Flux's encode_prompt has no such choice")
         self.require_parts(["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"])
-        pipe = FluxPipeline.from_pretrained(
-            self.path,
-            transformer=None,
-            vae=None,
-            dtype=models.torch_dtype(dtype),
-            variant=variant,
-            local_files_only=True,
-        )
-        return pipe
+        return self.text_pipeline(FluxPipeline, dtype, variant, transformer=None)
 
     def encode(
         self, pipe: Any, prompts: list[str], negatives: list[str] | None, o: TextOptions

@@ -101,16 +101,9 @@ class SD3(Architecture):
         parts = ["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"]
         self.require_parts(parts + (["text_encoder_3", "tokenizer_3"] if o.use_t5 else []))
         skip = {} if o.use_t5 else {"text_encoder_3": None, "tokenizer_3": None}
-        pipe = StableDiffusion3Pipeline.from_pretrained(
-            self.path,
-            transformer=stand_in,
-            vae=None,
-            dtype=models.torch_dtype(dtype),
-            variant=variant,
-            local_files_only=True,
-            **skip,
+        return self.text_pipeline(
+            StableDiffusion3Pipeline, dtype, variant, transformer=stand_in, **skip
         )
-        return pipe
 
     def encode(
         self, pipe: Any, prompts: list[str], negatives: list[str] | None, o: TextOptions
