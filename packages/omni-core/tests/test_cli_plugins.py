@@ -9,3 +9,17 @@ def test_a_known_plugin_command_that_is_not_installed_names_its_package(monkeypa
     assert cli.main(["serve", "configs/demo.yaml", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert "omni-serve" in err and "pip install omni-serve" in err
+
+
+def test_omni_run_with_a_stage_that_fails_to_load_says_which_and_why(tmp_path, capsys):
+    """Exit 1 with one line naming the stage and its error, not the caller's traceback."""
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "ready_timeout_s: 60\n"
+        "stages:\n"
+        "  - {name: bad, kind: synthetic.faulty, options: {fail_on_load: true}}\n"
+    )
+    assert cli.main(["run", str(path), "--input", "{}"]) == 1
+    err = capsys.readouterr().err
+    assert "omni run: stage 'bad'" in err and "synthetic load failure" in err
+    assert "Traceback" not in err

@@ -111,11 +111,21 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from omni_core.pipeline import Pipeline
+    from omni_core.orchestrator import StageStartError
 
     cfg = _load(args)
     if cfg is None:
         return 2
+    try:
+        return _run(args, cfg)
+    except StageStartError as e:  # the stage's worker has logged its traceback
+        print(f"omni run: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, cfg: Any) -> int:
+    from omni_core.pipeline import Pipeline
+
     request = _request_from_args(args)
     tty = sys.stderr.isatty() and not args.json
     counts: dict[str, int] = {}
