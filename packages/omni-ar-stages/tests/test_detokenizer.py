@@ -56,3 +56,66 @@ def test_a_stop_prefix_is_released_when_the_stop_does_not_follow(tok):
     ids = tok("the quick brown fox")["input_ids"]
     out, d = stream(tok, ids, list(range(1, len(ids))), stop=["quick red"])
     assert out == "the quick brown fox" and d.stopped is None
+
+
+class _Chars:
+    """A tokenizer whose token ids are code points: text arrives as chosen chunks."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def _naive_release(stops, chunks):
+    """The reference: after each chunk, the earliest (then smallest) stop string found
+    in the unreleased text, the longest stop-prefix tail held back (quadratic)."""
+    text, emitted, out, stopped = "", 0, [], None
+    for chunk in chunks:
+        if stopped is not None:
+            out.append("")
+            continue
+        text += chunk
+        hits = [(i, s) for s in stops if (i := text.find(s, emitted)) >= 0]
+        if hits:
+            pos, stopped = min(hits)
+            text, end = text[:pos], pos
+        else:
+            hold = max(
+                (k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0
+            )
+            end = max(emitted, len(text) - hold)
+        out.append(text[emitted:end])
+        emitted = end
+    if stopped is None:
+        out.append(text[emitted:])
+    return out, stopped
+
+
+def test_linear_stop_matching_equals_the_naive_search():
+    """Random texts over a small alphabet (many partial matches), random stop sets and
+    chunkings: every release and the stop found are the naive search's."""
+    rng = random.Random(7)
+    for _ in range(400):
+        stops = list({"".join(rng.choices("ab", k=rng.randint(1, 5))) for _ in range(3)})
+        text = "".join(rng.choices("abc", weights=[5, 5, 1], k=rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(1, max(2, len(text))), k=min(len(text) // 3, 6)))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        d = IncrementalDetokenizer(_Chars(), stop=stops)
+        got = [d.add([ord(c) for c in chunk]) for chunk in chunks]
+        if d.stopped is None:
+            got.append(d.flush())
+        assert (got, d.stopped) == _naive_release(stops, chunks), (stops, chunks)
+
+
+def test_a_long_stop_string_is_matched_across_many_chunks():
+    """A 20,000-character stop string found after 400 chunks of partial matches, and one
+    that fails at its last character released whole."""
+    stop = "ab" * 10_000
+    d = IncrementalDetokenizer(_Chars(), stop=[stop + "c"])
+    chunks = ["ab" * 50] * 200
+    assert [d.add([ord(c) for c in ch]) for ch in chunks] == [""] * 200  # all held back
+    assert d.add([ord("d")]) == stop + "d"  # not the stop: released at once
+    d = IncrementalDetokenizer(_Chars(), stop=[stop])
+    out = "".join(
+        d.add([ord(c) for c in ("x" + "ab" * 50 if i == 0 else "ab" * 50)]) for i in range(200)
+    )
+    assert out == "x" and d.stopped == stop

@@ -18,6 +18,8 @@ from omni_ar.params import RequestError, parse_request
         ({"prompt": "a", "top_p": 0}, "top_p", "(0, 1]"),
         ({"prompt": "a", "stop": [""]}, "stop", "empty"),
         ({"prompt": "a", "stop": "x"}, "stop", "Expected `array`"),
+        ({"prompt": "a", "stop": [str(i) for i in range(17)]}, "stop", "at most 16 stop strings"),
+        ({"prompt": "a", "stop": ["x" * 1_000_000]}, "stop", "at most 1024 characters"),
         ({"prompt": "a", "bogus": 1}, "bogus", "unknown request field"),
     ],
 )

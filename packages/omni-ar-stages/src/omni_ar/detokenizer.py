@@ -2,7 +2,10 @@
 
 Text is produced by decoding a sliding span of token ids and emitting only what became
 stable: a multi-byte character split across tokens (or across segments) is held back
-until it is complete, and stop strings are found even when they span segments.
+until it is complete, and stop strings are found even when they span segments. Stop
+matching is linear in the text: each stop string is a Knuth-Morris-Pratt automaton fed
+each new character once, whose state (the longest prefix of the stop string that ends the
+text) is also how much text must be held back.
 """
 
 from __future__ import annotations
@@ -11,6 +14,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+
+
+class StopMatcher:
+    """One stop string over streamed text (Knuth-Morris-Pratt)."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0  # the longest prefix of ``stop`` that ends the text fed so far
+        self.fail = [0] * len(stop)  # fail[i]: the longest proper border of stop[: i + 1]
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fail[i] = k
+
+    def feed(self, text: str) -> int | None:
+        """Advance over ``text``; the index just past the first full match in it, if any."""
+        stop, fail, k, n = self.stop, self.fail, self.state, len(self.stop)
+        for i, ch in enumerate(text):
+            while k and stop[k] != ch:
+                k = fail[k - 1]
+            if stop[k] == ch:
+                k += 1
+                if k == n:
+                    self.state = k
+                    return i + 1
+        self.state = k
+        return None
 
 
 @dataclass
@@ -24,6 +57,9 @@ class IncrementalDetokenizer:
     text: str = ""  # stable text so far (cut at a stop string)
     emitted: int = 0  # characters of ``text`` released to the caller
     stopped: str | None = None  # the stop string that ended the text
+
+    def __post_init__(self) -> None:
+        self.matchers = [StopMatcher(s) for s in self.stop if s]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -58,21 +94,24 @@ class IncrementalDetokenizer:
 
     def _release(self, delta: str) -> str:
         """Add stable text; release what cannot be the start of a stop string."""
+        start = len(self.text)
         self.text += delta
         end = len(self.text)
-        if self.stop:
-            # a stop string can only start at or after ``emitted``: the tail that could
-            # begin one is always held back
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, self.emitted)) >= 0]
-            if hits:
-                pos, self.stopped = min(hits)
+        if self.matchers:
+            # the earliest-starting match; a stop string can only start at or after
+            # ``emitted``: the tail that could begin one is always held back
+            first: tuple[int, str] | None = None
+            for m in self.matchers:
+                past = m.feed(delta)
+                if past is not None:
+                    hit = (start + past - len(m.stop), m.stop)
+                    first = hit if first is None else min(first, hit)
+            if first is not None:
+                pos, self.stopped = first
                 self.text = self.text[:pos]
                 end = pos
             else:
-                hold = max(
-                    (k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])),
-                    default=0,
-                )
+                hold = max(m.state for m in self.matchers)
                 end = max(self.emitted, len(self.text) - hold)
         out = self.text[self.emitted : end]
         self.emitted = end

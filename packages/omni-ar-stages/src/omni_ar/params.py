@@ -9,6 +9,9 @@ from typing import Any
 
 import msgspec
 
+MAX_STOP_STRINGS = 16  # a request's stop strings, at most
+MAX_STOP_CHARS = 1024  # characters in one stop string, at most
+
 
 class RequestError(ValueError):
     """A request field is missing, of the wrong type, or out of range."""
@@ -84,6 +87,15 @@ def parse_request(
         raise RequestError(f"field 'top_p': expected a value in (0, 1], got {params.top_p}")
     if any(not s for s in params.stop):
         raise RequestError("field 'stop': stop strings must not be empty")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise RequestError(
+            f"field 'stop': at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}"
+        )
+    longest = max((len(s) for s in params.stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise RequestError(
+            f"field 'stop': a stop string has at most {MAX_STOP_CHARS} characters, got {longest}"
+        )
     return source, params
 
 
