@@ -25,7 +25,9 @@ from omni_core.model_cache import build_once, quiet_hub
 from omni_dit import embedded
 
 TINY = "tiny-sd3"
-EMBEDDED = ("tiny-sd3", "tiny-sd3-full", "tiny-flux")
+# the complete embedded checkpoints by name (tiny-sd3 is built per conditioning width)
+_COMPLETE = {"tiny-sd3-full": embedded.build_tiny_sd3_full, "tiny-flux": embedded.build_tiny_flux}
+EMBEDDED = (TINY, *_COMPLETE)
 
 
 class ModelError(RuntimeError):
@@ -46,10 +48,8 @@ def resolve_model(model: str, conditioning_width: int = 576, variant: str | None
             lambda target: embedded.build_tiny_sd3(target, conditioning_width),
             "model_index.json",
         )
-    elif model == "tiny-sd3-full":
-        return build_once(model, embedded.build_tiny_sd3_full, "model_index.json")
-    elif model == "tiny-flux":
-        return build_once(model, embedded.build_tiny_flux, "model_index.json")
+    elif model in _COMPLETE:
+        return build_once(model, _COMPLETE[model], "model_index.json")
     elif _looks_like_hub_id(model):
         path = _download(model, variant)
     else:

@@ -310,7 +310,7 @@ class VaeDecode(Stage):
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         import torch
 
-        groups: dict[tuple[Any, ...], list[tuple[StageInput, Any, dict[str, Any], ImageParams]]]
+        groups: dict[tuple[Any, ...], list[tuple[StageInput, Any, ImageParams]]]
         groups = defaultdict(list)
         for inp in batch:
             a = _arrays(inp)
@@ -322,22 +322,21 @@ class VaeDecode(Stage):
             except ImageRequestError as e:
                 yield inp.fail(str(e))
                 continue
-            payload = {"image": msgspec.to_builtins(params)}
             latents = torch.tensor(a["latents"])
             key = (tuple(latents.shape), params.height, params.width)
-            groups[key].append((inp, latents, payload, params))
+            groups[key].append((inp, latents, params))
         cfg = self.vae.config
         for items in groups.values():
             latents = torch.cat([x[1] for x in items])
-            latents = self.arch.spatial(latents, items[0][3]).to(self.vae.dtype)
+            latents = self.arch.spatial(latents, items[0][2]).to(self.vae.dtype)
             latents = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
             with torch.inference_mode():
                 decoded = self.vae.decode(latents, return_dict=False)[0]
             images = self.processor.postprocess(decoded.float(), output_type="np")
-            for (inp, _, payload, _), image in zip(items, images, strict=True):
+            for (inp, _, params), image in zip(items, images, strict=True):
                 yield inp.segment(
                     arrays={"image": np.ascontiguousarray(image, dtype=np.float32)},
-                    payload=payload,
+                    payload={"image": msgspec.to_builtins(params)},
                     is_last=True,
                 )
 

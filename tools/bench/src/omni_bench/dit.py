@@ -101,12 +101,14 @@ def stock(model: str, width: int, reqs: list[dict[str, Any]], threads: int) -> f
     def one(r: dict[str, Any]) -> bytes:
         embeds, pooled = hash_conditioning(r["prompt"], width, 8)
         e, p = torch.from_numpy(embeds)[None], torch.from_numpy(pooled)[None]
-        image = stock_image(pipe, e, p, r["image"], output_type="pil")
-        buf = io.BytesIO()
-        image.save(buf, format="JPEG", quality=90)
-        return buf.getvalue()
+        return _jpeg(stock_image(pipe, e, p, r["image"], output_type="pil"))
 
-    one(reqs[0])  # warm up
+    return _one_at_a_time(one, reqs)
+
+
+def _one_at_a_time(one: Any, reqs: list[dict[str, Any]]) -> float:
+    """Images/s of ``one(request)`` over ``reqs`` in turn, after one warm-up call."""
+    one(reqs[0])
     t0 = time.monotonic()
     for r in reqs:
         one(r)
@@ -134,11 +136,9 @@ def full_layout(
 
     def stock_rate(threads: int) -> float:
         torch.set_num_threads(threads)
-        _jpeg(checkpoint_image(stock_pipe, reqs[0], output_type="pil"))  # warm up
-        t0 = time.monotonic()
-        for r in reqs:
-            _jpeg(checkpoint_image(stock_pipe, r, output_type="pil"))
-        return len(reqs) / (time.monotonic() - t0)
+        return _one_at_a_time(
+            lambda r: _jpeg(checkpoint_image(stock_pipe, r, output_type="pil")), reqs
+        )
 
     by_threads = dict.fromkeys(sorted({1, cores}), 0.0)
     staged_rate = 0.0

@@ -30,7 +30,8 @@ SUPPORTED = {
 def architecture(path: Path) -> Architecture:
     """The architecture of the checkpoint in ``path``; :class:`ModelError` naming an
     unsupported one and listing the supported ones."""
-    name = model_index(path).get("_class_name")
+    index = model_index(path)
+    name = index.get("_class_name")
     target = SUPPORTED.get(name)
     if target is None:
         raise ModelError(
@@ -38,4 +39,4 @@ def architecture(path: Path) -> Architecture:
             f"not supported; supported: {', '.join(SUPPORTED)}"
         )
     module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(path)
+    return getattr(importlib.import_module(module), cls)(path, index)

@@ -28,8 +28,17 @@ class Architecture:
     default_guidance: ClassVar[float]  # image.guidance when a request leaves it out
     max_sequence_length: ClassVar[int]  # T5 tokens when the options leave it out
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, index: dict[str, Any]) -> None:
+        import diffusers
+
         self.path = path
+        self.index = index  # model_index.json
+        name = index.get("scheduler", [None, None])[1]
+        self.scheduler_class = getattr(diffusers, str(name), None)
+        if self.scheduler_class is None:
+            raise models.ModelError(
+                f"model {str(path)!r}: scheduler class {name!r} is not in diffusers"
+            )
         self.transformer_config = models.read_config(path, "transformer")
         self.vae_config = models.read_config(path, "vae")
         self.scheduler_config = models.read_config(path, "scheduler")
@@ -76,15 +85,7 @@ class Architecture:
 
     def new_scheduler(self) -> Any:
         """The checkpoint's scheduler class (``model_index.json``) from its config."""
-        import diffusers
-
-        name = models.model_index(self.path).get("scheduler", [None, None])[1]
-        cls = getattr(diffusers, str(name), None)
-        if cls is None:
-            raise models.ModelError(
-                f"model {str(self.path)!r}: scheduler class {name!r} is not in diffusers"
-            )
-        return cls.from_config(self.scheduler_config)
+        return self.scheduler_class.from_config(self.scheduler_config)
 
     # -- sample -------------------------------------------------------------------
 
@@ -142,7 +143,7 @@ class Architecture:
 
     def require_parts(self, parts: list[str]) -> None:
         """:class:`ModelError` naming the parts ``model_index.json`` does not list."""
-        index = models.model_index(self.path)
+        index = self.index
         missing = [p for p in parts if not (isinstance(index.get(p), list) and index[p][0])]
         if missing:
             raise models.ModelError(
