@@ -11,7 +11,7 @@ import time
 
 import pytest
 from omni_core import Pipeline
-from omni_core.orchestrator import StageDeadError
+from omni_core.errors import StageDeadError
 from omni_core.shm import list_segments
 from omni_core.testing.configs import chain
 

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 from omni_core import Pipeline
-from omni_core.orchestrator import StageStartError
+from omni_core.errors import StageStartError
 from omni_core.shm import list_segments
 from omni_core.testing.configs import chain
 

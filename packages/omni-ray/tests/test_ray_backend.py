@@ -167,7 +167,7 @@ def test_devices_and_extra_env_keep_their_meaning_in_an_actor(cluster):
 
 
 def test_a_placement_no_node_offers_fails_the_start_and_says_why(cluster):
-    from omni_core.orchestrator import StageStartError
+    from omni_core.errors import StageStartError
 
     cfg = chain(("src", "synthetic.source", {}, on("node_z")), ready_timeout_s=3)
     with pytest.raises(StageStartError, match=r"src: Ray has not placed.*'node_z': 1"):

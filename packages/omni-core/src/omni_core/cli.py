@@ -111,7 +111,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from omni_core.orchestrator import StageStartError
+    from omni_core.errors import StageStartError
 
     cfg = _load(args)
     if cfg is None:

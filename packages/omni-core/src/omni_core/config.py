@@ -82,6 +82,9 @@ class StageSpec(_Spec, kw_only=True):
     client_stream: bool | Literal["previews"] | None = None
     max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3  # then the stage is dead
     restart_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5  # doubles per restart
+    restart_window_s: PositiveFloat = 600.0  # max_restarts counts restarts within this
+    # a stage busy on one step (or silent) this long is hung: killed and restarted
+    stall_timeout_s: PositiveFloat | None = 300.0
     placement: Placement = msgspec.field(default_factory=Placement)
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -106,6 +109,8 @@ class PipelineConfig(_Spec, kw_only=True):
     ready_timeout_s: PositiveFloat = 120.0
     heartbeat_interval_s: PositiveFloat = 0.5
     request_timeout_s: PositiveFloat | None = None
+    # open requests past which submit raises OverloadedError (HTTP 429); None: no cap
+    max_queued_requests: PositiveInt | None = 4096
     trace: bool = False  # record every trigger and emitted event (omni trace)
     source_file: str = ""  # set by the loader; not read from YAML
 

@@ -70,6 +70,11 @@ class WorkerHandle(ABC):
     def stop(self, grace_s: float) -> None:
         """Wait up to ``grace_s`` for the worker to end on its own, then end it."""
 
+    @abstractmethod
+    def kill(self) -> None:
+        """End the worker now, without waiting (a hung stage); its end is then noticed and
+        reaped like any other death."""
+
 
 class Launcher(ABC):
     """Starts the workers of one pipeline and owns their segments and socket directory."""
@@ -125,6 +130,10 @@ class _Process(WorkerHandle):
                 self.proc.kill()
                 self.proc.wait()
         self._close_fd()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # SIGKILL also ends a SIGSTOPped process
 
     def _close_fd(self) -> None:
         if self.pidfd is not None:

@@ -26,6 +26,12 @@ import zmq
 
 from omni_core.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
+from omni_core.errors import (
+    OverloadedError,
+    RuntimeFailedError,
+    StageDeadError,
+    StageStartError,
+)
 from omni_core.events import (
     Ack,
     Cancel,
@@ -56,14 +62,6 @@ from omni_core.transport import Addresses, Outbox, Waker, pull_socket, push_sock
 
 log = logging.getLogger("omni.orchestrator")
 MAX_BACKOFF_S = 10.0
-
-
-class StageStartError(RuntimeError):
-    """A stage worker did not come up (load failure, crash, or ready timeout)."""
-
-
-class StageDeadError(RuntimeError):
-    """A request needs a stage whose worker is dead."""
 
 
 @dataclass
@@ -117,6 +115,8 @@ class Orchestrator:
         # segments of dead workers: (stage, its worker, requests open when it died)
         self.retired: list[tuple[str, WorkerHandle, set[str]]] = []
         self.deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
+        # set once a part of the runtime failed for good: {"part": ..., "error": ...}
+        self.failure: dict[str, str] | None = None
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -401,6 +401,9 @@ class Orchestrator:
         timeout_s: float | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
+        if self.failure is not None:
+            f = self.failure
+            raise RuntimeFailedError(f"the runtime failed ({f['part']}: {f['error']})")
         if self._closing or self._pump is None:
             raise RuntimeError("pipeline is not running")
         dead = [p for p in self.procs.values() if p.state == "dead"]
@@ -416,7 +419,14 @@ class Orchestrator:
             encode_frame([request])
         except (TypeError, ValueError, OverflowError) as e:
             raise TypeError(f"request {rid}: cannot be serialized: {e}") from None
+        cap = self.cfg.max_queued_requests
         with self.lock:
+            if cap is not None and len(self.collector.handles) >= cap:
+                raise OverloadedError(
+                    f"{len(self.collector.handles)} requests are open "
+                    f"(max_queued_requests={cap}); retry later",
+                    retry_after_s=1.0,
+                )
             h = self.collector.open(rid, loop)
             h.request = request
             if timeout_s is not None:

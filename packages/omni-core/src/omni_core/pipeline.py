@@ -138,8 +138,14 @@ class Pipeline:
         return self.backend.health()
 
     @property
+    def failure(self) -> dict[str, str] | None:
+        """Set once the runtime itself failed for good: ``{"part", "error"}``; every
+        request then fails with ``runtime_failed`` until the pipeline is started anew."""
+        return getattr(self.backend, "failure", None)
+
+    @property
     def healthy(self) -> bool:
-        return all(s.get("healthy", True) for s in self.health().values())
+        return self.failure is None and all(s.get("healthy", True) for s in self.health().values())
 
     def metrics(self) -> dict[str, Any]:
         """Per stage counters and rates, per request latencies, counts of outcomes."""

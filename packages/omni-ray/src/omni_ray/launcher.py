@@ -80,6 +80,9 @@ class RayWorker(WorkerHandle):
             ray.get(self.run_ref, timeout=max(grace_s, 0.001))
         self._kill()
 
+    def kill(self) -> None:
+        self._kill()
+
     def _kill(self) -> None:
         import ray
 

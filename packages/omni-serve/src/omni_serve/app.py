@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from omni_core import Pipeline
+from omni_core.errors import StageDeadError
 from omni_core.events import AnyEvent, Cancelled, Error, ImageProgress, Segment
 from omni_core.image_files import png_bytes
-from omni_core.orchestrator import StageDeadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 

@@ -1,0 +1,45 @@
+"""The errors a caller of the runtime can get from ``submit`` and ``start``.
+
+Each has a stable ``code`` (the ``code`` of the terminal ``Error`` event a request gets
+for the same cause), so a server maps them to statuses without parsing messages.
+"""
+
+from __future__ import annotations
+
+
+class OmniError(RuntimeError):
+    """Base of the runtime's own errors."""
+
+    code = "omni_error"
+
+
+class StageStartError(OmniError):
+    """A stage worker did not come up (load failure, crash, or ready timeout)."""
+
+    code = "stage_start_failed"
+
+
+class StageDeadError(OmniError):
+    """A request needs a stage whose worker is dead for good (its restart budget is spent)."""
+
+    code = "stage_dead"
+
+
+class RuntimeFailedError(OmniError):
+    """A part of the runtime itself failed and cannot go on; every request is refused.
+
+    Like vLLM's ``EngineDeadError``: once raised, the pipeline must be closed and started
+    again; every request that was open got a terminal error with code ``runtime_failed``.
+    """
+
+    code = "runtime_failed"
+
+
+class OverloadedError(OmniError):
+    """Admission refused: ``max_queued_requests`` requests are already open."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
