@@ -1,10 +1,15 @@
+import fcntl
 import os
 import stat
+import subprocess
+import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
+from omni_core import shm as shm_module
 from omni_core.serial import ArrayCodec
 from omni_core.shm import (
     Arena,
@@ -32,12 +37,143 @@ def test_segments_are_owner_only_and_unlinked(owner):
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
-def test_stale_segments_of_dead_owners_are_swept(tmp_path):
-    (tmp_path / "omni-999999999-abcd-x-0").write_bytes(b"x")
-    (tmp_path / f"omni-{os.getpid()}-abcd-x-0").write_bytes(b"x")
-    (tmp_path / "other").write_bytes(b"x")
-    assert sweep_stale(str(tmp_path)) == ["omni-999999999-abcd-x-0"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"omni-{os.getpid()}-abcd-x-0", "other"]
+# a process that owns one segment in ``argv[1]`` and lives until its stdin closes
+_OWNER = """
+import sys
+from omni_core.shm import SegmentOwner
+owner = SegmentOwner(sys.argv[1], token="peer")
+print(owner.create("x", 4096), flush=True)
+sys.stdin.read()
+"""
+
+
+def _owner_process(directory):
+    p = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(directory)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    name = p.stdout.readline().strip()
+    assert name, "the owner process did not start"
+    return p, name
+
+
+def _segment(directory, name, mode=0o600):
+    path = directory / name
+    path.write_bytes(b"x")
+    path.chmod(mode)
+    return path
+
+
+def test_a_sigkilled_owners_segments_are_swept(tmp_path):
+    p, name = _owner_process(tmp_path)
+    assert sweep_stale(str(tmp_path)) == []  # its owner lives: locked
+    p.kill()
+    p.wait()
+    assert sweep_stale(str(tmp_path)) == [name]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_live_owners_segment_is_kept_whatever_its_pid_says(tmp_path):
+    """The owner lock decides, not the pid in the name: that pid may be reused, or
+    belong to another pid namespace sharing /dev/shm."""
+    p, name = _owner_process(tmp_path)
+    try:
+        # the live owner's segment under a name whose pid is dead
+        dead_pid_name = "omni-999999999-peer-x-0"
+        os.rename(tmp_path / name, tmp_path / dead_pid_name)
+        # an unlocked segment named with a live pid (ours): its owner is gone
+        _segment(tmp_path, f"omni-{os.getpid()}-abcd-x-0")
+        assert sweep_stale(str(tmp_path)) == [f"omni-{os.getpid()}-abcd-x-0"]
+        assert [x.name for x in tmp_path.iterdir()] == [dead_pid_name]
+    finally:
+        p.stdin.close()
+        p.wait()
+    assert sweep_stale(str(tmp_path)) == [dead_pid_name]  # its owner exited
+
+
+def test_a_live_segment_of_this_process_is_kept(tmp_path):
+    owner = SegmentOwner(str(tmp_path))
+    name = owner.create("x", 4096)
+    assert sweep_stale(str(tmp_path)) == []
+    SegmentOwner(str(tmp_path)).unlink_all()  # another pipeline of this process starts
+    assert (tmp_path / name).exists()
+    owner.unlink_all()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sweep_skips_what_is_not_a_stale_segment_of_ours(tmp_path):
+    keep = [
+        _segment(tmp_path, "other"),
+        _segment(tmp_path, "omni-config"),  # the prefix, not the naming pattern
+        _segment(tmp_path, "omni-1-abcd-x-y"),
+        _segment(tmp_path, "omni-999999999-abcd-shared-0", mode=0o644),  # not private
+    ]
+    target = _segment(tmp_path, "target")
+    (tmp_path / "omni-999999999-abcd-link-0").symlink_to(target)
+    (tmp_path / "omni-999999999-abcd-dir-0").mkdir(mode=0o700)
+    keep += [
+        target,
+        tmp_path / "omni-999999999-abcd-link-0",
+        tmp_path / "omni-999999999-abcd-dir-0",
+    ]
+    if os.geteuid() == 0:  # another user's segment (only root can make one)
+        foreign = _segment(tmp_path, "omni-999999999-abcd-foreign-0")
+        os.chown(foreign, 65534, 65534)
+        keep.append(foreign)
+    assert sweep_stale(str(tmp_path)) == []
+    assert sorted(tmp_path.iterdir()) == sorted(keep)
+
+
+def test_a_segment_the_sweep_may_not_remove_fails_nothing(tmp_path, monkeypatch):
+    stale = _segment(tmp_path, "omni-999999999-abcd-x-0")
+
+    def refuse(path, *a, **kw):
+        raise PermissionError(1, "Operation not permitted", path)
+
+    with monkeypatch.context() as m:
+        m.setattr(shm_module.os, "unlink", refuse)
+        assert sweep_stale(str(tmp_path)) == []
+        owner = SegmentOwner(str(tmp_path))  # a start is not failed by it
+    assert stale.exists()
+    owner.unlink_all()
+    if os.geteuid() != 0:  # a directory this user may not write into: EACCES
+        tmp_path.chmod(0o500)
+        try:
+            assert sweep_stale(str(tmp_path)) == []
+        finally:
+            tmp_path.chmod(0o700)
+    assert sweep_stale(str(tmp_path)) == [stale.name]
+    assert sweep_stale(str(tmp_path / "missing")) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can make another user's segment")
+def test_a_start_is_not_failed_by_a_foreign_users_segment_in_dev_shm():
+    name = "omni-999999999-f0reign-x-0"
+    path = f"/dev/shm/{name}"
+    with open(path, "wb") as f:
+        f.write(b"x")
+    os.chmod(path, 0o600)
+    os.chown(path, 65534, 65534)
+    try:
+        owner = SegmentOwner()  # sweeps /dev/shm
+        owner.unlink_all()
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)
+
+
+def test_segments_are_locked_by_their_owner_until_unlinked(owner):
+    name = owner.create("stage", 4096)
+    fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        owner.unlink(name)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once unlinked
+    finally:
+        os.close(fd)
 
 
 def test_rent_and_return_with_refcounts(owner):
@@ -153,3 +289,42 @@ def test_a_failed_pack_returns_the_slots_it_rented(owner):
     with pytest.raises(TypeError):
         codec.pack({"ok": np.zeros(4096, np.uint8), "bad": [1, 2, 3]}, {"r": 1})
     assert arena.slots_in_use == 0
+
+
+def test_reader_views_are_read_only_and_the_mapping_refuses_writes(owner):
+    arena = Arena(owner.create("p", 1 << 20))
+    producer = ArrayCodec("p", arena, threshold=1024)
+    reader = ArrayCodec("r")
+    data = np.arange(4096, dtype=np.float32)
+    handles = producer.pack({"a": data, "b": data.tobytes()}, {"r": 1, "s": 1})
+    arrays, _ = reader.unpack(handles)
+    for view in (arrays["a"], arrays["b"]):
+        assert not view.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            view[0] = 1
+        with pytest.raises(ValueError):
+            view.flags.writeable = True  # its buffer is read-only: no way back
+    buf = reader.reader.buffer(handles["a"].segment)
+    with pytest.raises(TypeError):  # mapped PROT_READ
+        buf[handles["a"].offset] = 0
+    with pytest.raises(TypeError):
+        buf.write(b"x")
+    assert np.array_equal(arrays["a"], data)
+
+
+def test_a_torch_tensor_handed_to_a_stage_cannot_corrupt_the_slot(owner):
+    torch = pytest.importorskip("torch")
+    arena = Arena(owner.create("p", 1 << 20))
+    producer = ArrayCodec("p", arena, threshold=1024)
+    t = torch.arange(8192, dtype=torch.float32)
+    handles = producer.pack({"t": t}, {"r": 1, "s": 1})  # fan-out: two readers share it
+    h = handles["t"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "non-writable NumPy array" warning
+        mine, _ = ArrayCodec("r").unpack(handles)
+    mine["t"].mul_(-1)  # the stage scribbles on what it was given
+    mine["t"][0] = 12345.0
+    slot = np.frombuffer(arena.buf, dtype=np.float32, count=8192, offset=h.offset)
+    assert np.array_equal(slot, t.numpy())  # the producer's slot is intact
+    peer, _ = ArrayCodec("s").unpack(handles)
+    assert torch.equal(peer["t"], t)  # and so is what the fan-out peer reads

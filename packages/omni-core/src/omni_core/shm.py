@@ -1,13 +1,16 @@
 """Shared-memory data plane: segments the orchestrator owns, arenas producers rent from.
 
 * :class:`SegmentOwner` (orchestrator) creates every segment file under ``/dev/shm``,
-  owner-only (0600), and unlinks them at shutdown. Segment names carry the owner's pid, so
-  a later run can sweep segments whose owner was killed (:func:`sweep_stale`).
+  owner-only (0600), holds an exclusive ``flock`` on each for as long as it owns it, and
+  unlinks them at shutdown. A later run sweeps the segments whose lock is free: their
+  owner was killed (:func:`sweep_stale`). The lock, not the pid in the name, says whether
+  an owner lives: pids get reused, and another pid namespace may share ``/dev/shm``.
 * :class:`Arena` (producer worker) maps its stage's segment and sub-allocates slots in it.
   A slot is rented for a set of readers and returns to the free list when the last reader
   has released it (readers send :class:`~omni_core.events.Release` messages back).
-* :class:`SegmentReader` (any reader) maps segments on first use and hands out read-only
-  views; it never copies.
+* :class:`SegmentReader` (any reader) maps segments read-only on first use and hands out
+  read-only views; it never copies, and a reader cannot write into a slot its fan-out
+  peers share (a write through the mapping raises, a view is not writeable).
 
 Plain ``open``/``mmap`` are used rather than ``multiprocessing.shared_memory`` because on
 Python < 3.13 the latter registers every attach with a resource tracker that may unlink a
@@ -16,10 +19,14 @@ segment behind the owner's back.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
+import logging
 import mmap
 import os
+import re
 import secrets
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,42 +34,99 @@ from dataclasses import dataclass, field
 SHM_DIR = "/dev/shm"
 PREFIX = "omni-"
 ALIGN = 64
+# omni-<owner pid>-<token>-<label>-<serial>: how SegmentOwner.create names a segment
+SEGMENT_NAME = re.compile(r"omni-(\d+)-([0-9A-Za-z]+)-(.+)-(\d+)")
+
+log = logging.getLogger("omni.shm")
 
 
 class ShmPoolExhausted(RuntimeError):
     """A payload could not get a slot before its deadline."""
 
 
-def _pid_alive(pid: int) -> bool:
+def create_locked(path: str, mode: int = 0o600) -> int | None:
+    """Create ``path`` (it must not exist) and take an exclusive ``flock`` on it; the fd,
+    which holds the lock until it is closed.
+
+    None when a sweeper of another process removed the file between its creation and the
+    lock (it found it unlocked: taken for a dead owner's): the caller retries under a new
+    name. The lock lives on the open file description, so a child process (spawned with
+    ``close_fds``) does not hold it, and two owners in one process exclude each other.
+    """
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, mode)
+    except FileNotFoundError:  # its directory was swept away meanwhile
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a sweeper holds it only while it removes the file
+        st, own = os.stat(path), os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):
+            return fd
+    except FileNotFoundError:
+        pass
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
+def lock_orphan(path: str, kind: int = stat.S_IFREG) -> int | None:
+    """An fd holding ``path``'s lock when ``path`` is a private (no group or other access)
+    file of ``kind`` of this user, not a link, and no live owner holds its lock (its owner
+    is gone); else None.
+
+    Never raises for a file it may not open (another user's, EACCES, EPERM, gone). The
+    caller removes the file while it holds the returned fd, then closes it.
+    """
+    fd = None
+    try:
+        st = os.lstat(path)
+        if (
+            stat.S_IFMT(st.st_mode) != kind
+            or st.st_uid != os.geteuid()
+            or st.st_mode & 0o077  # ours are created 0600 (0700 a directory)
+        ):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        own = os.fstat(fd)
+        if (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino):  # not replaced meanwhile
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # EWOULDBLOCK: a live owner
+            return fd
+    except OSError:
+        pass
+    if fd is not None:
+        os.close(fd)
+    return None
 
 
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
-    """Unlink segments left by an owner process that no longer exists."""
-    removed = []
+    """Unlink segments whose owner is gone (their lock is free); returns their names.
+
+    Only files named like this runtime's segments, owned by this user, private (0600) and
+    not locked by a live owner are removed. Anything else (another user's file, one this
+    process may not open or unlink, a live pipeline's segment) is skipped: a sweep never
+    fails a start.
+    """
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
-    except FileNotFoundError:
+    except OSError:
         return removed
     for name in names:
-        if not name.startswith(PREFIX):
+        if not SEGMENT_NAME.fullmatch(name):
+            continue
+        path = os.path.join(directory, name)
+        fd = lock_orphan(path)
+        if fd is None:
             continue
         try:
-            pid = int(name[len(PREFIX) :].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
-            try:
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+            os.unlink(path)
+            removed.append(name)
+        except OSError as e:  # EPERM, EACCES, gone meanwhile: not ours to remove
+            log.debug("stale segment %s left in place: %s", path, e)
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -76,24 +140,38 @@ def list_segments(owner_pid: int | None = None, directory: str = SHM_DIR) -> lis
 
 
 class SegmentOwner:
-    """Creates and unlinks the segments of one pipeline; lives in the orchestrator."""
+    """Creates and unlinks the segments of one pipeline; lives in the orchestrator.
+
+    Each segment is locked (``flock``) by this owner from its creation to its unlink, so
+    no other pipeline's sweep removes it while the owner lives, and every sweep after the
+    owner's death (SIGKILL included: the kernel drops the lock) does.
+    """
 
     def __init__(self, directory: str = SHM_DIR, token: str | None = None) -> None:
         self.directory = directory
         self.token = token or secrets.token_hex(4)  # tells this pipeline's segments apart
         self._names: list[str] = []
+        self._locks: dict[str, int] = {}  # segment -> the fd holding its owner lock
         self._serial = itertools.count()  # names are never reused, even after an unlink
         sweep_stale(directory)
 
     def create(self, label: str, size: int) -> str:
         """Create a sparse segment of ``size`` bytes; pages cost memory only once written."""
-        name = f"{PREFIX}{os.getpid()}-{self.token}-{label}-{next(self._serial)}"
-        path = os.path.join(self.directory, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        for _ in range(100):
+            name = f"{PREFIX}{os.getpid()}-{self.token}-{label}-{next(self._serial)}"
+            path = os.path.join(self.directory, name)
+            fd = create_locked(path)
+            if fd is not None:
+                break
+        else:  # another process's sweep kept taking it: something is badly wrong
+            raise OSError(f"cannot create shared-memory segment {path}: removed as it was made")
         try:
             os.ftruncate(fd, size)
-        finally:
+        except BaseException:
+            os.unlink(path)
             os.close(fd)
+            raise
+        self._locks[name] = fd
         self._names.append(name)
         return name
 
@@ -102,6 +180,9 @@ class SegmentOwner:
             os.unlink(os.path.join(self.directory, name))
         except FileNotFoundError:
             pass
+        fd = self._locks.pop(name, None)
+        if fd is not None:  # after the unlink: a sweep never sees it unlocked
+            os.close(fd)
         if name in self._names:
             self._names.remove(name)
 
@@ -114,10 +195,12 @@ class SegmentOwner:
         return list(self._names)
 
 
-def map_segment(name: str, directory: str = SHM_DIR) -> mmap.mmap:
-    fd = os.open(os.path.join(directory, name), os.O_RDWR)
+def map_segment(name: str, directory: str = SHM_DIR, readonly: bool = False) -> mmap.mmap:
+    """Map a whole segment: read-write for its producer, read-only (``PROT_READ``) for a
+    reader, so a reader's write through the mapping raises instead of reaching the slot."""
+    fd = os.open(os.path.join(directory, name), os.O_RDONLY if readonly else os.O_RDWR)
     try:
-        return mmap.mmap(fd, 0)
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
     finally:
         os.close(fd)
 
@@ -265,7 +348,11 @@ class Arena:
 
 
 class SegmentReader:
-    """Maps segments on first use; the mappings live as long as the reader."""
+    """Maps segments read-only on first use; the mappings live as long as the reader.
+
+    A view of a slot stays valid as long as its slot is not released: once the reader's
+    release reaches the producer, the producer may write another payload there.
+    """
 
     def __init__(self, directory: str = SHM_DIR) -> None:
         self.directory = directory
@@ -274,7 +361,7 @@ class SegmentReader:
     def buffer(self, name: str) -> mmap.mmap:
         buf = self._maps.get(name)
         if buf is None:
-            buf = self._maps[name] = map_segment(name, self.directory)
+            buf = self._maps[name] = map_segment(name, self.directory, readonly=True)
         return buf
 
     def forget(self, name: str) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Any
 import zmq
 
 from omni_core.serial import encode_events_into, encode_frame
+from omni_core.shm import create_locked, lock_orphan
 
 MAX_FRAME_MESSAGES = 256  # coalesce at most this many messages into one frame
 STREAMING_S = 0.01  # a stage that emitted this recently is streaming (see Sender.streaming)
@@ -32,9 +35,73 @@ STATUS = "orchestrator.status"  # workers -> orchestrator: ready, heartbeats, ac
 RESULTS = "client.results"  # streaming stages -> the caller's collector
 
 
+SOCKET_DIR_PREFIX = "omni-"
+OWNER_LOCK = ".owner.lock"  # in a socket directory, locked by its owner while it lives
+_owned_dirs: dict[str, int] = {}  # socket directory -> the fd holding its owner lock
+
+
 def make_socket_dir() -> str:
-    """A fresh private directory for this pipeline's sockets."""
-    return tempfile.mkdtemp(prefix="omni-")  # mkdtemp creates it 0700
+    """A fresh private directory for this pipeline's sockets (and worker spec files).
+
+    This process holds the directory's owner lock (``.owner.lock`` in it, ``flock``) until
+    :func:`remove_socket_dir`, or its death; first the directories of dead owners (a
+    predecessor killed with SIGKILL) are swept (:func:`sweep_socket_dirs`).
+    """
+    for path in [p for p in _owned_dirs if not os.path.isdir(p)]:  # removed by its user
+        os.close(_owned_dirs.pop(path))
+    sweep_socket_dirs()
+    for _ in range(100):
+        path = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)  # mkdtemp creates it 0700
+        fd = create_locked(os.path.join(path, OWNER_LOCK))
+        if fd is not None:
+            _owned_dirs[path] = fd
+            return path
+        shutil.rmtree(path, ignore_errors=True)  # another process's sweep took it meanwhile
+    raise OSError(f"cannot create a socket directory in {tempfile.gettempdir()}")
+
+
+def remove_socket_dir(path: str) -> None:
+    """Remove a socket directory made by :func:`make_socket_dir`, then drop its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _owned_dirs.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def sweep_socket_dirs(directory: str | None = None) -> list[str]:
+    """Remove the socket directories of dead owners; returns their paths.
+
+    Only this user's private directories named ``omni-*`` in the temp directory that hold
+    an owner lock file no live process holds are removed. A directory without that file
+    (another program's, or an older runtime's) or that this process may not remove is left
+    alone, and a live pipeline's is locked: a sweep never fails a start.
+    """
+    directory = directory or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        entries = [e.path for e in os.scandir(directory) if e.name.startswith(SOCKET_DIR_PREFIX)]
+    except OSError:
+        return removed
+    for path in entries:
+        if path in _owned_dirs:
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            continue
+        fd = lock_orphan(os.path.join(path, OWNER_LOCK))
+        if fd is None:  # no lock file, a live owner's, or not ours
+            continue
+        try:
+            shutil.rmtree(path)  # while the lock is held: no owner can take it meanwhile
+            removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 class Addresses:
