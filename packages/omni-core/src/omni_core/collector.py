@@ -10,12 +10,13 @@ stage completed, else the first error, cancel or timeout.
 from __future__ import annotations
 
 import asyncio
-import queue
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_core.delivery import DONE, Inbox
 from omni_core.events import (
     AnyEvent,
     Cancelled,
@@ -29,8 +30,6 @@ from omni_core.events import (
     is_droppable,
 )
 from omni_core.serial import ArrayCodec
-
-_DONE = object()
 
 
 @dataclass
@@ -75,41 +74,34 @@ class RequestHandle:
         self.sinks_left = set(sinks)
         self.stages_done: set[str] = set()
         self.next_seq: dict[str, int] = {}
-        self.sequence = 0
         self.done = False
         self.finish_reason = ""
         self.submitted = time.monotonic()
         self.first_event: float | None = None
         self.finished: float | None = None
         self.deadline: float | None = None
-        self._loop = loop
-        self._q: queue.SimpleQueue[Any] | asyncio.Queue[Any] = (
-            asyncio.Queue() if loop is not None else queue.SimpleQueue()
-        )
+        self._inbox = Inbox(loop)
 
-    def _put(self, item: Any) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._q.put_nowait, item)  # type: ignore[arg-type]
-        else:
-            self._q.put(item)  # type: ignore[call-arg]
+    @property
+    def sequence(self) -> int:
+        """The caller's sequence number of the next event."""
+        return self._inbox.sequence
 
-    def __iter__(self):
-        q = self._q
-        assert isinstance(q, queue.SimpleQueue), "use 'async for' on an async handle"
-        while True:
-            item = q.get()
-            if item is _DONE:
-                return
-            yield item
+    @property
+    def waiting(self) -> int:
+        """Events delivered to this request that its reader has not taken yet."""
+        return len(self._inbox)
 
-    async def __aiter__(self):
-        q = self._q
-        assert isinstance(q, asyncio.Queue)
-        while True:
-            item = await q.get()
-            if item is _DONE:
-                return
-            yield item
+    def _put(self, item: Any) -> bool:
+        """Hand ``item`` to the reader; False when the reader's event loop is closed (the
+        caller is gone: the request is cancelled)."""
+        return self._inbox.put(item)
+
+    def __iter__(self) -> Iterator[AnyEvent]:
+        return iter(self._inbox)
+
+    def __aiter__(self) -> AsyncIterator[AnyEvent]:
+        return self._inbox.__aiter__()
 
 
 class Collector:
@@ -140,6 +132,7 @@ class Collector:
         self.counts = {"completed": 0, "error": 0, "cancelled": 0, "timeout": 0, "replayed": 0}
         self.metrics = RequestMetrics()
         self.trace: list[TraceMark] | None = None  # set to a list to record arrivals
+        self.orphans: list[str] = []  # wire ids of requests whose reader's loop closed
 
     def open(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         if request_id in self.handles:
@@ -226,11 +219,11 @@ class Collector:
         if self.trace is not None:
             self.trace.append(TraceMark(h.request_id, h.sequence, ev.event_type, time.time()))
         ev.request_id = h.request_id
-        ev.sequence = h.sequence
-        h.sequence += 1
         if not hasattr(ev, "arrays"):
             ev.arrays = {}
-        h._put(ev)
+        if not h._put(ev) and not h.done:  # nobody can read it: cancel it everywhere
+            self.orphans.append(h.wire_id)
+            self.finish(h, Cancelled(request_id=h.request_id, reason="cancelled"))
 
     def finish(self, h: RequestHandle, terminal: Completed | Error | Cancelled) -> None:
         """End a request with its one terminal event (no-op if it already ended)."""
@@ -247,9 +240,13 @@ class Collector:
             h.finish_reason = "error"
         self.counts[h.finish_reason] += 1
         self._deliver(h, terminal)
-        h._put(_DONE)
+        h._put(DONE)
         self.handles.pop(h.request_id, None)
         self.wire.pop(h.wire_id, None)
+
+    def take_orphans(self) -> list[str]:
+        orphans, self.orphans = self.orphans, []
+        return orphans
 
     def fail_all(self, message: str, code: str = "pipeline_closed", stage: str = "") -> None:
         for h in list(self.handles.values()):

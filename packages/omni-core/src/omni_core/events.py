@@ -293,6 +293,8 @@ class StageStats(msgspec.Struct, kw_only=True):
     completed: int = 0
     errors: int = 0
     shm_slots_in_use: int = 0
+    steps: int = 0  # generator steps the stage thread finished (its progress)
+    busy_s: float = 0.0  # how long the stage thread has been inside its current step
 
 
 class TraceSpan(msgspec.Struct, array_like=True):

@@ -36,6 +36,7 @@ from omni_core.stage import Stage, StageContext, StageInput
 from omni_core.windows import Piece, RunPiece, Window, WindowState
 
 CLIENT = "client"  # the destination name of the caller's collector
+log = logging.getLogger("omni.host")
 MAX_TOMBSTONES = 65536  # ended requests remembered, so late events for them are dropped
 
 
@@ -96,6 +97,7 @@ class StageHost:
         self.requests: dict[str, _Request] = {}
         self.ended: OrderedDict[str, int] = OrderedDict()  # request -> next out sequence
         self.releasable: list[ShmHandle] = []  # slots to hand back; the driver drains it
+        self.to_end: list[str] = []  # requests whose stage state is to be dropped
         self.window_triggers = 0
         self.dropped_late = 0
 
@@ -351,8 +353,20 @@ class StageHost:
         for q in st.pending.values():
             for w in q:
                 freed.extend(w.release)
-        try:
-            self.stage.end_request(rid)
-        except Exception:  # a plug-in's cleanup must not take the host down
-            pass
+        self.to_end.append(rid)  # the stage thread calls end_request (see end_requests)
         return freed
+
+    def take_ended(self) -> list[str]:
+        """The requests that ended here since the last call (under the driver's lock)."""
+        ended, self.to_end = self.to_end, []
+        return ended
+
+    def end_requests(self, rids: list[str]) -> None:
+        """Call the stage's ``end_request`` for each of ``rids``. Only the stage thread
+        calls this, between steps: a stage never sees ``end_request`` while its
+        ``process`` runs."""
+        for rid in rids:
+            try:
+                self.stage.end_request(rid)
+            except Exception:  # a plug-in's cleanup must not take the stage down
+                log.exception("stage %s: end_request(%s) failed", self.name, rid)

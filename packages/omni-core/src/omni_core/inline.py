@@ -89,6 +89,7 @@ class InlineRunner:
                 route(ev, dests)
         for host in self.hosts.values():
             host.forget(rid)
+            host.end_requests(host.take_ended())
         return h
 
     def cancel(self, request_id: str) -> bool:

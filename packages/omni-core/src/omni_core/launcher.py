@@ -10,7 +10,6 @@ process per stage on this machine; other backends register a launcher class unde
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from abc import ABC, abstractmethod
@@ -19,7 +18,7 @@ from omni_core.config import PipelineConfig
 from omni_core.devices import resolve_devices
 from omni_core.serial import encode_json
 from omni_core.shm import SegmentOwner
-from omni_core.transport import make_socket_dir
+from omni_core.transport import make_socket_dir, remove_socket_dir
 from omni_core.worker import WorkerSpec
 
 # The worker dies with the orchestrator (PR_SET_PDEATHSIG) from its first statement, not
@@ -146,8 +145,14 @@ class ProcessLauncher(Launcher):
 
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
+        # both sweep what SIGKILLed predecessors left (their owner locks are free), then
+        # hold this pipeline's owner locks until close() or this process's death
         self.socket_dir = make_socket_dir()
-        self.segments = SegmentOwner()
+        try:
+            self.segments = SegmentOwner()
+        except BaseException:
+            remove_socket_dir(self.socket_dir)
+            raise
 
     def spawn(self, stage: str) -> WorkerHandle:
         st = self.cfg.stage(stage)
@@ -184,5 +189,9 @@ class ProcessLauncher(Launcher):
         self.segments.unlink(handle.segment)
 
     def close(self) -> None:
-        self.segments.unlink_all()
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        """Unlink every segment, remove the socket directory with its sockets and the
+        workers' spec files, and let go of their owner locks."""
+        try:
+            self.segments.unlink_all()
+        finally:
+            remove_socket_dir(self.socket_dir)

@@ -8,7 +8,7 @@ large ones written once into a shared-memory slot (see :mod:`omni_core.shm`).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -35,6 +35,22 @@ _data_decoder = msgspec.msgpack.Decoder(list[AnyEvent | SegmentRun | Submit])
 _event_decoder = msgspec.msgpack.Decoder(list[AnyEvent | SegmentRun])
 _control_decoder = msgspec.msgpack.Decoder(list[ToWorker])
 _status_decoder = msgspec.msgpack.Decoder(list[ToOrchestrator])
+# one message at a time, for a frame that does not decode as a whole
+_raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_message_decoders = {
+    "data": msgspec.msgpack.Decoder(AnyEvent | SegmentRun | Submit),
+    "event": msgspec.msgpack.Decoder(AnyEvent | SegmentRun),
+    "control": msgspec.msgpack.Decoder(ToWorker),
+    "status": msgspec.msgpack.Decoder(ToOrchestrator),
+}
+
+
+class BadMessage(NamedTuple):
+    """A message of a frame that does not decode: what can be told of it, and why."""
+
+    request_id: str | None
+    stage: str | None
+    error: str
 
 
 def encode_frame(messages: list[Any]) -> bytes:
@@ -82,12 +98,49 @@ def pack_runs(messages: list[Any]) -> list[Any]:
     return out
 
 
-def decode_data_frame(frame: bytes) -> list[AnyEvent | SegmentRun | Submit]:
+def salvage_frame(frame: Any, kind: str) -> tuple[list[Any], list[BadMessage]]:
+    """A frame that failed to decode as a whole (``kind``: data | event | control |
+    status), decoded message by message: the good messages in order, runs expanded for
+    ``event``, and the bad ones, so one bad message costs only its own request."""
+    decoder = _message_decoders[kind]
+    try:
+        raws = _raw_list_decoder.decode(frame)
+    except msgspec.DecodeError as e:  # not even a list of messages
+        return [], [BadMessage(None, None, f"undecodable frame: {e}")]
+    good: list[Any] = []
+    bad: list[BadMessage] = []
+    for raw in raws:
+        try:
+            msg = decoder.decode(raw)
+        except msgspec.DecodeError as e:
+            bad.append(_bad_message(raw, e))
+            continue
+        if kind == "event" and type(msg) is SegmentRun:
+            good.extend(msg.segments())
+        else:
+            good.append(msg)
+    return good, bad
+
+
+def _bad_message(raw: msgspec.Raw, error: Exception) -> BadMessage:
+    try:
+        fields = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        fields = None
+    if not isinstance(fields, dict):
+        return BadMessage(None, None, str(error))
+    rid, stage = fields.get("request_id"), fields.get("stage")
+    return BadMessage(
+        rid if isinstance(rid, str) else None, stage if isinstance(stage, str) else None, str(error)
+    )
+
+
+def decode_data_frame(frame: Any) -> list[AnyEvent | SegmentRun | Submit]:
     """A stage's inbound frame; runs stay packed (the worker takes them as they are)."""
     return _data_decoder.decode(frame)
 
 
-def decode_event_frame(frame: bytes) -> list[AnyEvent]:
+def decode_event_frame(frame: Any) -> list[AnyEvent]:
     """A frame of events, runs expanded into their segments."""
     msgs = _event_decoder.decode(frame)
     if not any(type(m) is SegmentRun for m in msgs):
@@ -101,11 +154,11 @@ def decode_event_frame(frame: bytes) -> list[AnyEvent]:
     return out
 
 
-def decode_control_frame(frame: bytes) -> list[ToWorker]:
+def decode_control_frame(frame: Any) -> list[ToWorker]:
     return _control_decoder.decode(frame)
 
 
-def decode_status_frame(frame: bytes) -> list[ToOrchestrator]:
+def decode_status_frame(frame: Any) -> list[ToOrchestrator]:
     return _status_decoder.decode(frame)
 
 
@@ -154,7 +207,9 @@ def _as_bytes_view(value: Any) -> tuple[np.ndarray, str, tuple[int, ...], bool]:
 def _from_bytes(
     raw: np.ndarray, dtype: str, shape: tuple[int, ...], torch_: bool, owned: bool
 ) -> Any:
-    """Rebuild an array over ``raw`` (a flat uint8 array) without copying.
+    """Rebuild an array over ``raw`` (a flat uint8 array) without copying, except that a
+    torch tensor is never made over memory it may not write (torch has no read-only
+    tensors: ``torch.from_numpy`` of a read-only array warns, and writes would reach it).
 
     A bytes payload comes back as ``bytes`` when ``raw`` is an owned copy, else as a
     read-only uint8 view of the slot.
@@ -164,8 +219,9 @@ def _from_bytes(
     if torch_:
         import torch
 
-        t = torch.from_numpy(raw) if raw.flags.writeable else torch.from_numpy(raw.copy())
-        return t.view(getattr(torch, dtype)).reshape(shape)
+        if not raw.flags.writeable:
+            raw = raw.copy()
+        return torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
     return raw.view(np.dtype(dtype)).reshape(shape)
 
 
@@ -233,13 +289,14 @@ class ArrayCodec:
                 if copy or h.torch:
                     raw = raw.copy()
             else:
+                # the reader maps the segment read-only: a view that cannot be made writeable
                 raw = np.frombuffer(
                     self.reader.buffer(h.segment), dtype=np.uint8, count=h.nbytes, offset=h.offset
                 )
-                if copy:
+                if copy or h.torch:  # a tensor is a copy: torch has no read-only tensors
                     raw = raw.copy()
-                elif not h.torch:
-                    raw.flags.writeable = False  # fan-out peers share the slot
+                elif raw.flags.writeable:  # fan-out peers share the slot
+                    raw.flags.writeable = False
                 shm.append(h)
             arrays[key] = _from_bytes(raw, h.dtype, h.shape, h.torch, copy)
         return arrays, shm

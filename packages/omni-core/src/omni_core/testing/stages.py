@@ -9,6 +9,7 @@ prove from timestamps that stages overlap.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -168,7 +169,8 @@ class FailOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Faulty(Stage):
-    """Passes tokens on; raises for a request with ``"fail": true``, crashes on ``"crash"``."""
+    """Passes tokens on; raises for a request with ``"fail": true``, crashes on ``"crash"``,
+    emits what cannot be decoded on ``"undecodable"``, sleeps ``"hang_s"`` in one step."""
 
     Options = FailOptions
 
@@ -190,6 +192,11 @@ class Faulty(Stage):
             if inp.request.get("reject"):
                 yield inp.fail("request rejected: field 'reject' is set")
                 continue
+            if inp.request.get("undecodable"):  # encodes, but no receiver can decode it
+                yield inp.segment([1], payload={0: "x"}, is_last=True)  # type: ignore[dict-item]
+                continue
+            if inp.request.get("hang_s"):  # stuck inside one step (the GIL released)
+                time.sleep(float(inp.request["hang_s"]))
             toks = [t for w in inp.windows.values() for t in w.new_tokens]
             yield inp.segment(toks, is_last=inp.last)
 
@@ -322,3 +329,31 @@ class Previews(Stage):
                 yield inp.image(step, arrays={"image": img})
             final = np.full((2 * o.size, 2 * o.size, 3), 255, dtype=np.uint8)
             yield inp.image(steps, arrays={"image": final}, is_last=True)
+
+
+class EndProbe(Stage):
+    """Emits ``request["n"]`` one-token segments, each after a ``step_s`` sleep inside the
+    step; counts ``end_request`` calls made while a step runs or from another thread
+    than the one running ``process`` (both must be zero) and reports them each segment."""
+
+    def load(self) -> None:
+        self.in_step = False
+        self.stage_thread: int | None = None
+        self.ends = 0
+        self.overlaps = 0
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        self.stage_thread = threading.get_ident()
+        for inp in batch:
+            n = int(inp.request.get("n", 4))
+            for i in range(n):
+                self.in_step = True
+                time.sleep(float(inp.request.get("step_s", 0.005)))
+                self.in_step = False
+                payload = {"ends": self.ends, "overlaps": self.overlaps}
+                yield inp.segment([i], payload=payload, is_last=i == n - 1)
+
+    def end_request(self, request_id: str) -> None:
+        self.ends += 1
+        if self.in_step or threading.get_ident() != self.stage_thread:
+            self.overlaps += 1

@@ -1,0 +1,223 @@
+"""The lives of a pipeline's stage workers: spawn, ready, death, restart, liveness.
+
+The supervisor decides; it touches no socket and no request. The orchestrator's I/O loop
+feeds it what it sees (status messages, exit fds, the clock) and acts on what it returns:
+which workers ended, which to restart, which are hung. So every rule here (the restart
+budget over a window, back-off, the stall timeout) is testable with a fake launcher.
+
+Liveness is the stage's progress, not only its process: heartbeats carry how long the
+stage thread has been inside its current step. A stage silent (no heartbeat: stopped,
+frozen) or busy on one step for longer than its ``stall_timeout_s`` is hung: the
+supervisor kills it, and its end goes down the crash path (requests fail with
+``stage_hung``, the stage restarts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_core.config import PipelineConfig
+from omni_core.events import Heartbeat, LoadFailed, Ready, StageStats
+from omni_core.launcher import Launcher, WorkerHandle
+from omni_core.registry import load_stage_class
+
+log = logging.getLogger("omni.supervisor")
+MAX_BACKOFF_S = 10.0
+LATE_HEARTBEATS = 3  # heartbeats missed before health calls a stage unresponsive
+MIN_LATE_S = 1.0
+
+
+@dataclass
+class StageProc:
+    """One stage's worker: the current process, and the stage's life across restarts."""
+
+    name: str
+    kind: str
+    worker: WorkerHandle
+    idempotent: bool = False
+    ready: bool = False
+    dead: bool = False  # this process has exited
+    state: str = "starting"  # starting | ready | hung | restarting | dead (for good)
+    restarts: int = 0  # over the stage's whole life (metrics)
+    recent: deque[float] = field(default_factory=deque)  # restart times within the window
+    spawned_at: float = 0.0
+    restart_at: float = 0.0
+    exit_reason: str = ""
+    hung: str = ""  # why it was declared hung (then killed)
+    load_error: str = ""
+    load_s: float = 0.0
+    last_heartbeat: float = 0.0
+    stats: StageStats = field(default_factory=StageStats)
+    rates: dict[str, float] = field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        launcher: Launcher,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.launcher = launcher
+        self.clock = clock
+        self.procs: dict[str, StageProc] = {}
+
+    def spawn(self, name: str) -> StageProc:
+        """Start (or restart) ``name``'s worker; the restart history carries over."""
+        st = self.cfg.stage(name)
+        worker = self.launcher.spawn(name)
+        idempotent = bool(getattr(load_stage_class(st.kind), "idempotent", False))
+        p = StageProc(name, st.kind, worker, idempotent, spawned_at=self.clock())
+        old = self.procs.get(name)
+        if old is not None:
+            p.restarts, p.recent = old.restarts, old.recent
+        self.procs[name] = p
+        return p
+
+    # -- what the loop sees ----------------------------------------------------
+    def on_status(self, msg: Any) -> None:
+        """A worker's ready, load failure or heartbeat."""
+        p = self.procs.get(msg.stage)
+        if p is None:
+            return
+        now = self.clock()
+        if isinstance(msg, Heartbeat):
+            if p.last_heartbeat and now > p.last_heartbeat:
+                dt = now - p.last_heartbeat
+                p.rates = {
+                    "enqueue_per_s": (msg.stats.received - p.stats.received) / dt,
+                    "dequeue_per_s": (msg.stats.dequeued - p.stats.dequeued) / dt,
+                }
+            p.last_heartbeat = now
+            p.stats = msg.stats
+        elif isinstance(msg, Ready):
+            p.ready = True
+            p.state = "ready"
+            p.load_s = msg.load_s
+            p.last_heartbeat = now
+        elif isinstance(msg, LoadFailed):
+            p.load_error = msg.message
+
+    def ended(self, readable: dict[Any, int]) -> list[StageProc]:
+        """Live workers that ended: their exit fd is in ``readable``, or (no fd) they say so."""
+        self.launcher.tick()
+        out = []
+        for p in self.procs.values():
+            if p.dead:
+                continue
+            fd = p.worker.fileno()
+            if (fd in readable) if fd is not None else p.worker.exited():
+                out.append(p)
+        return out
+
+    def on_death(self, p: StageProc) -> None:
+        """Reap an ended worker and decide: restart after a back-off, or dead for good
+        (``max_restarts`` restarts within ``restart_window_s`` already)."""
+        p.exit_reason = p.worker.reap()
+        p.dead = True
+        p.ready = False
+        st = self.cfg.stage(p.name)
+        now = self.clock()
+        while p.recent and now - p.recent[0] > st.restart_window_s:
+            p.recent.popleft()
+        if len(p.recent) < st.max_restarts:
+            p.state = "restarting"
+            backoff = min(MAX_BACKOFF_S, st.restart_backoff_s * (2 ** len(p.recent)))
+            p.restart_at = now + backoff
+        else:
+            p.state = "dead"
+
+    def why(self, p: StageProc) -> tuple[str, str]:
+        """(message, code) for the requests an ended worker takes down."""
+        where = f"stage {p.name!r} worker (pid {p.worker.pid}, {p.worker.where})"
+        if p.hung:
+            return f"{where} {p.hung}; it was killed", "stage_hung"
+        return f"{where} {p.exit_reason}", "stage_died"
+
+    def due_restarts(self) -> list[StageProc]:
+        """Restart the stages whose back-off is over; the new lives."""
+        now = self.clock()
+        out = []
+        for p in list(self.procs.values()):
+            if p.state != "restarting" or now < p.restart_at:
+                continue
+            p.restarts += 1
+            p.recent.append(now)
+            log.warning(
+                "restarting stage %s (restart %d)", p.name, p.restarts, extra={"stage": p.name}
+            )
+            try:
+                out.append(self.spawn(p.name))
+            except Exception as e:  # cannot even start a process: the stage is dead
+                p.state = "dead"
+                p.exit_reason = f"restart failed: {e}"
+                log.error("stage %s: %s", p.name, p.exit_reason, extra={"stage": p.name})
+        return out
+
+    def check_liveness(self) -> list[StageProc]:
+        """Kill every stage that is hung (silent or stuck on one step past its stall
+        timeout) or a restart that did not come up within ``ready_timeout_s``; their ends
+        are then seen by :meth:`ended` like any death."""
+        now = self.clock()
+        killed = []
+        for p in self.procs.values():
+            if p.dead or p.hung:
+                continue
+            reason = self._stalled(p, now)
+            if reason:
+                p.hung = reason
+                p.state = "hung"
+                log.error("stage %s %s: killing it", p.name, reason, extra={"stage": p.name})
+                p.worker.kill()
+                killed.append(p)
+        return killed
+
+    def _stalled(self, p: StageProc, now: float) -> str:
+        if not p.ready:
+            waited = now - p.spawned_at
+            if p.restarts and waited > self.cfg.ready_timeout_s:
+                return f"was not ready {waited:.1f} s after its restart (ready_timeout_s)"
+            return ""
+        limit = self.cfg.stage(p.name).stall_timeout_s
+        if limit is None:
+            return ""
+        silent = now - p.last_heartbeat
+        if silent > limit:
+            return f"sent no heartbeat for {silent:.1f} s (stall_timeout_s={limit:g})"
+        busy = p.stats.busy_s + silent if p.stats.busy_s else 0.0
+        if busy > limit:
+            return f"was busy on one step for {busy:.1f} s (stall_timeout_s={limit:g})"
+        return ""
+
+    # -- what callers see ------------------------------------------------------
+    def late(self, p: StageProc, now: float) -> bool:
+        """Its heartbeats stopped (a few intervals missed): not healthy, even before the
+        stall timeout has it killed."""
+        limit = max(MIN_LATE_S, LATE_HEARTBEATS * self.cfg.heartbeat_interval_s)
+        return p.ready and not p.dead and now - p.last_heartbeat > limit
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Per stage: alive, healthy, state, pid, restarts, why it last ended."""
+        now = self.clock()
+        out = {}
+        for n, p in self.procs.items():
+            late = self.late(p, now)
+            out[n] = {
+                "alive": not p.dead and not p.worker.exited(),
+                "healthy": p.state == "ready" and not p.dead and not late,
+                "state": "unresponsive" if late and p.state == "ready" else p.state,
+                "pid": p.worker.pid,
+                "where": p.worker.where,
+                "restarts": p.restarts,
+                "exit": p.hung or p.exit_reason,
+                "heartbeat_age_s": now - p.last_heartbeat if p.last_heartbeat else None,
+                "busy_s": p.stats.busy_s,
+                "load_s": p.load_s,
+            }
+        return out

@@ -1,0 +1,115 @@
+"""The bounded work queue between a worker's I/O thread and its stage thread.
+
+Upstream messages become work items (through the stage host: windows, fan-in pairing)
+only while fewer than ``queue_capacity`` items wait; the rest of a frame stays decoded in
+``stash`` and the I/O thread stops reading its data socket, so a slow stage pushes back
+on its producers through the sockets.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from omni_core.events import Ack, Completed, SegmentRun, ShmHandle, Submit
+from omni_core.host import CLIENT, RequestFailed, WorkItem
+
+if TYPE_CHECKING:
+    from omni_core.worker.process import Worker
+
+
+class WorkQueue:
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self.capacity = worker.capacity
+        self.ready: deque[WorkItem] = deque()
+        self.stash: deque[Any] = deque()  # decoded upstream messages not yet taken in
+        self.idle_stage = False  # the stage thread waits for work (only then notify)
+
+    def has_room(self) -> bool:
+        with self.w.lock:
+            return len(self.ready) < self.capacity and not self.w.stopping
+
+    def intake(self) -> None:
+        """(I/O thread.) Turn stashed messages into work items while there is room."""
+        w, host, stash = self.w, self.w.host, self.stash
+        with w.work:
+            while stash and len(self.ready) < self.capacity:
+                msg = stash.popleft()
+                try:
+                    if type(msg) is SegmentRun:
+                        items, n = host.receive_run(msg, self.capacity - len(self.ready))
+                        if n < len(msg):  # the queue is full: the rest waits
+                            stash.appendleft(msg.tail(n))
+                        w.stats.received += n
+                    elif isinstance(msg, Submit):
+                        items = host.submit(msg)
+                        w.stats.received += 1
+                    else:
+                        items = host.receive(msg)
+                        w.stats.received += 1
+                        if type(msg) is Completed:
+                            ack = Ack(
+                                stage=w.name,
+                                kind="edge_end",
+                                request_id=msg.request_id,
+                                source=msg.stage,
+                            )
+                            w.send_status(ack)
+                except Exception as e:  # ends this request only; the I/O thread goes on
+                    why = str(e) if isinstance(e, RequestFailed) else f"{type(e).__name__}: {e}"
+                    own = getattr(msg, "device_handles", {}).values()
+                    host.releasable.extend(h for h in own if isinstance(h, ShmHandle))
+                    self.fail(msg.request_id, why)
+                    continue
+                self.ready.extend(items)
+            if self.ready and self.idle_stage:
+                w.work.notify()
+            freed = w.take_releasable()
+        w.release(freed)
+
+    def fail(self, rid: str, why: str, code: str = "stage_error") -> None:
+        """(I/O thread, lock held.) End ``rid`` here: the caller gets an error (and then
+        cancels the request everywhere)."""
+        host = self.w.host
+        host.releasable.extend(host.forget(rid))
+        self.w.outbox.put(CLIENT, host.error(rid, why, code), block=False)
+
+    def drop(self, rid: str) -> list[ShmHandle]:
+        """(Lock held.) Forget a cancelled request: its queued items go; the slots freed."""
+        freed = self.w.host.forget(rid)
+        kept = deque()
+        for item in self.ready:
+            if item.inp.request_id == rid:
+                freed.extend(item.release)
+            else:
+                kept.append(item)
+        self.ready = kept
+        if self.idle_stage:  # the stage thread calls end_request
+            self.w.work.notify()
+        return freed
+
+    def take_batch(self, busy: set[str], max_batch: int) -> list[WorkItem]:
+        """(Stage thread, lock held.) The first ready item whose request is not running,
+        then up to ``max_batch`` - 1 more, FIFO."""
+        batch: list[WorkItem] = []
+        rids: set[str] = set()
+        skipped: deque[WorkItem] = deque()
+        ready = self.ready
+        while ready and len(batch) < max_batch:
+            item = ready.popleft()
+            rid = item.inp.request_id
+            if item.inp.cancelled:
+                self.w.host.releasable.extend(item.release)
+                continue
+            if rid in busy or rid in rids:  # keep a request's triggers in order
+                skipped.append(item)
+                continue
+            batch.append(item)
+            rids.add(rid)
+        self.w.stats.dequeued += len(batch)
+        if batch and (self.stash or len(ready) + len(batch) >= self.capacity):
+            # the I/O thread stopped taking in while the queue was full: room again now
+            self.w.waker.kick()
+        ready.extendleft(reversed(skipped))
+        return batch

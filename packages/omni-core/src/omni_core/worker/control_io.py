@@ -1,0 +1,173 @@
+"""A worker's I/O thread: control messages, upstream intake, output tail, heartbeats."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from omni_core.events import (
+    Ack,
+    Cancel,
+    Heartbeat,
+    ReaderLost,
+    Release,
+    SegmentGone,
+    Shutdown,
+)
+from omni_core.poll_loop import PollLoop
+from omni_core.serial import (
+    BadMessage,
+    decode_control_frame,
+    decode_data_frame,
+    salvage_frame,
+)
+
+if TYPE_CHECKING:
+    from omni_core.worker.process import Worker
+
+log = logging.getLogger("omni.worker")
+
+
+class WorkerIO(PollLoop):
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(worker.waker, worker.outbox, worker.out)
+        self.w = worker
+        self.name = f"stage {worker.name!r} I/O"
+        self.queue = worker.queue
+        self.interval = worker.spec.config.heartbeat_interval_s
+        self.next_beat = 0.0
+        self.data_on = False
+        self.watch(worker.ctl_in, self.drain_control)
+
+    def done(self) -> bool:
+        return self.w.io_done
+
+    def before_poll(self) -> float:
+        room = self.queue.has_room()
+        if room and self.queue.stash:
+            self.queue.intake()
+        if room != self.data_on:  # read upstream only while the work queue has room
+            if room:
+                self.watch(self.w.data_in, self.drain_data)
+            else:
+                self.unwatch(self.w.data_in)
+            self.data_on = room
+        timeout = max(0.0, self.next_beat - time.monotonic())
+        # While the stage streams output, look every gap_s for a batched tail to send,
+        # rather than being woken per frame (a wake-up costs a GIL round trip per
+        # frame). While it computes without output (a model step), sleep: a tick every
+        # gap_s would take the GIL from it a thousand times a second.
+        if not self.may_sleep():
+            timeout = min(timeout, self.w.sender.gap_s)
+        return timeout
+
+    def may_sleep(self) -> bool:
+        sender = self.w.sender
+        return not (sender.waiting > 0 or sender.streaming())
+
+    def tick(self, events: dict[Any, int]) -> None:
+        self.w.sender.flush_due()
+        if time.monotonic() >= self.next_beat:
+            self.next_beat = time.monotonic() + self.interval
+            self.heartbeat()
+            owner = self.w.spec.owner_pid
+            if owner and os.getppid() != owner:
+                log.error("orchestrator went away; worker %s exits", self.w.name)
+                os._exit(3)
+
+    def heartbeat(self) -> None:
+        w = self.w
+        s = w.stats
+        with w.lock:
+            s.queue_depth = len(self.queue.ready)
+        s.inflight = w.inflight
+        s.outbox_depth = w.sender.pending
+        s.dropped = w.sender.drops
+        s.blocked_s = w.sender.blocked_s + w.arena.blocked_s
+        s.window_triggers = w.host.window_triggers
+        s.emitted = w.sender.sent
+        s.shm_slots_in_use = w.arena.slots_in_use
+        started = w.step_started
+        s.busy_s = time.monotonic() - started if started else 0.0
+        spans, w.scheduler.spans = w.scheduler.spans, []
+        marks, w.scheduler.marks = w.scheduler.marks, []
+        beat = Heartbeat(
+            stage=w.name, pid=os.getpid(), ts=time.time(), stats=s, spans=spans, marks=marks
+        )
+        w.send_status(beat)
+
+    # -- control -------------------------------------------------------------------
+    def drain_control(self) -> None:
+        while True:
+            try:
+                frame = self.w.ctl_in.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msgs = decode_control_frame(frame.buffer)
+            except msgspec.DecodeError:
+                msgs, bad = salvage_frame(frame.buffer, "control")
+                for b in bad:  # nobody to answer: say it loudly, apply the rest
+                    log.error("stage %s: undecodable control message: %s", self.w.name, b.error)
+            for msg in msgs:
+                self.on_control(msg)
+
+    def on_control(self, msg: Any) -> None:
+        w = self.w
+        if isinstance(msg, Release):
+            if msg.segment == w.arena.name:  # else: meant for an earlier life
+                w.arena.release(msg.slots, msg.reader)
+        elif isinstance(msg, ReaderLost):
+            w.arena.forget_reader(msg.reader)
+        elif isinstance(msg, SegmentGone):
+            w.codec.reader.forget(msg.segment)
+        elif isinstance(msg, Cancel):
+            with w.work:
+                freed = self.queue.drop(msg.request_id)
+            w.release(freed)
+            w.send_status(Ack(stage=w.name, kind="cancel", request_id=msg.request_id))
+        elif isinstance(msg, Shutdown):
+            w.sender.stop = True  # a producer blocked on a full socket gives up
+            with w.work:
+                w.stopping = True
+                w.drain = msg.drain
+                w.deadline = msg.deadline
+                w.work.notify_all()
+
+    # -- upstream data ---------------------------------------------------------------
+    def drain_data(self) -> None:
+        """Take in upstream messages while the work queue has room; the rest of a frame
+        waits in the stash so the queue never holds more than ``queue_capacity`` items."""
+        stash = self.queue.stash
+        for _ in range(64):  # bounded, so control messages are not starved
+            if stash:
+                self.queue.intake()
+                if stash:
+                    return
+            try:
+                frame = self.w.data_in.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                stash.extend(decode_data_frame(frame.buffer))
+            except msgspec.DecodeError:
+                msgs, bad = salvage_frame(frame.buffer, "data")
+                stash.extend(msgs)  # the good messages of the frame still go on
+                self.on_bad_messages(bad)
+
+    def on_bad_messages(self, bad: list[BadMessage]) -> None:
+        """Upstream messages that do not decode: each fails its own request."""
+        for b in bad:
+            source = f"stage {b.stage!r}" if b.stage else "upstream"
+            why = f"a message from {source} cannot be decoded: {b.error}"
+            log.error("stage %s: %s (request %s)", self.w.name, why, b.request_id)
+            if b.request_id is not None:
+                with self.w.work:
+                    self.queue.fail(b.request_id, why, code="bad_message")
+                    freed = self.w.take_releasable()
+                self.w.release(freed)

@@ -1,0 +1,206 @@
+"""The worker process: its spec, the state its two threads share, and its life
+(load, ready handshake, run, shut down)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from omni_core.config import PipelineConfig
+from omni_core.events import Error, LoadFailed, Ready, ShmHandle, StageStats
+from omni_core.host import CLIENT, StageHost, stage_context
+from omni_core.logs import configure_logging
+from omni_core.registry import load_stage_class
+from omni_core.serial import ArrayCodec, decode_json, encode_frame, releases
+from omni_core.shm import Arena
+from omni_core.transport import Addresses, Outbox, Sender, Waker, pull_socket, push_socket
+from omni_core.worker.admission import WorkQueue
+from omni_core.worker.control_io import WorkerIO
+from omni_core.worker.scheduler import Scheduler
+
+log = logging.getLogger("omni.worker")
+IO_FAILED_EXIT = 70  # the I/O thread failed: the worker exits, the orchestrator restarts it
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    """Everything a worker needs, written by the orchestrator into its socket directory."""
+
+    stage: str
+    config: PipelineConfig
+    socket_dir: str
+    arena: str  # the shared-memory segment this stage writes into
+    owner_pid: int = 0  # the orchestrator's pid: the worker exits if it goes away (0: no check)
+    devices: str | None = None
+    # where the worker binds its own inbound sockets, when not ``socket_dir`` (the Ray
+    # backend: senders reach it through the node's gateway, which binds ``socket_dir``)
+    bind_dir: str | None = None
+
+
+class Worker:
+    """One stage's worker: the stage, its host, its sockets, and what both threads share."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        cfg = spec.config
+        self.name = spec.stage
+        st = cfg.stage(self.name)
+        self.max_inflight = cfg.setting(st, "max_inflight")
+        self.max_batch = cfg.setting(st, "max_batch_size")
+        self.capacity = cfg.setting(st, "queue_capacity")
+        self.addr = Addresses(spec.socket_dir)
+        cls = load_stage_class(st.kind)
+        self.stage = cls(stage_context(cfg, self.name, spec.devices))
+        self.arena = Arena(spec.arena)
+        self.codec = ArrayCodec(self.name, self.arena, threshold=cfg.shm_threshold_bytes)
+        self.host = StageHost(cfg, self.name, self.stage, self.codec)
+        self.lock = threading.Lock()  # guards host state (both threads touch it)
+        self.work = threading.Condition(self.lock)
+        self.queue = WorkQueue(self)
+        self.stopping = False
+        self.drain = False
+        self.deadline: float | None = None
+        self.io_done = False  # set by the stage thread when the I/O thread may exit
+        self.trace = cfg.trace  # record spans and marks for `omni trace`
+        self.stats = StageStats()
+        self.inflight = 0
+        # the stage thread's progress, for liveness: when its current step began (0: none)
+        self.step_started = 0.0
+        self.waker = Waker()
+        self.outbox = Outbox(self.waker, capacity=max(64, self.capacity * 4))
+        self.zctx = zmq.Context()
+        self.scheduler = Scheduler(self)
+
+    def open_sockets(self) -> None:
+        cfg = self.spec.config
+        hwm = self.capacity
+        own = Addresses(self.spec.bind_dir) if self.spec.bind_dir else self.addr
+        self.data_in = pull_socket(self.zctx, own.data(self.name), hwm)
+        self.ctl_in = pull_socket(self.zctx, own.control(self.name), 100_000)
+        self.status = push_socket(self.zctx, self.addr.status, 100_000)
+        # the stage thread's sockets: events to downstream stages and to the caller
+        data = {CLIENT: push_socket(self.zctx, self.addr.results, hwm)}
+        for e in cfg.outbound(self.name):
+            hwm_e = e.capacity or cfg.setting(cfg.stage(e.target), "queue_capacity")
+            data[e.target] = push_socket(self.zctx, self.addr.data(e.target), hwm_e)
+        self.sender = Sender(
+            data, self.waker, on_unencodable=self._unencodable, on_drop=self._dropped
+        )
+        # the I/O thread's sockets: its own errors to the caller, releases to producers
+        self.out: dict[str, zmq.Socket] = {
+            CLIENT: push_socket(self.zctx, self.addr.results, 100_000)
+        }
+        for e in cfg.inbound(self.name):
+            self.out[f"ctl:{e.source}"] = push_socket(
+                self.zctx, self.addr.control(e.source), 100_000
+            )
+
+    def send_status(self, msg: msgspec.Struct) -> None:
+        self.status.send(encode_frame([msg]))
+
+    def release(self, handles: list[ShmHandle]) -> None:
+        """Hand slots back to their producers (through the I/O thread; never blocks)."""
+        if not handles:
+            return
+        for producer, msg in releases(handles, self.name):
+            self.outbox.put(f"ctl:{producer}", msg, block=False)
+
+    def take_releasable(self) -> list[ShmHandle]:
+        """(Lock held.) Slots the host let go of."""
+        freed, self.host.releasable = self.host.releasable, []
+        return freed
+
+    def _dropped(self, msg: Any, dest: str) -> None:
+        """``msg`` will never reach ``dest``: release its slots on that reader's behalf."""
+        own = [
+            (h.offset, h.rental)
+            for h in getattr(msg, "device_handles", {}).values()
+            if isinstance(h, ShmHandle) and h.segment == self.arena.name
+        ]
+        if own:
+            self.arena.release(own, dest)
+
+    def _unencodable(self, msg: Any, exc: Exception, dest: str) -> Error | None:
+        """An output that cannot go on the wire fails its request (only): the caller gets
+        an error (and cancels the request everywhere); other destinations get nothing."""
+        self._dropped(msg, dest)
+        if dest != CLIENT:
+            return None
+        self.stats.errors += 1
+        return Error(
+            request_id=msg.request_id,
+            stage=self.name,
+            message=f"stage {self.name!r}: output cannot be serialized: {exc}",
+            code="bad_output",
+        )
+
+    def io_failed(self, exc: BaseException) -> None:
+        """The I/O thread cannot go on: without it nothing moves, so the worker ends (the
+        orchestrator sees the death, fails or replays its requests, and restarts it)."""
+        log.critical(
+            "stage %s: its I/O thread failed (%s: %s); the worker exits",
+            self.name,
+            type(exc).__name__,
+            exc,
+            extra={"stage": self.name},
+        )
+        logging.shutdown()
+        os._exit(IO_FAILED_EXIT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    configure_logging()  # OMNI_LOG_LEVEL, OMNI_LOG_FORMAT (text | json)
+    with open(argv[0], "rb") as f:
+        spec = decode_json(f.read(), WorkerSpec)
+    return serve(spec)
+
+
+def serve(spec: WorkerSpec) -> int:
+    """Load the stage, report Ready (or LoadFailed) and run until shut down; the exit code."""
+    sys.setswitchinterval(0.001)  # bound how long the I/O thread waits for the GIL
+    t0 = time.monotonic()
+    zctx = zmq.Context.instance()
+    status = push_socket(zctx, Addresses(spec.socket_dir).status)
+    try:
+        worker = Worker(spec)
+        worker.stage.load()
+        worker.open_sockets()
+    except BaseException as e:  # report any load failure, then exit non-zero
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        status.send(encode_frame([LoadFailed(stage=spec.stage, pid=os.getpid(), message=detail)]))
+        status.close(linger=2000)
+        return 1
+    status.close(linger=2000)
+    # Long-lived objects from the load step never need scanning again, and a stream of
+    # short-lived events should not trigger a full collection every few hundred objects.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
+    # Ready goes out before the I/O thread owns the status socket
+    worker.send_status(Ready(stage=spec.stage, pid=os.getpid(), load_s=time.monotonic() - t0))
+    io = WorkerIO(worker)
+    thread = threading.Thread(
+        target=io.run, args=(worker.io_failed,), name=f"omni-io-{spec.stage}", daemon=True
+    )
+    thread.start()
+    try:
+        worker.scheduler.run()
+    finally:
+        try:
+            worker.sender.flush()
+            worker.stage.close()
+        finally:
+            worker.io_done = True
+            worker.waker.idle = True
+            worker.waker.wake()
+            thread.join(timeout=5)
+    return 0

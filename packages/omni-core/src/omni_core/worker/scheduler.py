@@ -1,0 +1,244 @@
+"""A worker's stage thread: the busy loop that runs the stage's generators.
+
+Take a batch from the work queue, start the stage's ``process`` generator on it, hand
+each output over to the sender; round-robin between up to ``max_inflight`` generators.
+It is the only thread that calls into the stage (``process``, ``end_request``), and it
+records when each step began, which the heartbeats carry (liveness: a step that never
+ends is a hung stage).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from omni_core.events import Error, Event, Segment, SegmentRun, ShmHandle, TraceMark, TraceSpan
+from omni_core.host import CLIENT, WorkItem
+from omni_core.stage import StageEvent
+
+if TYPE_CHECKING:
+    import threading
+
+    from omni_core.worker.process import Worker
+
+log = logging.getLogger("omni.worker")
+
+
+@dataclass
+class _Active:
+    gen: Iterator[StageEvent]
+    items: list[WorkItem]
+    rids: set[str] = field(default_factory=set)
+    cancels: list[threading.Event] = field(default_factory=list)
+    started: float = 0.0
+    outputs: int = 0
+
+
+class Scheduler:
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self.host = worker.host
+        self.queue = worker.queue
+        self.spans: list[TraceSpan] = []  # shipped with the next heartbeat
+        self.marks: list[TraceMark] = []
+
+    def run(self) -> None:
+        w = self.w
+        active: list[_Active] = []
+        while True:
+            if not active:
+                w.inflight = 0
+                w.sender.flush()  # nothing runs: send the tail now, not at the next tick
+            with w.work:
+                while len(active) < w.max_inflight:
+                    busy = {r for a in active for r in a.rids}
+                    batch = self.queue.take_batch(busy, w.max_batch)
+                    if batch:
+                        active.append(self._start(batch))
+                        w.inflight = len(active)
+                        continue
+                    if active:
+                        break
+                    if w.stopping and (not w.drain or not self.queue.ready):
+                        return
+                    if w.deadline is not None and time.time() > w.deadline:
+                        return
+                    if self.host.to_end:
+                        break  # end_request first
+                    self.queue.idle_stage = True
+                    w.work.wait(0.2)
+                    self.queue.idle_stage = False
+                w.inflight = len(active)
+                freed = w.take_releasable()
+                ended = self.host.take_ended()
+            w.release(freed)
+            self.host.end_requests(ended)
+            if w.stopping and not w.drain:
+                for a in active:
+                    a.gen.close()
+                return
+            if len(active) == 1 and w.max_inflight == 1:
+                self._run_to_end(active.pop())
+                continue
+            for a in list(active):  # round-robin one output per generator
+                if not self._step(a):
+                    active.remove(a)
+
+    def _start(self, batch: list[WorkItem]) -> _Active:
+        self.w.step_started = time.monotonic()
+        try:
+            gen = self.w.stage.process([item.inp for item in batch])
+        finally:
+            self.w.step_started = 0.0
+        rids = {item.inp.request_id for item in batch}
+        cancels = [item.inp._cancelled for item in batch]
+        return _Active(iter(gen), batch, rids, cancels, started=time.time())
+
+    def _run_to_end(self, a: _Active) -> None:
+        w = self.w
+        while self._step(a):
+            if self.host.to_end:
+                with w.lock:
+                    ended = self.host.take_ended()
+                self.host.end_requests(ended)
+            if w.stopping and not w.drain:  # shutdown: do not finish a long generator
+                a.gen.close()
+                self._finish(a, failed=True)
+                return
+
+    def _step(self, a: _Active) -> bool:
+        """Advance one output; False when the generator is done (and the items finished)."""
+        if a.cancels[0].is_set() and all(c.is_set() for c in a.cancels):
+            a.gen.close()
+            self._finish(a, failed=True)
+            return False
+        w = self.w
+        w.step_started = time.monotonic()
+        try:
+            out = next(a.gen)
+        except StopIteration:
+            w.step_started = 0.0
+            self._finish(a, failed=False)
+            return False
+        except Exception as e:
+            w.step_started = 0.0
+            log.error(
+                "stage %s failed on %s:\n%s",
+                w.name,
+                sorted(a.rids),
+                traceback.format_exc(limit=8),
+                extra={"stage": w.name, "request_id": ",".join(sorted(a.rids))},
+            )
+            self._fail_all(a, f"{type(e).__name__}: {e}")
+            return False
+        w.step_started = 0.0
+        w.stats.steps += 1
+        if out is None:  # the stage gives the other requests in flight a turn
+            return True
+        if type(out) is list:
+            a.outputs += len(out)
+            self._handle_many(out)
+        else:
+            a.outputs += 1
+            self._handle(out)
+        return True
+
+    # -- outputs -------------------------------------------------------------------
+    def _handle_many(self, evs: list[StageEvent]) -> None:
+        """A list yielded in one step: array-free segments take the fast path."""
+        plain = []
+        for ev in evs:
+            if type(ev) is Segment and "arrays" not in ev.__dict__:
+                plain.append(ev)
+            else:
+                if plain:
+                    self._send_plain(plain)
+                    plain = []
+                self._handle(ev)
+        if plain:
+            self._send_plain(plain)
+
+    def _send_plain(self, evs: list[Segment]) -> None:
+        w = self.w
+        with w.lock:
+            out = self.host.emit_plain(evs)
+        if not out:
+            return
+        if w.trace:
+            for m in out:
+                if type(m) is SegmentRun:
+                    self.marks.extend(
+                        TraceMark(m.request_id, m.sequence + k, "segment", ts)
+                        for k, ts in enumerate(m.ts)
+                    )
+                else:
+                    self.marks.append(TraceMark(m.request_id, m.sequence, "segment", m.ts))
+        events = sum(len(m) if type(m) is SegmentRun else 1 for m in out)
+        for d in self.host.data_destinations:
+            w.sender.put_many(d, out, events)
+
+    def _handle(self, ev: StageEvent) -> None:
+        w, host = self.w, self.host
+        st = host.requests.get(ev.request_id)
+        if st is None or st.cancel.is_set():  # ended, cancelled or failed here
+            return
+        error = type(ev) is Error
+        try:
+            handles = None if error else host.pack(ev)
+        except Exception as e:
+            self._fail_request(ev.request_id, f"cannot send output: {type(e).__name__}: {e}")
+            return
+        with w.lock:
+            stamped, dests = host.emit(ev, handles)
+            freed = host.forget(stamped.request_id) if error else None
+        droppable = host.droppable(stamped)
+        if w.trace:
+            self.marks.append(
+                TraceMark(stamped.request_id, stamped.sequence, stamped.event_type, stamped.ts)
+            )
+        for d in dests:
+            w.sender.put(d, stamped, droppable)
+        if error:
+            w.stats.errors += 1
+            w.release(freed)
+
+    def _fail_request(self, rid: str, message: str) -> None:
+        w = self.w
+        with w.lock:
+            ev = self.host.error(rid, message)
+            freed = self.host.forget(rid)
+            w.stats.errors += 1
+        w.sender.put(CLIENT, ev)
+        w.release(freed)
+
+    def _fail_all(self, a: _Active, message: str) -> None:
+        for item in a.items:
+            if not item.inp.cancelled:
+                self._fail_request(item.inp.request_id, message)
+        self._finish(a, failed=True)
+
+    def _finish(self, a: _Active, failed: bool) -> None:
+        w = self.w
+        if w.trace:
+            first = a.items[0].inp
+            index = first.windows and next(iter(first.windows.values())).index or 0
+            rids = [item.inp.request_id for item in a.items]
+            self.spans.append(TraceSpan(rids, a.started, time.time(), a.outputs, index))
+        freed: list[ShmHandle] = []
+        sends: list[tuple[Event, list[str]]] = []
+        with w.lock:
+            for item in a.items:
+                freed.extend(item.release)
+                if not failed and not item.inp.cancelled:
+                    sends.extend(self.host.finish(item))
+                    if item.inp.last:
+                        w.stats.completed += 1
+            freed.extend(w.take_releasable())
+        for ev, dests in sends:
+            for d in dests:
+                w.sender.put(d, ev)
+        w.release(freed)

@@ -1,0 +1,152 @@
+"""The supervisor's rules with a fake launcher and a fake clock: no process, no socket."""
+
+from omni_core.config import parse_config
+from omni_core.events import Heartbeat, Ready, StageStats
+from omni_core.launcher import Launcher, WorkerHandle
+from omni_core.supervisor import Supervisor
+
+
+class FakeWorker(WorkerHandle):
+    def __init__(self, n: int) -> None:
+        self.pid = 1000 + n
+        self.segment = f"seg{n}"
+        self.ended = False
+        self.killed = False
+
+    def exited(self) -> bool:
+        return self.ended
+
+    def reap(self) -> str:
+        return "killed by SIGKILL" if self.killed else "exited with code 9"
+
+    def stop(self, grace_s: float) -> None:
+        self.ended = True
+
+    def kill(self) -> None:
+        self.killed = self.ended = True
+
+
+class FakeLauncher(Launcher):
+    socket_dir = "/nonexistent"
+
+    def __init__(self) -> None:
+        self.spawned: list[FakeWorker] = []
+
+    def spawn(self, stage: str) -> WorkerHandle:
+        self.spawned.append(FakeWorker(len(self.spawned)))
+        return self.spawned[-1]
+
+    def unlink_segment(self, handle: WorkerHandle) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(**stage):
+    cfg = parse_config(
+        {
+            "stages": [{"name": "s", "kind": "synthetic.faulty", **stage}],
+            "heartbeat_interval_s": 0.5,
+        }
+    )
+    clock = Clock()
+    sup = Supervisor(cfg, FakeLauncher(), clock)
+    p = sup.spawn("s")
+    sup.on_status(Ready(stage="s", pid=p.worker.pid, load_s=0.1))
+    return sup, clock
+
+
+def crash_and_restart(sup, clock):
+    """The current worker dies; the back-off passes; returns the stage's state after."""
+    p = sup.procs["s"]
+    p.worker.ended = True
+    (ended,) = sup.ended({})
+    sup.on_death(ended)
+    if p.state == "dead":
+        return "dead"
+    clock.t = p.restart_at
+    (new,) = sup.due_restarts()
+    sup.on_status(Ready(stage="s", pid=new.worker.pid, load_s=0.1))
+    return new.state
+
+
+def test_restarts_spread_wider_than_the_window_never_exhaust_the_budget():
+    sup, clock = make(max_restarts=2, restart_window_s=60)
+    for _ in range(10):  # one crash every two minutes: always restarted
+        assert crash_and_restart(sup, clock) == "ready"
+        clock.t += 120
+    assert sup.procs["s"].restarts == 10
+
+
+def test_too_many_restarts_within_the_window_leave_the_stage_dead():
+    sup, clock = make(max_restarts=2, restart_window_s=60)
+    assert crash_and_restart(sup, clock) == "ready"
+    assert crash_and_restart(sup, clock) == "ready"
+    assert crash_and_restart(sup, clock) == "dead"
+    assert sup.health()["s"]["state"] == "dead" and not sup.health()["s"]["healthy"]
+
+
+def test_backoff_doubles_with_recent_restarts_and_is_capped():
+    sup, clock = make(max_restarts=10, restart_window_s=1e6, restart_backoff_s=1.0)
+    waits = []
+    for _ in range(6):
+        p = sup.procs["s"]
+        p.worker.ended = True
+        sup.on_death(sup.ended({})[0])
+        waits.append(p.restart_at - clock.t)
+        clock.t = p.restart_at
+        sup.due_restarts()
+    assert waits == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+def test_a_silent_stage_is_unresponsive_then_hung_and_killed():
+    sup, clock = make(stall_timeout_s=5.0)
+    clock.t += 1.6  # past three missed heartbeats: health says so, nothing killed yet
+    h = sup.health()["s"]
+    assert h["state"] == "unresponsive" and not h["healthy"]
+    assert sup.check_liveness() == []
+    clock.t += 3.6
+    (hung,) = sup.check_liveness()
+    assert hung.worker.killed and hung.state == "hung"
+    message, code = sup.why(hung)
+    assert code == "stage_hung" and "no heartbeat for 5.2 s" in message
+    sup.on_death(sup.ended({})[0])
+    assert hung.state == "restarting"
+
+
+def test_a_stage_busy_on_one_step_past_its_stall_timeout_is_hung():
+    sup, clock = make(stall_timeout_s=5.0)
+    for busy in (1.0, 3.0, 4.9):  # heartbeats keep coming; the step does not end
+        clock.t += 0.5
+        sup.on_status(Heartbeat(stage="s", pid=1, ts=0, stats=StageStats(busy_s=busy)))
+        assert sup.check_liveness() == []
+    clock.t += 0.2
+    (hung,) = sup.check_liveness()
+    assert "busy on one step for 5.1 s" in sup.why(hung)[0]
+
+
+def test_no_stall_timeout_means_no_hang_detection():
+    sup, clock = make(stall_timeout_s=None)
+    clock.t += 1e6
+    assert sup.check_liveness() == []
+
+
+def test_a_restart_that_never_becomes_ready_is_killed_after_ready_timeout():
+    sup, clock = make()
+    p = sup.procs["s"]
+    p.worker.ended = True
+    sup.on_death(sup.ended({})[0])
+    clock.t = p.restart_at
+    (new,) = sup.due_restarts()
+    clock.t += sup.cfg.ready_timeout_s + 1
+    (hung,) = sup.check_liveness()
+    assert hung is new and "not ready" in hung.hung
