@@ -153,3 +153,20 @@ def image_server(
     server = start_server(config, tmp_path_factory.mktemp("image-server"), "--max-images", "2")
     yield server
     stop_server(server)
+
+
+def intake_then(name: str, model: str, *stages: dict[str, Any]) -> dict[str, Any]:
+    """``ar.intake`` (so the server offers the text endpoints) then synthetic stages: the
+    intake checks and tokenizes the request, the synthetic stages stand in for a model
+    (slow, failing) and send no text (an answer's text is empty)."""
+    intake = {
+        "name": "intake",
+        "kind": "ar.intake",
+        "options": {"model": model, "max_prompt_tokens": 64},
+    }
+    return chained(name, [intake, *stages])
+
+
+def slow(hold_s: float) -> dict[str, Any]:
+    """A stage that holds each request ``hold_s`` (it cannot be interrupted)."""
+    return {"name": "slow", "kind": "synthetic.sleep", "options": {"hold_s": hold_s}}

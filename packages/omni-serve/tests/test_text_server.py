@@ -98,9 +98,12 @@ def test_bad_requests_get_openai_errors_naming_the_field(text_server, body, para
 
 def test_malformed_bodies_and_wrong_endpoints(text_server):
     url = text_server.url
-    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=10)
+    json_body = {"content-type": "application/json"}
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers=json_body)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.post(f"{url}/v1/chat/completions", content=b"x" * (2 << 20), timeout=10)
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{}")  # says not what it is
+    assert r.status_code == 415 and r.json()["error"]["param"] == "Content-Type"
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"x" * (2 << 20), headers=json_body)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     r = httpx.post(f"{url}/v1/images/generations", json={"prompt": "x"}, timeout=10)
     assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]

@@ -1,15 +1,28 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the status
-that fits; what the pipeline reports is mapped here, and nothing else ever leaks."""
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code", "request_id"}}``
+with the status that fits; what the pipeline reports is mapped here, and nothing else ever
+leaks: a 5xx names the stage and the request id, never a stage's or the runtime's own
+message (that goes to the server's log, with the request id)."""
 
 from __future__ import annotations
 
+import logging
+import math
 import re
 from typing import Any
 
+from omni_core.errors import OverloadedError, RuntimeFailedError, StageDeadError
 from omni_core.events import Cancelled, Error
+
+log = logging.getLogger("omni.serve")
 
 # pipeline stages name a bad field as "field 'image.width': ..." (omni_ar / omni_dit params)
 _FIELD = re.compile(r"field '([^']+)'")
+_STAGE = re.compile(r"stage '([^']+)'")  # how StageDeadError names the stage
+
+
+def printable(text: str) -> str:
+    """``text`` safe to put in a JSON answer: a lone surrogate becomes ``\\ud800``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class APIError(Exception):
@@ -22,6 +35,7 @@ class APIError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",  # noqa: A002 (the OpenAI field's name)
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -29,16 +43,18 @@ class APIError(Exception):
         self.param = param
         self.type = type
         self.code = code
+        self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
+    def body(self, request_id: str | None = None) -> dict[str, Any]:
+        err: dict[str, Any] = {
+            "message": printable(self.message),
+            "type": self.type,
+            "param": None if self.param is None else printable(self.param),
+            "code": self.code,
         }
+        if request_id is not None:
+            err["request_id"] = request_id
+        return {"error": err}
 
 
 def bad_field(param: str, message: str) -> APIError:
@@ -46,13 +62,16 @@ def bad_field(param: str, message: str) -> APIError:
     return APIError(400, f"field '{param}': {message}", param=param)
 
 
-def from_terminal(ev: Error | Cancelled, params: dict[str, str] | None = None) -> APIError:
+def from_terminal(
+    ev: Error | Cancelled, params: dict[str, str] | None = None, request_id: str = ""
+) -> APIError:
     """The API error for a request the pipeline ended without completing it.
 
-    A stage's validation error names a field: that is the client's fault (400). A timeout
-    is 504; a dead worker or any other stage failure is the server's (500, the stage's own
-    one-line message: stages never put tracebacks into events). ``params`` renames the
-    pipeline's field names to the request's (``image.width`` -> ``size``)."""
+    A stage's validation error names a field: that is the client's fault (400, the stage's
+    message). A timeout is 504; a failed runtime or a dead stage 503; any other stage
+    failure 500, naming the stage and the request id only (the stage's message is logged
+    here). ``params`` renames the pipeline's field names to the request's
+    (``image.width`` -> ``size``)."""
     if isinstance(ev, Cancelled):
         if ev.reason == "timeout":
             return APIError(504, "the request timed out", type="timeout", code="timeout")
@@ -61,4 +80,51 @@ def from_terminal(ev: Error | Cancelled, params: dict[str, str] | None = None) -
     if m and ev.code == "stage_error":
         param = (params or {}).get(m.group(1), m.group(1))
         return APIError(400, ev.message, param=param, code="invalid_value")
-    return APIError(500, ev.message, type="server_error", code=ev.code)
+    log.error(
+        "request failed: %s (%s)",
+        ev.message,
+        ev.code,
+        extra={"request_id": request_id, "stage": ev.stage, "sequence": ev.sequence},
+    )
+    rid = f"request id {request_id}"
+    if ev.code == RuntimeFailedError.code:
+        return APIError(503, f"the runtime failed; {rid}", type="server_error", code=ev.code)
+    if ev.code == StageDeadError.code:
+        return APIError(
+            503, f"stage {ev.stage!r} is dead; {rid}", type="server_error", code=ev.code
+        )
+    if ev.code == "pipeline_closed":
+        return APIError(503, f"the server is shutting down; {rid}", type="server_error")
+    where = f"stage {ev.stage!r}" if ev.stage else "the pipeline"
+    return APIError(500, f"{where} failed; {rid}", type="server_error", code=ev.code)
+
+
+def submit_error(e: BaseException, request_id: str = "") -> APIError:
+    """The API error for a request the pipeline refused (``submit`` raised ``e``)."""
+    rid = f"request id {request_id}"
+    extra = {"request_id": request_id}
+    if isinstance(e, OverloadedError):
+        retry = max(1, math.ceil(e.retry_after_s)) if math.isfinite(e.retry_after_s) else 1
+        log.warning("request refused: %s", e, extra=extra)
+        return APIError(
+            429,
+            f"the server is overloaded; retry in {retry} s",
+            type="rate_limit_error",
+            code=OverloadedError.code,
+            headers={"Retry-After": str(retry)},
+        )
+    if isinstance(e, TypeError) and "cannot be serialized" in str(e):
+        # the server's checks should have caught it; still the request's fault
+        log.warning("request refused: %s", e, extra=extra)
+        return APIError(400, "the request holds a value the pipeline cannot carry")
+    log.error("request refused: %s: %s", type(e).__name__, e, extra=extra)
+    if isinstance(e, RuntimeFailedError):
+        msg = f"the runtime failed and cannot serve requests; {rid}"
+        return APIError(503, msg, type="server_error", code=RuntimeFailedError.code)
+    if isinstance(e, StageDeadError):
+        m = _STAGE.match(str(e))
+        who = f"stage {m.group(1)!r}" if m else "a stage of the pipeline"
+        msg = f"{who} is dead; the pipeline cannot serve requests; {rid}"
+        return APIError(503, msg, type="server_error", code=StageDeadError.code)
+    msg = f"the pipeline is not accepting requests; {rid}"
+    return APIError(503, msg, type="server_error")

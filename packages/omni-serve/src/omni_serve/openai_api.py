@@ -11,33 +11,44 @@ rather than ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+import re
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from omni_serve.body import INT_MAX, INT_MIN
 from omni_serve.errors import APIError, bad_field
+from omni_serve.settings import MAX_TIMEOUT_S
+
+# every integer a stage gets fits in 64 bits (a float such as 1e30 is refused too)
+Int64 = Annotated[int, Field(ge=INT_MIN, le=INT_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT_MAX)]
+Positive = Annotated[int, Field(ge=1, le=INT_MAX)]
+_SIZE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})")  # ASCII digits only: not "²x16"
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+
+class _Body(_Model):
     model: str | None = None
     user: str | None = None
-    timeout_s: float | None = Field(default=None, gt=0)  # omni: this request's timeout
+    # omni: this request's timeout; it may lower the server's cap, never raise it
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(_Model):
     include_usage: bool = False
 
 
 class _TextBody(_Body):
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Positive | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
@@ -45,14 +56,12 @@ class _TextBody(_Body):
     ignore_eos: bool | None = None  # omni (as vLLM): decode to max_tokens
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ContentPart(_Model):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
     name: str | None = None
@@ -60,39 +69,39 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_TextBody):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Positive | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
 
 
 class CompletionRequest(_TextBody):
     prompt: str | list[str]
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
 
 
 class ImageRequest(_Body):
     prompt: str = Field(min_length=1)
-    n: int = 1
+    n: Int64 = 1
     size: str | None = None  # "WIDTHxHEIGHT" or "auto"
     response_format: Literal["b64_json", "url"] | None = None
     output_format: Literal["png", "jpeg", "webp"] | None = None
-    output_compression: int | None = Field(default=None, ge=0, le=100)
+    output_compression: Int64 | None = Field(default=None, ge=0, le=100)
     quality: Literal["auto", "low", "medium", "high", "standard", "hd"] | None = None
     background: Literal["auto", "opaque", "transparent"] | None = None
     style: str | None = None
     moderation: str | None = None
     stream: bool = False
-    partial_images: int | None = Field(default=None, ge=0)
+    partial_images: Count | None = None
     # omni: the DiT's own fields
-    steps: int | None = None
-    seed: int | None = None
+    steps: Int64 | None = None
+    seed: Int64 | None = None
     guidance: float | None = None
     true_cfg_scale: float | None = None  # Flux: classifier-free guidance
     negative_prompt: str | None = None
-    preview_every: int | None = None
-    max_tokens: int | None = Field(default=None, ge=1)  # the AR stages of a mixed pipeline
+    preview_every: Int64 | None = None
+    max_tokens: Positive | None = None  # the AR stages of a mixed pipeline
 
 
 # pipeline field names (as stages report them) -> the request's
@@ -201,9 +210,10 @@ def image_requests(
         raise bad_field("background", "transparent backgrounds are not supported")
     image: dict[str, Any] = {}
     if req.size not in (None, "auto"):
-        w, sep, h = req.size.lower().partition("x")
-        if not (sep and w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
-            raise bad_field("size", f"expected 'WIDTHxHEIGHT' or 'auto', got {req.size!r}")
+        m = _SIZE.fullmatch(req.size.lower())
+        if not (m and int(m[1]) > 0 and int(m[2]) > 0):
+            raise bad_field("size", f"expected 'WIDTHxHEIGHT' or 'auto', got {req.size[:40]!r}")
+        w, h = m[1], m[2]
         if int(w) * int(h) > max_pixels:
             raise bad_field(
                 "size", f"{req.size} is over this server's limit of {max_pixels} pixels"
@@ -219,6 +229,8 @@ def image_requests(
             image[name] = value
     if req.stream and req.partial_images == 0:
         image["preview_every"] = 0
+    if req.seed is not None and req.seed + req.n - 1 > INT_MAX:
+        raise bad_field("seed", f"seed + n - 1 must fit in 64 bits (at most {INT_MAX})")
     out = []
     for i in range(req.n):
         one = dict(image)

@@ -1,0 +1,135 @@
+"""Request bodies: JSON only, bounded in size and depth, and holding only values every
+stage can carry. Anything else is a 4xx here, naming the field, before the request
+reaches the pipeline (where it would be a 500 or 503 from a serializer).
+
+Refused: a ``Content-Type`` other than ``application/json`` (415), a body over the size
+limit (413), bodies that are not UTF-8 JSON, nesting deeper than :data:`MAX_DEPTH`,
+integers outside 64 bits, non-finite numbers (``NaN``, ``Infinity`` and ``1e400``, which
+Python's ``json`` accepts) and strings with lone surrogates (``"\\ud800"``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from fastapi import Request
+
+from omni_serve.errors import APIError, bad_field, printable
+
+MAX_DEPTH = 64
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1  # what every stage's integers hold
+
+
+def check_content_type(value: str | None) -> None:
+    """A body is JSON, and says so: ``application/json`` (UTF-8; parameters allowed). A
+    body that does not say (or says a form or text, as a cross-site form post does) is
+    refused: no browser page of another origin can post to the API without CORS."""
+    if value is None:
+        raise APIError(
+            415,
+            "the request has no Content-Type: send 'Content-Type: application/json'",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
+    media, *params = value.split(";")
+    charset = "utf-8"
+    for param in params:
+        key, _, val = param.partition("=")
+        if key.strip().lower() == "charset":
+            charset = val.strip().strip('"').lower()
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        shown = printable(value[:100])
+        raise APIError(
+            415,
+            f"Content-Type {shown!r} is not supported: send 'application/json' (UTF-8)",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, at most ``limit`` bytes (else 413, read no further)."""
+    too_big = APIError(413, f"the request body is over {limit} bytes", code="body_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and int(length[:20]) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    return bytes(body)
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` as JSON, every value checked (:func:`check_values`)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not UTF-8: {e.reason}") from None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise APIError(
+            400, f"the request body is nested deeper than {MAX_DEPTH} levels", param="body"
+        ) from None
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    check_values(value)
+    return value
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body: content type, size and values checked."""
+    check_content_type(request.headers.get("content-type"))
+    return parse_json(await read_body(request, limit))
+
+
+def _name(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    key = printable(key)
+    return f"{path}.{key}" if path else key
+
+
+def _problem(value: Any) -> str | None:
+    """Why one scalar cannot travel (None: it can)."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return "not valid Unicode (a lone surrogate such as \\ud800)"
+    elif isinstance(value, bool):
+        return None
+    elif isinstance(value, int):
+        if not INT_MIN <= value <= INT_MAX:
+            return f"an integer of {value.bit_length()} bits: integers must fit in 64 bits"
+    elif isinstance(value, float) and not math.isfinite(value):
+        return f"{value} is not a finite number"
+    return None
+
+
+def check_values(value: Any, rename: dict[str, str] | None = None) -> None:
+    """A 400 naming the first field (``messages[0].content``) that is nested deeper than
+    :data:`MAX_DEPTH`, or holds an integer past 64 bits, a non-finite number or a lone
+    surrogate. ``rename`` maps field names to the ones to report (pipeline -> request)."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= MAX_DEPTH:
+                top = path.split(".")[0].split("[")[0] or "body"
+                raise _bad((rename or {}).get(top, top), f"nested deeper than {MAX_DEPTH} levels")
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            for k, v in pairs:
+                if isinstance(k, str) and (why := _problem(k)) is not None:
+                    raise _bad(_name(path, k), f"a key that is {why}", rename)
+                stack.append((v, _name(path, k), depth + 1))
+        elif (why := _problem(item)) is not None:
+            raise _bad(path or "body", why, rename)
+
+
+def _bad(param: str, message: str, rename: dict[str, str] | None = None) -> APIError:
+    return bad_field((rename or {}).get(param, param), message)

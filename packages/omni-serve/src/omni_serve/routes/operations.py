@@ -1,0 +1,79 @@
+"""The operator's endpoints: ``/v1/models``, ``/v1/omni/stats`` (the page's live view) and
+``/metrics`` behind the API key; ``/health`` and the page (``/``) open."""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from omni_serve.auth import require_api_key
+from omni_serve.middleware import started_at
+from omni_serve.server import ServerDep
+
+guarded = APIRouter(dependencies=[Depends(require_api_key)])
+public = APIRouter()
+
+STAT_KEYS = ("queue_depth", "inflight", "enqueue_per_s", "dequeue_per_s", "completed")
+HEALTH_KEYS = ("state", "healthy", "restarts", "pid", "exit")
+
+
+@guarded.get("/v1/models")
+async def models(request: Request, server: ServerDep) -> Response:
+    server.observe("/v1/models", 200, started_at(request))
+    return JSONResponse({"object": "list", "data": [server.model_card()]})
+
+
+@guarded.get("/v1/omni/stats")
+async def stats(request: Request, server: ServerDep) -> Response:
+    """The page's live view: per stage state, queue depth, in-flight and rates."""
+    m = server.pipe.metrics()
+    health = server.pipe.health()
+    rows = [
+        {
+            "name": name,
+            "state": health[name]["state"],
+            **{k: st.get(k, 0) for k in (*STAT_KEYS, "errors", "dropped", "restarts")},
+        }
+        for name, st in m["stages"].items()
+    ]
+    body: dict[str, Any] = {"stages": rows, "in_flight": m["in_flight"], "counts": m["counts"]}
+    server.observe("/v1/omni/stats", 200, started_at(request))
+    return JSONResponse(body)
+
+
+@guarded.get("/metrics")
+async def prometheus(request: Request, server: ServerDep) -> Response:
+    out = Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    server.observe("/metrics", 200, started_at(request))
+    return out
+
+
+@public.get("/health")
+async def health(server: ServerDep) -> Response:
+    """200 only when every stage is ready and the runtime has not failed: starting,
+    restarting and dead stages are 503, and so is a failed runtime (status ``failed``,
+    with the failure: ``{"part", "error"}``)."""
+    stages = {name: {k: h.get(k) for k in HEALTH_KEYS} for name, h in server.pipe.health().items()}
+    failure = server.pipe.failure
+    ok = failure is None and all(h["healthy"] for h in stages.values())
+    status = "failed" if failure is not None else "ok" if ok else "unhealthy"
+    body: dict[str, Any] = {"status": status, "stages": stages}
+    if failure is not None:
+        body["failure"] = {"part": failure.get("part"), "error": failure.get("error")}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+@functools.cache
+def page() -> str:
+    return resources.files("omni_serve").joinpath("static/index.html").read_text()
+
+
+@public.get("/", response_class=HTMLResponse)
+async def index() -> HTMLResponse:
+    # static HTML holding no data: everything it fetches needs the API key
+    return HTMLResponse(page())

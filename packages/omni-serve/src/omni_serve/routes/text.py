@@ -1,0 +1,145 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: one pipeline request per
+answer, read with ``Pipeline.astream``; ``stream: true`` answers with SSE chunks."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from omni_core.events import AnyEvent
+
+from omni_serve.auth import require_api_key
+from omni_serve.body import check_values, read_json
+from omni_serve.middleware import request_id_of, started_at
+from omni_serve.openai_api import (
+    ChatRequest,
+    CompletionRequest,
+    chat_request,
+    completion_request,
+    parse,
+)
+from omni_serve.server import Server, ServerDep, pipeline_id
+from omni_serve.sse import SSEAnswer, merged, sse
+from omni_serve.streams import TextState, collect, first_event
+
+log = logging.getLogger("omni.serve")
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@router.post(CHAT)
+async def chat_completions(request: Request, server: ServerDep) -> Response:
+    return await answer(request, server, chat=True)
+
+
+@router.post(COMPLETIONS)
+async def completions(request: Request, server: ServerDep) -> Response:
+    return await answer(request, server, chat=False)
+
+
+@dataclass
+class TextChunks:
+    """A text request's SSE chunks: OpenAI's ``chat.completion.chunk`` (chat) or
+    ``text_completion`` objects, and the usage chunk when asked for."""
+
+    head: dict[str, Any]  # id, created, model
+    rid: str
+    path: str
+    chat: bool
+    max_tokens: int | None
+    include_usage: bool
+    state: TextState = field(default_factory=TextState)
+    opening: list[bytes] = field(default_factory=list)  # chat: the role, before any text
+
+    def __post_init__(self) -> None:
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
+        if self.chat:
+            self.opening.append(self.chunk({"role": "assistant", "content": ""}, None))
+
+    def chunk(self, delta: dict[str, Any] | str, finish: str | None) -> bytes:
+        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        c["delta" if self.chat else "text"] = delta
+        extra = {"usage": None} if self.include_usage else {}
+        return sse({**self.head, "object": self.object, "choices": [c], **extra})
+
+    def chunks(self, _index: int, ev: AnyEvent) -> list[bytes]:
+        delta = self.state.add(ev)
+        if not delta:
+            return []
+        out = [*self.opening, self.chunk({"content": delta} if self.chat else delta, None)]
+        self.opening.clear()
+        return out
+
+    def closing(self) -> list[bytes]:
+        finish = self.state.finish_reason(self.max_tokens)
+        out = [*self.opening, self.chunk({} if self.chat else "", finish)]
+        if self.include_usage:
+            usage = self.state.usage()
+            out.append(sse({**self.head, "object": self.object, "choices": [], "usage": usage}))
+        log.info("%s: request completed", self.path, extra={"request_id": self.rid})
+        return out
+
+
+async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
+    t0 = started_at(request)
+    path = CHAT if chat else COMPLETIONS
+    body = await read_json(request, server.settings.max_body_bytes)
+    req: ChatRequest | CompletionRequest
+    if chat:
+        req = parse(ChatRequest, body)
+        server.check_model(req.model, path)
+        preq = chat_request(req, server.settings.max_tokens)
+    else:
+        req = parse(CompletionRequest, body)
+        server.check_model(req.model, path)
+        preq = completion_request(req, server.settings.max_tokens)
+    check_values(preq)
+    rid = request_id_of(request)
+    pid = pipeline_id(request)
+    oid = f"{'chatcmpl' if chat else 'cmpl'}-{pid}"
+    log.info("%s: request started (pipeline id %s)", path, pid, extra={"request_id": rid})
+    stream = merged(server.pipe, [preq], [pid], server.timeout_of(req.timeout_s))
+    head = {"id": oid, "created": int(time.time()), "model": server.settings.model_name}
+    max_tokens = preq.get("max_tokens")
+    if not req.stream:
+        events = (await collect(request, stream, 1, rid, {}))[0]
+        return complete(server, path, t0, rid, head, events, chat, max_tokens)
+    first = await first_event(request, stream, rid, {})
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    writer = TextChunks(head, rid, path, chat, max_tokens, usage)
+    return SSEAnswer(server, path, t0, rid, {}).response(first, stream, writer)
+
+
+def complete(
+    server: Server,
+    path: str,
+    t0: float,
+    rid: str,
+    head: dict[str, Any],
+    events: list[AnyEvent],
+    chat: bool,
+    max_tokens: int | None,
+) -> Response:
+    """The non-streaming answer: the whole text, its finish reason and usage."""
+    state = TextState()
+    for ev in events:
+        state.add(ev)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "finish_reason": state.finish_reason(max_tokens),
+        "logprobs": None,
+    }
+    if chat:
+        choice["message"] = {"role": "assistant", "content": state.text}
+    else:
+        choice["text"] = state.text
+    log.info("%s: request completed", path, extra={"request_id": rid})
+    obj = "chat.completion" if chat else "text_completion"
+    server.observe(path, 200, t0)
+    return JSONResponse({**head, "object": obj, "choices": [choice], "usage": state.usage()})

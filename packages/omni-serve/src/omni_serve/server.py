@@ -1,0 +1,108 @@
+"""The state every route shares: the pipeline, the settings, the metrics, what the
+pipeline serves; read by routes through the :func:`server_of` dependency."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from omni_core import Pipeline
+
+from omni_serve.errors import APIError
+from omni_serve.metrics import ServerMetrics
+from omni_serve.settings import ServeSettings
+
+TEXT_SOURCES = {"ar.intake", "ar.mm_intake"}
+IMAGE_STAGES = {"dit.plan"}
+
+
+def endpoints(pipe: Pipeline) -> list[str]:
+    """What the pipeline can answer: images when it has DiT stages (a mixed pipeline's
+    text is the image's revised prompt), else text when its source is an AR intake."""
+    kinds = {s.kind for s in pipe.config.stages}
+    if kinds & IMAGE_STAGES:
+        return ["/v1/images/generations"]
+    if kinds & TEXT_SOURCES:
+        return ["/v1/chat/completions", "/v1/completions"]
+    return []
+
+
+@dataclass
+class Server:
+    """One served pipeline and what the routes need around it."""
+
+    pipe: Pipeline
+    settings: ServeSettings
+    metrics: ServerMetrics = field(init=False)
+    served: list[str] = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.pipe)
+        self.served = endpoints(self.pipe)
+
+    def observe(self, endpoint: str, status: int, t0: float) -> None:
+        self.metrics.http_requests.labels(endpoint, str(status)).inc()
+        self.metrics.http_seconds.labels(endpoint).observe(time.monotonic() - t0)
+
+    @property
+    def timeout_cap_s(self) -> float | None:
+        """The longest a request may run: ``--request-timeout``, else the config's."""
+        cap = self.settings.request_timeout_s
+        return cap if cap is not None else self.pipe.config.request_timeout_s
+
+    def timeout_of(self, body_timeout: float | None) -> float | None:
+        """A request's timeout: its ``timeout_s`` may lower the cap, never raise it."""
+        cap = self.timeout_cap_s
+        if body_timeout is None:
+            return cap
+        return body_timeout if cap is None else min(body_timeout, cap)
+
+    def check_model(self, name: str | None, path: str) -> None:
+        if path not in self.served:
+            offer = ", ".join(self.served) or "no OpenAI endpoint (a pipeline of other stages)"
+            raise APIError(
+                404,
+                f"pipeline {self.pipe.config.name!r} does not serve {path}; it serves {offer}",
+                code="unsupported_endpoint",
+            )
+        if name not in (None, "", self.settings.model_name):
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {self.settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "omni",
+            "omni": {
+                "pipeline": self.pipe.config.name,
+                "endpoints": self.served,
+                "stages": [s.name for s in self.pipe.config.stages],
+            },
+        }
+
+
+def pipeline_id(request: Request) -> str:
+    """The pipeline's id for this request, unique among open requests: the request id
+    when the server made it, else the client's id with a unique suffix."""
+    state = request.scope.get("state", {})
+    rid = str(state.get("request_id") or "")
+    if rid and not state.get("client_request_id"):
+        return rid
+    return f"{rid}-{uuid.uuid4().hex[:12]}" if rid else uuid.uuid4().hex
+
+
+def server_of(request: Request) -> Server:
+    return request.app.state.server  # type: ignore[no-any-return]
+
+
+ServerDep = Annotated[Server, Depends(server_of)]

@@ -1,0 +1,140 @@
+"""Reading a request's events while watching its HTTP client: a client that goes away
+cancels the work at once; a request that ends in error before anything was sent becomes
+an HTTP error."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+from omni_core.events import AnyEvent, Cancelled, Error, Segment
+
+from omni_serve.errors import APIError, from_terminal, submit_error
+
+log = logging.getLogger("omni.serve")
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or :class:`ClientGone` (``work`` cancelled) if the client goes
+    away first. The body must have been read already."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (shutdown): so is the work
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone
+
+
+@dataclass
+class TextState:
+    """The text of one request so far: deltas, tokens, how it ended."""
+
+    parts: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    end: str | None = None
+    prompt_tokens: int = 0  # the AR stages pass the prompt's length along
+
+    def add(self, ev: AnyEvent) -> str | None:
+        """The text delta ``ev`` carries (None when it carries none)."""
+        payload = ev.payload if isinstance(ev.payload, dict) else {}
+        if not isinstance(ev, Segment) or not isinstance(payload.get("text"), str):
+            return None
+        self.parts.append(payload["text"])
+        self.tokens.extend(ev.tokens or [])
+        self.prompt_tokens = int(payload.get("prompt_tokens", self.prompt_tokens))
+        self.end = payload.get("finish_reason", self.end)
+        return payload["text"]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def finish_reason(self, max_tokens: int | None) -> str:
+        """``stop`` (end of sequence or a stop string), or ``length`` at ``max_tokens``."""
+        if self.end == "end" and max_tokens is not None and len(self.tokens) >= max_tokens:
+            return "length"
+        return "stop"
+
+    def usage(self) -> dict[str, int]:
+        n = len(self.tokens)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.prompt_tokens + n,
+        }
+
+
+Stream = AsyncIterator[tuple[int, AnyEvent]]
+
+
+async def first_event(
+    request: Request, stream: Stream, rid: str, params: dict[str, str]
+) -> tuple[int, AnyEvent] | None:
+    """The first event, awaited while watching for a disconnect; an error or timeout
+    before anything was sent becomes a proper HTTP error."""
+    try:
+        first = await until_disconnect(request, anext(stream, None))
+    except ClientGone:
+        await stream.aclose()
+        raise
+    except Exception as e:
+        await stream.aclose()
+        raise submit_error(e, rid) from None
+    if first is not None and isinstance(first[1], (Error, Cancelled)):
+        await stream.aclose()
+        raise from_terminal(first[1], params, rid)
+    return first
+
+
+async def collect(
+    request: Request, stream: Stream, n: int, rid: str, params: dict[str, str]
+) -> list[list[AnyEvent]]:
+    """Every event of ``n`` requests, or the first failure as an APIError."""
+
+    async def read() -> list[list[AnyEvent]]:
+        out: list[list[AnyEvent]] = [[] for _ in range(n)]
+        async with contextlib.aclosing(stream):
+            async for i, ev in stream:
+                if isinstance(ev, (Error, Cancelled)):
+                    log.info(
+                        "request ended: %s",
+                        ev.event_type,
+                        extra={"request_id": rid, "stage": ev.stage, "sequence": ev.sequence},
+                    )
+                    raise from_terminal(ev, params, rid)
+                out[i].append(ev)
+        return out
+
+    try:
+        return await until_disconnect(request, read())
+    except ClientGone:
+        log.info("client went away: request cancelled", extra={"request_id": rid})
+        raise
+    except APIError:
+        raise
+    except Exception as e:
+        raise submit_error(e, rid) from None

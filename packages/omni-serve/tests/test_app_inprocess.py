@@ -1,0 +1,235 @@
+"""The app in-process over a scripted stand-in for the pipeline: how each way a request
+can fail becomes an answer (429 with Retry-After, 503 for a failed runtime or a dead
+stage, a 5xx without the stage's text), ``/health`` of a failed runtime, the timeout cap,
+and the settings and ``Host`` rules."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from omni_core.errors import OverloadedError, RuntimeFailedError, StageDeadError
+from omni_core.events import AnyEvent, Error, Segment
+from omni_serve import ServeSettings, create_app
+from omni_serve.middleware import allowed_hosts
+from omni_serve.settings import SettingsError
+
+SECRET = "secret-detail-1234"
+Script = Callable[[str], list[AnyEvent]]
+
+
+class FakePipe:
+    """What the app reads of a Pipeline; each request answers ``script(request_id)``
+    (events) or raises ``refuse``."""
+
+    def __init__(self, request_timeout_s: float | None = None) -> None:
+        stages = [SimpleNamespace(name=n, kind=f"ar.{n}") for n in ("intake", "decode")]
+        self.config = SimpleNamespace(
+            name="fake", stages=stages, request_timeout_s=request_timeout_s
+        )
+        self.failure: dict[str, str] | None = None
+        self.healthy = {"intake": True, "decode": True}
+        self.script: Script = lambda rid: [text(rid, "hi", last=True)]
+        self.refuse: Exception | None = None
+        self.timeouts: list[float | None] = []
+
+    async def astream(
+        self, request: dict[str, Any], request_id: str, timeout_s: float | None
+    ) -> AsyncIterator[AnyEvent]:
+        self.timeouts.append(timeout_s)
+        if self.refuse is not None:
+            raise self.refuse
+        for ev in self.script(request_id):
+            yield ev
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        return {
+            n: {"state": "ready" if ok else "dead", "healthy": ok, "restarts": 0, "pid": 1}
+            for n, ok in self.healthy.items()
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        return {"stages": {}, "in_flight": 0, "counts": {}}
+
+
+def text(rid: str, t: str, last: bool = False) -> Segment:
+    return Segment(request_id=rid, stage="decode", tokens=[1], payload={"text": t}, is_last=last)
+
+
+def stage_error(rid: str, code: str = "stage_error") -> Error:
+    msg = f"stage 'decode': ValueError: {SECRET}"
+    return Error(request_id=rid, stage="decode", message=msg, code=code)
+
+
+@pytest.fixture
+def pipe() -> FakePipe:
+    return FakePipe()
+
+
+def client_of(pipe: FakePipe, **settings: Any) -> TestClient:
+    return TestClient(create_app(pipe, ServeSettings(model_name="fake", **settings)))  # type: ignore[arg-type]
+
+
+def post(client: TestClient, stream: bool = False, **body: Any):
+    return client.post("/v1/completions", json={"prompt": "x", "stream": stream, **body})
+
+
+def sse_error(r) -> dict[str, Any]:
+    """The ``error`` event of an SSE answer."""
+    lines = r.text.split("\n")
+    i = lines.index("event: error")
+    return json.loads(lines[i + 1].removeprefix("data: "))["error"]
+
+
+def test_health_of_a_failed_runtime(pipe):
+    client = client_of(pipe)
+    r = client.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    pipe.healthy["decode"] = False
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "unhealthy"
+    assert r.json()["stages"]["decode"]["state"] == "dead"
+    pipe.healthy["decode"] = True
+    pipe.failure = {"part": "collector", "error": "pump thread died"}
+    r = client.get("/health")
+    assert r.status_code == 503
+    body = r.json()
+    assert body["status"] == "failed"
+    assert body["failure"] == {"part": "collector", "error": "pump thread died"}
+    assert set(body["stages"]) == {"intake", "decode"}
+
+
+@pytest.mark.parametrize(("retry_after_s", "header"), [(2.5, "3"), (0.01, "1"), (7.0, "7")])
+def test_overloaded_is_a_429_with_retry_after(pipe, retry_after_s, header):
+    pipe.refuse = OverloadedError("4096 requests are open", retry_after_s=retry_after_s)
+    client = client_of(pipe)
+    for stream in (False, True):
+        r = post(client, stream)
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == header
+        err = r.json()["error"]
+        assert err["code"] == "overloaded" and err["request_id"] == r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (RuntimeFailedError(f"the runtime failed (pump: {SECRET})"), "runtime_failed"),
+        (StageDeadError(f"stage 'decode' is dead ({SECRET}, after 3 restarts)"), "stage_dead"),
+        (RuntimeError(f"pipeline is not running {SECRET}"), None),
+    ],
+)
+def test_refused_requests_are_503s_without_the_runtimes_text(pipe, exc, code, caplog):
+    pipe.refuse = exc
+    client = client_of(pipe)
+    for stream in (False, True):
+        with caplog.at_level(logging.INFO, logger="omni.serve"):
+            r = post(client, stream, user="u")
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        rid = r.headers["x-request-id"]
+        assert err["code"] == code and err["request_id"] == rid and rid in err["message"]
+        assert SECRET not in r.text
+        assert any(SECRET in rec.getMessage() and rec.request_id == rid for rec in caplog.records)
+    if code == "stage_dead":
+        assert "stage 'decode' is dead" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("code", "status"), [("stage_error", 500), ("stage_died", 500), ("runtime_failed", 503)]
+)
+def test_a_stage_failure_hides_the_stages_text(pipe, caplog, code, status):
+    pipe.script = lambda rid: [stage_error(rid, code)]
+    client = client_of(pipe)
+    with caplog.at_level(logging.INFO, logger="omni.serve"):
+        r = post(client)
+    assert r.status_code == status, r.text
+    rid = r.headers["x-request-id"]
+    err = r.json()["error"]
+    assert err["request_id"] == rid and SECRET not in r.text and "ValueError" not in r.text
+    if status == 500:
+        assert err["message"] == f"stage 'decode' failed; request id {rid}"
+    logged = [rec for rec in caplog.records if SECRET in rec.getMessage()]
+    assert logged and all(rec.request_id == rid for rec in logged)
+
+
+def test_a_failure_mid_stream_is_an_sse_error_without_the_text(pipe):
+    pipe.script = lambda rid: [text(rid, "a"), text(rid, "b"), stage_error(rid)]
+    r = post(client_of(pipe), stream=True)
+    assert r.status_code == 200  # the stream had begun
+    err = sse_error(r)
+    rid = r.headers["x-request-id"]
+    assert err["request_id"] == rid and err["message"] == f"stage 'decode' failed; request id {rid}"
+    assert SECRET not in r.text and r.text.endswith("data: [DONE]\n\n")
+
+
+def test_a_stage_validation_error_keeps_its_field_message(pipe):
+    msg = "stage 'intake': field 'prompt': 80 tokens, over max_prompt_tokens=64"
+    pipe.script = lambda rid: [Error(request_id=rid, stage="intake", message=msg)]
+    r = post(client_of(pipe))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"] == msg
+
+
+def test_an_unforeseen_error_is_a_500_with_the_request_id_only(pipe):
+    def broken() -> dict[str, Any]:
+        raise RuntimeError(SECRET)
+
+    pipe.metrics = broken  # type: ignore[method-assign]
+    client = TestClient(
+        create_app(pipe, ServeSettings(model_name="fake")), raise_server_exceptions=False
+    )  # type: ignore[arg-type]
+    r = client.get("/v1/omni/stats", headers={"X-Request-Id": "abc-1"})
+    assert r.status_code == 500 and r.headers["x-request-id"] == "abc-1"
+    assert r.json()["error"]["message"] == "internal server error; request id abc-1"
+    assert SECRET not in r.text
+
+
+def test_timeout_s_lowers_the_cap_never_raises_it(pipe):
+    client = client_of(pipe, request_timeout_s=0.5)
+    for body_timeout in (30, 0.1, None):
+        extra = {} if body_timeout is None else {"timeout_s": body_timeout}
+        assert post(client, **extra).status_code == 200
+    assert pipe.timeouts == [0.5, 0.1, 0.5]
+    # without --request-timeout the config's request_timeout_s is the cap
+    capped = FakePipe(request_timeout_s=2.0)
+    client = client_of(capped)
+    for body_timeout in (30, 1):
+        assert post(client, timeout_s=body_timeout).status_code == 200
+    assert capped.timeouts == [2.0, 1]
+    free = FakePipe()  # no cap anywhere: the body's, up to 7 days
+    assert post(client_of(free), timeout_s=3600).status_code == 200
+    assert free.timeouts == [3600]
+
+
+def test_settings_refuse_an_empty_api_key_and_bad_timeouts():
+    for key in ("", "   "):
+        with pytest.raises(SettingsError, match="API key is empty"):
+            ServeSettings(model_name="m", api_key=key)
+    for bad in (0, -1, float("nan"), float("inf"), 1e9):
+        with pytest.raises(SettingsError, match="request-timeout"):
+            ServeSettings(model_name="m", request_timeout_s=bad)
+
+
+def test_host_allow_lists():
+    loop = ("localhost", "127.0.0.1", "[::1]")
+    assert allowed_hosts("127.0.0.1") == loop
+    assert allowed_hosts("localhost") == loop
+    assert allowed_hosts("127.0.0.2") == (*loop, "127.0.0.2")
+    assert allowed_hosts("::1") == loop
+    assert allowed_hosts("127.0.0.1", ["Api.Test:8000"]) == (*loop, "api.test")
+    assert allowed_hosts("127.0.0.1", ["*"]) is None
+    assert allowed_hosts("0.0.0.0") is None  # open binds check only when told
+    assert allowed_hosts("0.0.0.0", ["api.test"]) == (*loop, "0.0.0.0", "api.test")
+    pipe = FakePipe()
+    client = TestClient(
+        create_app(pipe, ServeSettings(model_name="m", allowed_hosts=allowed_hosts("::1"))),  # type: ignore[arg-type]
+        base_url="http://[::1]:8000",
+    )
+    assert client.get("/health").status_code == 200
+    assert client.get("/health", headers={"Host": "rebound.example"}).status_code == 400
