@@ -87,6 +87,11 @@ class Launcher(ABC):
     def tick(self) -> None:  # noqa: B027 - optional hook
         """Called from the orchestrator's loop (about every 100 ms): housekeeping."""
 
+    def failure(self) -> dict[str, str] | None:
+        """``{"part", "error"}`` once a part of the backend itself failed for good (the
+        runtime then fails loudly); None while it works."""
+        return None
+
     def waiting(self, stage: str) -> str:
         """Why ``stage``'s worker may not have reported ready yet ("" if nothing to say)."""
         return ""

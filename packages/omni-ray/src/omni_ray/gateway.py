@@ -17,60 +17,49 @@ route change. Forwarding is stop-and-wait per (gateway, endpoint) with frames ba
 order per sender is kept and a full consumer pushes back through the sockets to its
 producers. The gateway also creates and unlinks the shared-memory segments of the stages
 on its node: they outlive a crashed worker, as with the local orchestrator.
+
+A forwarding thread never dies silently. A frame or message it cannot handle (one that
+does not decode, an array whose slot cannot be read, a delivery that fails unexpectedly)
+is logged (an unexpected exception with its traceback) and dropped: the shared-memory
+slots it holds go back to their producers, its requests end with an error (code
+``gateway_error``), and the other messages of its frame and the frames after it still go
+through. Only a broken socket ends a thread: that is
+logged loudly and reported by :meth:`NodeGateway.failure` (and ``info()``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import zmq
-from omni_core.events import InlineArray, ShmHandle
-from omni_core.host import CLIENT
-from omni_core.serial import decode_data_frame, encode_frame, releases
 from omni_core.shm import SegmentOwner, SegmentReader
 from omni_core.transport import (
-    RESULTS,
-    STATUS,
     Addresses,
     make_socket_dir,
     pull_socket,
     push_socket,
+    remove_socket_dir,
 )
 
-log = logging.getLogger("omni.ray")
+from omni_ray.frames import GATEWAY_ERROR, FrameGuard
+from omni_ray.routes import DRIVER, gateway_name, owner_of
 
-DRIVER = "@driver"  # the route owner of the orchestrator's endpoints
+log = logging.getLogger("omni.ray.gateway")
+
 MAX_BATCH_FRAMES = 64  # frames forwarded in one actor call
 MAX_BATCH_BYTES = 64 << 20  # a call's frames sit in Ray's object store at once
-_SHM_TAG = b"\xa3shm"  # msgpack of the string "shm", the tag of an array-like ShmHandle
 HWM = 1000
 _ZERO_COPY = 1 << 20
+RETRY_S = 0.02  # between tries of a delivery (a route being set, a gateway restarting)
+ERROR_PAUSE_S = 0.1  # after an unexpected error, so a recurring one cannot spin a core
 
-
-def gateway_name(pipeline_id: str, node_id: str) -> str:
-    return f"omni-gw-{pipeline_id}-{node_id}"
-
-
-def owner_of(endpoint: str) -> str:
-    """The route key of an endpoint: its stage, or DRIVER for the orchestrator's."""
-    if endpoint in (STATUS, RESULTS):
-        return DRIVER
-    return endpoint.rsplit(".", 1)[0]
-
-
-def reader_of(endpoint: str) -> str | None:
-    """Who reads the arrays of frames sent to ``endpoint`` (None: frames carry none)."""
-    if endpoint == RESULTS:
-        return CLIENT
-    if endpoint.endswith(".data"):
-        return endpoint.rsplit(".", 1)[0]
-    return None
+__all__ = ["GATEWAY_ERROR", "NodeGateway", "gateway_name"]
 
 
 class NodeGateway:
@@ -94,6 +83,8 @@ class NodeGateway:
         self.gateways: dict[str, Any] = {}
         self.local: dict[str, tuple[threading.Lock, zmq.Socket]] = {}  # delivery sockets
         self.stop = False
+        self.failures: dict[str, str] = {}  # endpoint -> why its thread stopped for good
+        self.frames = FrameGuard(node_id, self.addr, self.zctx, self.reader)
         names = Addresses.names(stages)
         if node_id == head_node:  # the orchestrator binds its own endpoints here
             names = [n for n in names if owner_of(n) != DRIVER]
@@ -106,7 +97,33 @@ class NodeGateway:
 
     # ------------------------------------------------------------------ control (driver)
     def info(self) -> dict[str, Any]:
-        return {"socket_dir": self.socket_dir, "bind_dir": self.bind_dir}
+        with self.lock:
+            failures = dict(self.failures)
+        with self.frames.lock:
+            dropped = self.frames.dropped
+        return {
+            "socket_dir": self.socket_dir,
+            "bind_dir": self.bind_dir,
+            "failures": failures,
+            "dropped": dropped,
+        }
+
+    def failure(self) -> dict[str, str] | None:
+        """None while every forwarding thread runs; else ``{"part", "error"}``: which
+        endpoints this node no longer forwards, and why (a thread that cannot go on)."""
+        with self.lock:
+            failures = dict(self.failures)
+        if not self.stop:
+            for t in self.threads:
+                name = t.name.removeprefix("gw-")
+                if not t.is_alive() and name not in failures:
+                    failures[name] = "its forwarding thread ended"
+        if not failures:
+            return None
+        return {
+            "part": f"gateway on node {self.node_id}: " + ", ".join(sorted(failures)),
+            "error": "; ".join(f"{ep}: {why}" for ep, why in sorted(failures.items())),
+        }
 
     def set_routes(self, routes: dict[str, tuple[str | None, int]]) -> None:
         """``{stage: (node or None while it is not placed, version)}``; newer wins."""
@@ -130,7 +147,7 @@ class NodeGateway:
             t.join(timeout=2)
         self.segments.unlink_all()
         self.zctx.destroy(linger=0)
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        remove_socket_dir(self.socket_dir)
 
     # ------------------------------------------------------------------ data path
     def deliver(self, endpoint: str, frames: list[Any]) -> bool:
@@ -170,41 +187,84 @@ class NodeGateway:
         return False
 
     def _forward(self, endpoint: str) -> None:
-        """One thread per endpoint: take what senders on this node wrote, pass it on."""
-        pull = pull_socket(self.zctx, self.addr.endpoint(endpoint), HWM)
-        local = push_socket(self.zctx, self.inner.endpoint(endpoint), HWM)
-        ctl: dict[str, zmq.Socket] = {}  # releases of inlined slots to their producers
+        """One thread per endpoint: take what senders on this node wrote, pass it on.
+
+        What goes wrong with one frame is that frame's problem (see :meth:`_drop`); only
+        a broken socket ends the thread, loudly (see :meth:`failure`)."""
+        socks: list[zmq.Socket] = []
+        outs: dict[str, zmq.Socket] = {}  # releases to producers, errors to the client
         try:
+            pull = pull_socket(self.zctx, self.addr.endpoint(endpoint), HWM)
+            socks.append(pull)
+            local = push_socket(self.zctx, self.inner.endpoint(endpoint), HWM)
+            socks.append(local)
             while not self.stop:
                 if not pull.poll(100):
                     continue
-                frames = [pull.recv(copy=True)]
-                size = len(frames[0])
-                while len(frames) < MAX_BATCH_FRAMES and size < MAX_BATCH_BYTES:
+                pending = [pull.recv(copy=True)]
+                size = len(pending[0])
+                while len(pending) < MAX_BATCH_FRAMES and size < MAX_BATCH_BYTES:
                     try:
-                        frames.append(pull.recv(zmq.NOBLOCK, copy=True))
+                        pending.append(pull.recv(zmq.NOBLOCK, copy=True))
                     except zmq.Again:
                         break
-                    size += len(frames[-1])
-                inlined = False
-                while not self.stop:
-                    target = self._route(endpoint)
-                    if target == self.node_id and owner_of(endpoint) != DRIVER:
-                        for f in frames:
-                            self._send(local, f)
-                        break
-                    if target is None:  # the stage is (re)starting: wait for its place
-                        time.sleep(0.02)
-                        continue
-                    if not inlined:
-                        frames = [self._inline(f, endpoint, ctl) for f in frames]
-                        inlined = True
-                    if self._deliver_remote(target, endpoint, frames):
-                        break
-                    time.sleep(0.02)
+                    size += len(pending[-1])
+                try:
+                    self._pass_on(endpoint, pending, local, outs)
+                except zmq.ZMQError:
+                    raise  # a socket of this thread is broken: it cannot go on
+                except Exception as e:
+                    log.exception(
+                        "gateway %s: %s: unexpected error forwarding %d frame(s); dropped",
+                        self.node_id[:8],
+                        endpoint,
+                        len(pending),
+                    )
+                    for f in pending:  # the frames not passed on yet
+                        self.frames.drop(endpoint, f, outs, f"{type(e).__name__}: {e}")
+                    time.sleep(ERROR_PAUSE_S)
+        except BaseException as e:
+            if not self.stop:
+                log.critical(
+                    "gateway %s: forwarding of %s stopped for good: frames sent to it on "
+                    "this node are no longer delivered",
+                    self.node_id[:8],
+                    endpoint,
+                    exc_info=True,
+                )
+                with self.lock:  # after the log: whoever sees the failure finds the log
+                    self.failures[endpoint] = f"{type(e).__name__}: {e}"
         finally:
-            for s in (pull, local, *ctl.values()):
-                s.close(linger=0)
+            for s in (*socks, *outs.values()):
+                with contextlib.suppress(Exception):
+                    s.close(linger=0)
+
+    def _pass_on(
+        self, endpoint: str, pending: list[bytes], local: zmq.Socket, outs: dict[str, zmq.Socket]
+    ) -> None:
+        """Forward ``pending`` in order; each frame leaves the list once it is passed on
+        (or dropped), so the caller knows what is left should this raise."""
+        inlined = False
+        while pending and not self.stop:
+            target = self._route(endpoint)
+            if target == self.node_id and owner_of(endpoint) != DRIVER:
+                while pending:
+                    if not self._send(local, pending[0]):
+                        return  # the gateway is closing
+                    del pending[0]
+                return
+            if target is None:  # the stage is (re)starting: wait for its place
+                time.sleep(RETRY_S)
+                continue
+            if not inlined:
+                pending[:] = self.frames.inline_all(endpoint, pending, outs)
+                inlined = True
+                if not pending:
+                    return
+            if self._deliver_remote(target, endpoint, pending):
+                pending.clear()
+                return
+            time.sleep(RETRY_S)
 
     def _deliver_remote(self, node: str, endpoint: str, frames: list[bytes]) -> bool:
         import ray
@@ -227,29 +287,3 @@ class NodeGateway:
                 e,
             )
             return False
-
-    def _inline(self, frame: bytes, endpoint: str, ctl: dict[str, zmq.Socket]) -> bytes:
-        """Copy the shared-memory arrays of ``frame`` into it; release their slots."""
-        reader = reader_of(endpoint)
-        if reader is None or _SHM_TAG not in frame:
-            return frame
-        msgs = decode_data_frame(frame)
-        freed: list[ShmHandle] = []
-        for m in msgs:
-            handles = getattr(m, "device_handles", None)
-            if not handles:
-                continue
-            for key, h in handles.items():
-                if isinstance(h, ShmHandle):
-                    buf = self.reader.buffer(h.segment)
-                    data = buf[h.offset : h.offset + h.nbytes]  # a copy (mmap slice)
-                    handles[key] = InlineArray(data, h.dtype, h.shape, h.torch)
-                    freed.append(h)
-        if not freed:
-            return frame
-        for producer, rel in releases(freed, reader):
-            sock = ctl.get(producer)
-            if sock is None:
-                sock = ctl[producer] = push_socket(self.zctx, self.addr.control(producer), 100_000)
-            sock.send(encode_frame([rel]))
-        return encode_frame(msgs)

@@ -25,7 +25,8 @@ from omni_core.serial import encode_json
 from omni_core.shm import SHM_DIR, list_segments
 from omni_core.worker import WorkerSpec
 
-from omni_ray.gateway import NodeGateway, gateway_name
+from omni_ray.gateway import NodeGateway
+from omni_ray.routes import gateway_name
 from omni_ray.stage_actor import StageActor
 
 log = logging.getLogger("omni.ray")
@@ -113,6 +114,8 @@ class RayLauncher(Launcher):
         self.version = 0
         self.workers: dict[str, RayWorker] = {}  # the current life of each stage
         self.next_scan = 0.0
+        self.health_refs: dict[Any, str] = {}  # gateways' failure() calls in flight -> node
+        self._failure: dict[str, str] | None = None
         try:
             head = self._add_gateway(self.head_node)
             info = ray.get(head.info.remote(), timeout=cfg.ready_timeout_s)
@@ -152,7 +155,27 @@ class RayLauncher(Launcher):
         for node in set(self.gateways) - alive:
             if node != self.head_node:
                 del self.gateways[node]
+        if not self.health_refs:  # ask each gateway whether its forwarding still runs
+            self.health_refs = {gw.failure.remote(): n for n, gw in self.gateways.items()}
         self.next_scan = time.monotonic() + NODE_SCAN_S
+
+    def _check_gateways(self) -> None:
+        import ray
+
+        done, _ = ray.wait(list(self.health_refs), num_returns=len(self.health_refs), timeout=0)
+        for ref in done:
+            node = self.health_refs.pop(ref)
+            try:
+                failure = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                if node != self.head_node:
+                    continue  # its node went away: the next scan forgets it
+                failure = {"part": "the head node's gateway", "error": f"{type(e).__name__}"}
+            if failure is not None and self._failure is None:
+                self._failure = failure
+
+    def failure(self) -> dict[str, str] | None:
+        return self._failure
 
     def _set_route(self, stage: str, node: str | None) -> None:
         self.version += 1
@@ -201,6 +224,8 @@ class RayLauncher(Launcher):
 
         if time.monotonic() >= self.next_scan:
             self._scan_nodes()
+        if self.health_refs:
+            self._check_gateways()
         pending = {w.where_ref: w for w in self.workers.values() if w.where_ref is not None}
         if pending:
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)

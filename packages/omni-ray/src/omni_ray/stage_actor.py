@@ -11,7 +11,7 @@ import msgspec
 from omni_core.devices import resolve_devices
 from omni_core.worker import WorkerSpec
 
-from omni_ray.gateway import gateway_name
+from omni_ray.routes import gateway_name
 
 
 class StageActor:

@@ -1,0 +1,205 @@
+"""A gateway's frames that cannot go on as they are.
+
+A frame bound for another node has its shared-memory arrays copied into it (a node cannot
+map another's memory) and their slots released; a frame, or one message of it, that
+cannot be handled (it does not decode, its arrays cannot be read) is dropped: its slots go
+back to their producers and its requests end with an error (code ``gateway_error``), so
+nothing waits for it. The rest of a frame always goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+from omni_core.events import Error, InlineArray, ShmHandle
+from omni_core.serial import decode_data_frame, encode_frame, releases, salvage_frame
+from omni_core.shm import SegmentReader
+from omni_core.transport import RESULTS, Addresses, push_socket
+
+from omni_ray.routes import owner_of, reader_of
+
+log = logging.getLogger("omni.ray.gateway")
+
+_SHM_TAG = b"\xa3shm"  # msgpack of the string "shm", the tag of an array-like ShmHandle
+GATEWAY_ERROR = "gateway_error"  # the code of the error a dropped message's request ends with
+# (request id or None, stage or "", why) of a message that will not arrive
+Lost = tuple[str | None, str, str]
+
+
+class FrameGuard:
+    """One gateway's frame surgery; the forwarding threads share it (each passes its own
+    ``outs``: that thread's sockets to producers and the client)."""
+
+    def __init__(
+        self, node_id: str, addr: Addresses, zctx: zmq.Context, reader: SegmentReader
+    ) -> None:
+        self.node_id = node_id
+        self.addr = addr
+        self.zctx = zctx
+        self.reader = reader
+        self.lock = threading.Lock()
+        self.dropped = 0  # frames and messages dropped because they could not be handled
+
+    def inline_all(
+        self, endpoint: str, frames: list[bytes], outs: dict[str, zmq.Socket]
+    ) -> list[bytes]:
+        """``frames`` ready for another node; one that cannot be made so is dropped."""
+        out: list[bytes] = []
+        for f in frames:
+            try:
+                f = self.inline(f, endpoint, outs)
+            except zmq.ZMQError:
+                raise
+            except Exception as e:
+                log.exception(
+                    "gateway %s: %s: cannot read a frame's arrays; frame dropped",
+                    self.node_id[:8],
+                    endpoint,
+                )
+                self.drop(endpoint, f, outs, f"{type(e).__name__}: {e}")
+                continue
+            if f is not None:
+                out.append(f)
+        return out
+
+    def out(self, outs: dict[str, zmq.Socket], endpoint: str) -> zmq.Socket:
+        """This thread's socket to ``endpoint`` on this node (a producer's ``.ctl``, or
+        the client's results: on the head node the orchestrator's, elsewhere this
+        gateway's, which forwards them)."""
+        sock = outs.get(endpoint)
+        if sock is None:
+            sock = outs[endpoint] = push_socket(self.zctx, self.addr.endpoint(endpoint), 100_000)
+        return sock
+
+    def release(self, handles: list[ShmHandle], reader: str, outs: dict[str, zmq.Socket]) -> None:
+        for producer, rel in releases(handles, reader):
+            self.out(outs, f"{producer}.ctl").send(encode_frame([rel]))
+
+    def fail_requests(self, lost: list[Lost], endpoint: str, outs: dict[str, zmq.Socket]) -> None:
+        """End the requests of messages that will not arrive, so none waits for them."""
+        errors: dict[str, Error] = {}
+        for rid, stage, why in lost:
+            if rid is None or rid in errors:
+                continue  # a message that names no request: only the log tells of it
+            stage = stage or owner_of(endpoint)
+            errors[rid] = Error(
+                request_id=rid,
+                stage=stage,
+                message=f"gateway on node {self.node_id[:12]}: a message of stage {stage!r} "
+                f"to {endpoint} was lost: {why}",
+                code=GATEWAY_ERROR,
+            )
+        if errors:
+            self.out(outs, RESULTS).send(encode_frame(list(errors.values())))
+
+    def drop(self, endpoint: str, frame: bytes, outs: dict[str, zmq.Socket], why: str) -> None:
+        """Give up on ``frame``: release the slots it holds and fail its requests, as far
+        as it can be decoded. Never raises (it runs on error paths)."""
+        with self.lock:
+            self.dropped += 1
+        reader = reader_of(endpoint)
+        if reader is None:  # control or status messages: nothing to release, no request
+            log.error("gateway %s: %s: a frame was dropped: %s", self.node_id[:8], endpoint, why)
+            return
+        try:
+            msgs, lost = self.decode(endpoint, frame)
+            shm = [h for m in msgs for h in _handles(m).values() if isinstance(h, ShmHandle)]
+            self.release(shm, reader, outs)
+            lost += [_lost(m, why) for m in msgs if not _ours(m)]
+            self.fail_requests(lost, endpoint, outs)
+        except Exception:
+            log.exception(
+                "gateway %s: %s: cannot clean up after a dropped frame", self.node_id[:8], endpoint
+            )
+
+    def decode(self, endpoint: str, frame: bytes) -> tuple[list[Any], list[Lost]]:
+        """The messages of a data or results frame, and those that do not decode (what can
+        be told of them): one bad message costs only its own request."""
+        try:
+            return decode_data_frame(frame), []
+        except msgspec.DecodeError:
+            msgs, bad = salvage_frame(frame, "data")
+        for b in bad:
+            log.error(
+                "gateway %s: %s: an undecodable message of request %s was dropped: %s",
+                self.node_id[:8],
+                endpoint,
+                b.request_id,
+                b.error,
+                extra={"request_id": b.request_id},
+            )
+        return msgs, [(b.request_id, b.stage or "", f"undecodable message: {b.error}") for b in bad]
+
+    def inline(self, frame: bytes, endpoint: str, outs: dict[str, zmq.Socket]) -> bytes | None:
+        """Copy the shared-memory arrays of ``frame`` into it; release their slots.
+
+        A message that does not decode, or whose arrays cannot be read, is left out: its
+        slots are released and its request fails; the rest of the frame goes on (None:
+        nothing is left of it)."""
+        reader = reader_of(endpoint)
+        if reader is None or _SHM_TAG not in frame:
+            return frame
+        msgs, lost = self.decode(endpoint, frame)
+        freed: list[ShmHandle] = []
+        kept: list[Any] = []
+        for m in msgs:
+            handles = _handles(m)
+            if not handles:
+                kept.append(m)
+                continue
+            shm = [h for h in handles.values() if isinstance(h, ShmHandle)]
+            freed.extend(shm)  # read now, or never: the slots go back either way
+            try:
+                copied = {key: self.copy(h) for key, h in handles.items()}
+            except Exception as e:
+                log.exception(
+                    "gateway %s: %s: cannot read the arrays of a message of request %s; "
+                    "it is dropped and its request fails",
+                    self.node_id[:8],
+                    endpoint,
+                    m.request_id,
+                    extra={"request_id": m.request_id},
+                )
+                lost.append(_lost(m, f"its arrays cannot be read: {type(e).__name__}: {e}"))
+                continue
+            handles.update(copied)
+            kept.append(m)
+        if not lost and not freed:
+            return frame
+        out = encode_frame(kept) if kept else None  # before any release: this may raise
+        self.release(freed, reader, outs)
+        if lost:
+            with self.lock:
+                self.dropped += len(lost)
+            self.fail_requests(lost, endpoint, outs)
+        return out
+
+    def copy(self, h: Any) -> Any:
+        """An array handle as an :class:`InlineArray` (a copy of its slot's bytes)."""
+        if not isinstance(h, ShmHandle):
+            return h
+        buf = self.reader.buffer(h.segment)
+        data = buf[h.offset : h.offset + h.nbytes]  # a copy (mmap slice)
+        if len(data) != h.nbytes:
+            raise ValueError(
+                f"handle of {h.nbytes} bytes at offset {h.offset} lies beyond segment "
+                f"{h.segment} ({len(buf)} bytes)"
+            )
+        return InlineArray(data, h.dtype, h.shape, h.torch)
+
+
+def _handles(m: Any) -> dict[str, Any]:
+    return getattr(m, "device_handles", None) or {}
+
+
+def _lost(m: Any, why: str) -> Lost:
+    return getattr(m, "request_id", None), getattr(m, "stage", "") or "", why
+
+
+def _ours(m: Any) -> bool:
+    """An error this gateway made (one lost on its way is not answered with another)."""
+    return type(m) is Error and m.code == GATEWAY_ERROR

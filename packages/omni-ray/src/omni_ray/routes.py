@@ -1,0 +1,29 @@
+"""Endpoint names on the Ray backend: whose an endpoint is, and who reads its arrays."""
+
+from __future__ import annotations
+
+from omni_core.host import CLIENT
+from omni_core.transport import RESULTS, STATUS
+
+DRIVER = "@driver"  # the route owner of the orchestrator's endpoints
+
+
+def gateway_name(pipeline_id: str, node_id: str) -> str:
+    """The Ray actor name of a pipeline's gateway on one node."""
+    return f"omni-gw-{pipeline_id}-{node_id}"
+
+
+def owner_of(endpoint: str) -> str:
+    """The route key of an endpoint: its stage, or DRIVER for the orchestrator's."""
+    if endpoint in (STATUS, RESULTS):
+        return DRIVER
+    return endpoint.rsplit(".", 1)[0]
+
+
+def reader_of(endpoint: str) -> str | None:
+    """Who reads the arrays of frames sent to ``endpoint`` (None: frames carry none)."""
+    if endpoint == RESULTS:
+        return CLIENT
+    if endpoint.endswith(".data"):
+        return endpoint.rsplit(".", 1)[0]
+    return None

@@ -1,0 +1,227 @@
+"""The gateway's forwarding threads never die silently: a frame or message they cannot
+handle is logged and dropped (its slots released, its request failed) and what follows
+still goes through; a thread that cannot go on is reported by ``failure()``.
+
+The first tests drive a :class:`NodeGateway` in this process (its calls to other nodes'
+gateways replaced by a recorder); the last one a real pipeline on a simulated cluster."""
+
+import logging
+import mmap
+import os
+import queue
+import time
+import uuid
+
+import pytest
+import zmq
+from omni_core.events import Error, InlineArray, Release, Segment, ShmHandle
+from omni_core.serial import decode_control_frame, decode_event_frame, encode_frame
+from omni_core.shm import SHM_DIR
+from omni_core.transport import RESULTS, Addresses, push_socket
+from omni_ray import gateway as gateway_module
+from omni_ray.gateway import GATEWAY_ERROR, NodeGateway
+
+HERE, THERE, HEAD = "node-here", "node-there", "node-head"
+GARBAGE = b"garbage with \xa3shm in it"  # carries the shm tag: the gateway decodes it
+
+
+class Recorder:
+    """Stands in for the other nodes' gateways: every delivery, by endpoint."""
+
+    def __init__(self) -> None:
+        self.calls: queue.Queue = queue.Queue()
+        self.by_endpoint: dict[str, list[bytes]] = {}
+        self.fail_next: set[str] = set()  # endpoints whose next delivery raises
+
+    def __call__(self, node: str, endpoint: str, frames: list[bytes]) -> bool:
+        if endpoint in self.fail_next:
+            self.fail_next.discard(endpoint)
+            raise RuntimeError(f"synthetic delivery failure to {endpoint}")
+        expected = HEAD if endpoint == RESULTS else THERE
+        assert node == expected, (node, endpoint)
+        self.calls.put((endpoint, [bytes(f) for f in frames]))
+        return True
+
+    def wait(self, endpoint: str, count: int, timeout: float = 10.0) -> list[bytes]:
+        """The first ``count`` frames delivered to ``endpoint``."""
+        end = time.monotonic() + timeout
+        while len(self.by_endpoint.get(endpoint, [])) < count:
+            left = end - time.monotonic()
+            assert left > 0, f"{endpoint}: {self.by_endpoint.get(endpoint)}"
+            try:
+                ep, frames = self.calls.get(timeout=left)
+            except queue.Empty:
+                continue
+            self.by_endpoint.setdefault(ep, []).extend(frames)
+        return self.by_endpoint[endpoint][:count]
+
+
+def make_gateway(monkeypatch=None, broken: str | None = None):
+    """A gateway on a node that is not the head, stages ``a`` and ``b`` on another node;
+    with ``broken``, that endpoint's socket cannot be bound."""
+    if broken is not None:
+        real = gateway_module.pull_socket
+
+        def pull_socket(ctx, address, hwm=1000):
+            if address.endswith(f"/{broken}"):
+                raise zmq.ZMQError(zmq.EADDRINUSE)
+            return real(ctx, address, hwm)
+
+        monkeypatch.setattr(gateway_module, "pull_socket", pull_socket)
+    gw = NodeGateway(f"t{uuid.uuid4().hex[:8]}", HERE, HEAD, ["a", "b"])
+    rec = Recorder()
+    gw._deliver_remote = rec  # no frame is sent before this is in place
+    gw.set_routes({"a": (THERE, 1), "b": (THERE, 1)})
+    return gw, rec
+
+
+@pytest.fixture
+def zctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def segment(rid, seq=0, tokens=(1,), handles=None):
+    return Segment(
+        request_id=rid, sequence=seq, stage="a", tokens=list(tokens), device_handles=handles or {}
+    )
+
+
+def test_bad_frames_and_messages_are_dropped_and_the_rest_goes_through(zctx, caplog):
+    gw, rec = make_gateway()
+    try:
+        seg = gw.segments.create("a", 4096)
+        fd = os.open(os.path.join(SHM_DIR, seg), os.O_RDWR)
+        with mmap.mmap(fd, 0) as m:
+            m[64:68] = b"\x01\x02\x03\x04"
+        os.close(fd)
+        good = ShmHandle(seg, 64, 4, "|u1", (4,), "a", 7)
+        gone = ShmHandle(f"{seg}-gone", 0, 4, "|u1", (4,), "a", 8)  # its segment is gone
+        bad_message = {"event_type": "segment", "request_id": "r2", "stage": "a", "sequence": "x"}
+        frames = [
+            GARBAGE,  # undecodable as a whole, and not even a list of messages
+            encode_frame(
+                [
+                    segment("r1", handles={"k": good}),
+                    bad_message,  # does not decode: fails r2 only
+                    segment("r3", handles={"k": gone}),  # arrays unreadable: fails r3 only
+                    segment("r1", seq=1, tokens=[2]),
+                ]
+            ),
+            encode_frame([segment("r4", tokens=[5])]),  # the frame after: as it was
+        ]
+        sock = push_socket(zctx, gw.addr.data("b"))
+        with caplog.at_level(logging.ERROR, logger="omni.ray.gateway"):
+            for f in frames:
+                sock.send(f)
+            sent = rec.wait("b.data", 2)
+            first = decode_event_frame(sent[0])
+            assert [(e.request_id, e.sequence) for e in first] == [("r1", 0), ("r1", 1)]
+            assert first[0].device_handles == {
+                "k": InlineArray(b"\x01\x02\x03\x04", "|u1", (4,), False)
+            }
+            assert sent[1] == frames[2]
+            # both slots go back to their producer (a's control endpoint), read by b
+            rels = [m for f in rec.wait("a.ctl", 2) for m in decode_control_frame(f)]
+            assert all(isinstance(r, Release) and r.reader == "b" for r in rels)
+            assert sorted((r.segment, r.slots) for r in rels) == sorted(
+                [(seg, [(64, 7)]), (f"{seg}-gone", [(0, 8)])]
+            )
+            # r2 and r3 end with an error at the caller; r1 and r4 do not
+            errors = decode_event_frame(rec.wait(RESULTS, 1)[0])
+            assert all(isinstance(e, Error) and e.code == GATEWAY_ERROR for e in errors)
+            assert sorted(e.request_id for e in errors) == ["r2", "r3"]
+            r3 = next(e for e in errors if e.request_id == "r3")
+            assert "b.data" in r3.message and "FileNotFoundError" in r3.message
+        info = gw.info()
+        assert info["dropped"] == 3 and info["failures"] == {}
+        assert gw.failure() is None
+        unreadable = [r for r in caplog.records if "cannot read the arrays" in r.getMessage()]
+        assert unreadable and unreadable[0].exc_info is not None  # with its traceback
+        assert any("undecodable frame" in r.getMessage() for r in caplog.records)
+        sock.close(linger=0)
+    finally:
+        gw.close()
+
+
+def test_an_unexpected_delivery_error_drops_that_batch_only(zctx, caplog):
+    gw, rec = make_gateway()
+    try:
+        rec.fail_next.add("b.data")
+        sock = push_socket(zctx, gw.addr.data("b"))
+        with caplog.at_level(logging.ERROR, logger="omni.ray.gateway"):
+            sock.send(encode_frame([segment("r1")]))
+            errors = decode_event_frame(rec.wait(RESULTS, 1)[0])
+            assert [(e.request_id, e.code) for e in errors] == [("r1", GATEWAY_ERROR)]
+            assert "synthetic delivery failure" in errors[0].message
+            later = encode_frame([segment("r2")])
+            sock.send(later)
+            assert rec.wait("b.data", 1) == [later]  # the thread went on
+        logged = [r for r in caplog.records if "unexpected error" in r.getMessage()]
+        assert logged and logged[0].exc_info is not None
+        assert gw.failure() is None
+        sock.close(linger=0)
+    finally:
+        gw.close()
+
+
+def test_a_thread_that_cannot_go_on_is_reported(monkeypatch, zctx, caplog):
+    with caplog.at_level(logging.CRITICAL, logger="omni.ray.gateway"):
+        gw, rec = make_gateway(monkeypatch, broken="b.ctl")
+        try:
+            end = time.monotonic() + 10
+            while gw.failure() is None:
+                assert time.monotonic() < end, "the broken endpoint was not reported"
+                time.sleep(0.02)
+            failure = gw.failure()
+            assert "b.ctl" in failure["part"] and HERE in failure["part"]
+            assert "b.ctl" in failure["error"] and "Address already in use" in failure["error"]
+            assert set(gw.info()["failures"]) == {"b.ctl"}
+            critical = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+            assert critical and "b.ctl" in critical[0].getMessage() and critical[0].exc_info
+            # the other endpoints still forward
+            sock = push_socket(zctx, gw.addr.data("b"))
+            frame = encode_frame([segment("r1")])
+            sock.send(frame)
+            assert rec.wait("b.data", 1) == [frame]
+            sock.close(linger=0)
+        finally:
+            gw.close()
+
+
+def test_a_garbage_frame_through_a_real_gateway_costs_no_later_request(cluster):
+    import ray
+    from omni_core import Pipeline
+    from omni_core.testing.configs import chain
+    from omni_ray.testing import on
+
+    cfg = chain(
+        ("src", "synthetic.source", {"segment": 2}, on("node_a")),
+        ("up", "synthetic.map", {"scale": 2}, on("node_b")),
+        edges=[{"from": "src", "to": "up", "window": {"size": 1}}],
+        heartbeat_interval_s=0.1,
+    )
+    with Pipeline(cfg, backend="ray") as pipe:
+        launcher = pipe.backend.launcher
+        head = launcher.gateways[launcher.head_node]
+        where = {n: h["where"] for n, h in pipe.backend.health().items()}
+        assert where["src"] != where["up"]  # src's frames to up cross the head's gateway
+        ctx = zmq.Context()
+        try:
+            sock = push_socket(ctx, Addresses(launcher.socket_dir).data("up"))
+            bad = encode_frame([{"event_type": "segment", "request_id": "nobody", "x": 1}])
+            sock.send(GARBAGE)
+            sock.send(bad + b"\xa3shm")  # one message list with trailing bytes
+            time.sleep(0.5)  # both reach the gateway before any request's frames
+            outs = pipe.generate([{"n": 6}, {"n": 9, "start": 3}], timeout_s=60)
+        finally:
+            ctx.destroy(linger=0)
+        for out, (n, start) in zip(outs, [(6, 0), (9, 3)], strict=True):
+            assert out.ok, out.error
+            assert [t for e in out.by_stage("up") for t in e.tokens] == [
+                2 * t for t in range(start, start + n)
+            ]
+        info = ray.get(head.info.remote(), timeout=30)
+        assert info["dropped"] == 2 and info["failures"] == {}
+        assert ray.get(head.failure.remote(), timeout=30) is None
