@@ -225,3 +225,17 @@ def test_a_slow_async_reader_is_bounded_too():
         events = asyncio.run(run(pipe))
     tokens = [t for e in events if e.event_type == "segment" for t in e.tokens]
     assert tokens == list(range(3000))
+
+
+def test_a_failed_backend_part_fails_the_runtime_loudly():
+    # e.g. a Ray node gateway whose forwarding thread stopped for good
+    cfg = chain(("hold", "synthetic.sleep", {"hold_s": 2}), **FAST)
+    with Pipeline(cfg) as pipe:
+        waiting = pipe.submit({})
+        failure = {"part": "gateway on node n1: b.data", "error": "b.data: ZMQError: gone"}
+        pipe.backend.launcher.failure = lambda: failure
+        err = terminal(waiting)
+        assert err.code == "runtime_failed" and "gateway on node n1" in err.message
+        assert pipe.failure == failure and not pipe.healthy
+        with pytest.raises(RuntimeFailedError):
+            pipe.submit({})

@@ -1,8 +1,8 @@
 """The transport-free part of running a stage: windows in, events out.
 
 A :class:`StageHost` owns one stage's per-request state: a :class:`WindowState` per inbound
-edge, fan-in pairing of windows into :class:`WorkItem` s, per-request output sequence
-numbers, and the stamping of a stage's events for each destination.
+edge and fan-in pairing of windows into :class:`WorkItem` s; its base
+:class:`~omni_core.stage_output.StageOutput` numbers and stamps what the stage emits.
 The worker process and the in-process runner both drive a host; only how events move
 differs.
 """
@@ -10,20 +10,14 @@ differs.
 from __future__ import annotations
 
 import logging
-import threading
 from bisect import bisect_left
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import deque
 from itertools import accumulate
-from typing import Any
 
 from omni_core.config import PipelineConfig
 from omni_core.events import (
     AnyEvent,
     Completed,
-    Error,
-    Event,
-    Handle,
     ImageProgress,
     Segment,
     SegmentRun,
@@ -33,11 +27,11 @@ from omni_core.events import (
 )
 from omni_core.serial import ArrayCodec
 from omni_core.stage import Stage, StageContext, StageInput
+from omni_core.stage_output import CLIENT, RequestState, StageOutput, WorkItem
 from omni_core.windows import Piece, RunPiece, Window, WindowState
 
-CLIENT = "client"  # the destination name of the caller's collector
 log = logging.getLogger("omni.host")
-MAX_TOMBSTONES = 65536  # ended requests remembered, so late events for them are dropped
+__all__ = ["CLIENT", "RequestFailed", "StageHost", "WorkItem", "stage_context"]
 
 
 class RequestFailed(Exception):
@@ -58,44 +52,14 @@ def stage_context(cfg: PipelineConfig, name: str, devices: str | None = None) ->
     )
 
 
-@dataclass
-class WorkItem:
-    inp: StageInput
-    release: list[ShmHandle] = field(default_factory=list)  # after processing
-    droppable_outputs: int = 0
+class StageHost(StageOutput):
+    """One stage's per-request state: windows in, fan-in pairing, work items out (and,
+    from :class:`StageOutput`, the stamping of what the stage emits)."""
 
-
-@dataclass
-class _Request:
-    request: dict[str, Any] | None = None
-    windows: dict[str, WindowState] = field(default_factory=dict)
-    pending: dict[str, deque[Window]] = field(default_factory=dict)
-    exhausted: set[str] = field(default_factory=set)
-    next_seq: dict[str, int] = field(default_factory=dict)
-    out_seq: int = 0
-    triggers: int = 0
-    cancel: threading.Event = field(default_factory=threading.Event)
-    all_triggered: bool = False
-
-
-class StageHost:
     def __init__(self, cfg: PipelineConfig, name: str, stage: Stage, codec: ArrayCodec) -> None:
-        self.cfg = cfg
-        self.name = name
+        super().__init__(cfg, name, codec)
         self.stage = stage
-        self.codec = codec
         self.inbound = {e.source: cfg.window(e) for e in cfg.inbound(name)}
-        self.downstream = [e.target for e in cfg.outbound(name)]
-        self.to_client = cfg.streams_to_client(cfg.stage(name))
-        self.readers = {d: 1 for d in self.downstream}
-        if self.to_client:
-            self.readers[CLIENT] = 1
-        self.data_destinations = list(self.readers)
-        # client_stream "previews": previews go to the caller only, and do not take a
-        # sequence number (downstream stages never see them)
-        self.previews_to_client = name in cfg.preview_streams()
-        self.requests: dict[str, _Request] = {}
-        self.ended: OrderedDict[str, int] = OrderedDict()  # request -> next out sequence
         self.releasable: list[ShmHandle] = []  # slots to hand back; the driver drains it
         self.to_end: list[str] = []  # requests whose stage state is to be dropped
         self.window_triggers = 0
@@ -106,14 +70,14 @@ class StageHost:
         """A new request at a source stage."""
         if msg.request_id in self.ended:  # cancelled before it arrived
             return []
-        st = self.requests.setdefault(msg.request_id, _Request())
+        st = self.requests.setdefault(msg.request_id, RequestState())
         st.request = msg.request
         st.all_triggered = True
         st.triggers = 1
         inp = StageInput(msg.request_id, msg.request, {}, True, True, st.cancel)
         return [WorkItem(inp)]
 
-    def _stream(self, event: AnyEvent | SegmentRun) -> tuple[_Request, WindowState] | None:
+    def _stream(self, event: AnyEvent | SegmentRun) -> tuple[RequestState, WindowState] | None:
         """The state of ``event``'s request and edge, checked against its sequence number;
         None when the request already ended here (the event is dropped)."""
         edge = event.stage
@@ -128,7 +92,7 @@ class StageHost:
             if rid in self.ended:  # cancelled or failed here: drop, free its slots
                 self._release_handles(event)
                 return None
-            st = self.requests[rid] = _Request()
+            st = self.requests[rid] = RequestState()
         expected = st.next_seq.get(edge, 0)
         if event.sequence != expected:  # the caller fails the request and frees its slots
             raise self._out_of_order(edge, event.sequence, expected)
@@ -208,7 +172,7 @@ class StageHost:
         return self._windows_done(run.request_id, st, run.stage, windows), take
 
     def _windows_done(
-        self, rid: str, st: _Request, edge: str, windows: list[Window]
+        self, rid: str, st: RequestState, edge: str, windows: list[Window]
     ) -> list[WorkItem]:
         if not windows:
             return []
@@ -225,7 +189,7 @@ class StageHost:
             f"{expected} was expected (lost or reordered event)"
         )
 
-    def _pair(self, rid: str, st: _Request) -> list[WorkItem]:
+    def _pair(self, rid: str, st: RequestState) -> list[WorkItem]:
         items = []
         while not st.all_triggered:
             live = [e for e in self.inbound if e not in st.exhausted]
@@ -243,94 +207,6 @@ class StageHost:
             items.append(WorkItem(inp, release))
         return items
 
-    # ------------------------------------------------------------------ output
-    def _client_preview(self, ev: Event) -> bool:
-        return self.previews_to_client and type(ev) is ImageProgress and not ev.is_last
-
-    def droppable(self, ev: Event) -> bool:
-        """May be coalesced under backpressure (see :func:`is_droppable`)."""
-        return is_droppable(ev) or self._client_preview(ev)
-
-    def _stamp(self, rid: str, event: Event) -> Event:
-        st = self.requests.get(rid)
-        event.stage = self.name
-        if st is None:
-            if rid in self.ended:
-                event.sequence = self.ended[rid]
-                self.ended[rid] += 1
-                return event
-            st = self.requests[rid] = _Request()
-        event.sequence = st.out_seq
-        if self.droppable(event):
-            return event
-        if st.out_seq == 0 and hasattr(event, "request"):
-            event.request = st.request  # type: ignore[attr-defined]
-        st.out_seq += 1
-        return event
-
-    def pack(self, ev: Event) -> dict[str, Handle]:
-        """Write an event's arrays for every reader (may block on a full pool: no lock held)."""
-        arrays = ev.__dict__.get("arrays")
-        if not arrays:
-            return {}
-        return self.codec.pack(arrays, {CLIENT: 1} if self._client_preview(ev) else self.readers)
-
-    def emit(
-        self, ev: Segment | ImageProgress | Error, handles: dict[str, Handle] | None = None
-    ) -> tuple[Event, list[str]]:
-        """Stamp a stage's event; returns it with the destinations it goes to."""
-        if type(ev) is Error:
-            ev.message = f"stage {self.name!r}: {ev.message}"
-            return self._stamp(ev.request_id, ev), [CLIENT]
-        if handles is None:
-            handles = self.pack(ev)
-        if handles:
-            ev.device_handles = handles
-        dests = [CLIENT] if self._client_preview(ev) else self.data_destinations
-        return self._stamp(ev.request_id, ev), dests
-
-    def emit_plain(self, evs: list[Segment]) -> list[Segment | SegmentRun]:
-        """Stamp array-free segments yielded in one step (the hot path): each request's
-        consecutive ones become one :class:`SegmentRun`; events of requests that ended
-        here are left out."""
-        out: list[Segment | SegmentRun] = []
-        n = len(evs)
-        i = 0
-        while i < n:
-            first = evs[i]
-            rid = first.request_id
-            j = i + 1
-            while j < n and evs[j].request_id == rid and not evs[j - 1].is_last:
-                j += 1
-            st = self.requests.get(rid)
-            if st is not None and not st.cancel.is_set():
-                seq = st.out_seq
-                if j - i == 1:
-                    first.stage = self.name
-                    first.sequence = seq
-                    if seq == 0:
-                        first.request = st.request
-                    out.append(first)
-                else:
-                    request = st.request if seq == 0 else None
-                    out.append(SegmentRun.of(evs[i:j], self.name, seq, request))
-                st.out_seq = seq + j - i
-            i = j
-        return out
-
-    def finish(self, item: WorkItem) -> list[tuple[Event, list[str]]]:
-        """After an item ran: close the request's streams if it was the last trigger."""
-        if not item.inp.last:
-            return []
-        rid = item.inp.request_id
-        ev = self._stamp(rid, Completed(request_id=rid))
-        self.forget(rid)
-        return [(ev, [*self.downstream, CLIENT])]
-
-    def error(self, rid: str, message: str, code: str = "stage_error") -> Error:
-        ev = Error(request_id=rid, message=f"stage {self.name!r}: {message}", code=code)
-        return self._stamp(rid, ev)  # type: ignore[return-value]
-
     # ------------------------------------------------------------------ state
     def is_cancelled(self, rid: str) -> bool:
         st = self.requests.get(rid)
@@ -338,17 +214,9 @@ class StageHost:
 
     def forget(self, rid: str) -> list[ShmHandle]:
         """Drop a request's state; returns the slots it still held."""
-        st = self.requests.pop(rid, None)
-        if st is None:  # not seen yet (cancelled early): still drop what comes later
-            if rid not in self.ended:
-                self.ended[rid] = 0
-                if len(self.ended) > MAX_TOMBSTONES:
-                    self.ended.popitem(last=False)
+        st = self.end(rid)
+        if st is None:  # not seen yet (cancelled early): what comes later is dropped
             return []
-        self.ended[rid] = st.out_seq
-        if len(self.ended) > MAX_TOMBSTONES:
-            self.ended.popitem(last=False)
-        st.cancel.set()
         freed = [h for ws in st.windows.values() for h in ws.drop()]
         for q in st.pending.values():
             for w in q:

@@ -92,6 +92,9 @@ class ControlLoop(PollLoop):
         return self.o.closing
 
     def tick(self, events: dict[Any, int]) -> None:
+        failure = self.o.launcher.failure()
+        if failure is not None and self.o.failure is None:
+            self.o.fail_runtime(failure["part"], failure["error"])
         for p in self.sup.ended(events):
             fd = p.worker.fileno()
             if fd is not None:
@@ -290,7 +293,7 @@ class Orchestrator:
         self.loop = ControlLoop(self)
         self._thread = threading.Thread(
             target=self.loop.run,
-            args=(lambda e: self.fail_runtime("orchestrator control loop", e),),
+            args=(self._loop_failed,),
             name="omni-orchestrator",
             daemon=True,
         )
@@ -351,9 +354,11 @@ class Orchestrator:
                     if h is not None:
                         h.edges_done.add((msg.source, msg.stage))
 
-    def fail_runtime(self, part: str, exc: BaseException) -> None:
+    def _loop_failed(self, e: BaseException) -> None:
+        self.fail_runtime("orchestrator control loop", f"{type(e).__name__}: {e}")
+
+    def fail_runtime(self, part: str, error: str) -> None:
         """A part of the runtime cannot go on: fail loudly, never hang."""
-        error = f"{type(exc).__name__}: {exc}"
         self.failure = {"part": part, "error": error}
         log.critical("the runtime failed: %s: %s; every open request ends", part, error)
         self.requests.fail_all(
