@@ -105,7 +105,8 @@ def submit_error(e: BaseException, request_id: str = "") -> APIError:
     extra = {"request_id": request_id}
     if isinstance(e, OverloadedError):
         retry = max(1, math.ceil(e.retry_after_s)) if math.isfinite(e.retry_after_s) else 1
-        log.warning("request refused: %s", e, extra=extra)
+        # counted in the metrics; a flood of requests must not flood the log too
+        log.info("request refused: %s", e, extra=extra)
         return APIError(
             429,
             f"the server is overloaded; retry in {retry} s",
