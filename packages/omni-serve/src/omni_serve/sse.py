@@ -28,6 +28,9 @@ def sse(data: Any, event: str | None = None) -> bytes:
     return f"{head}data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+MERGE_WINDOW = 8  # events per request taken from its inbox ahead of the client
+
+
 async def merged(
     pipe: Pipeline, requests: list[dict[str, Any]], rids: list[str], timeout_s: float | None
 ) -> AsyncIterator[tuple[int, AnyEvent]]:
@@ -35,12 +38,17 @@ async def merged(
 
     Each request is read by its own task; closing this generator (or cancelling its
     reader) cancels those tasks, and each cancelled ``astream`` cancels its request in the
-    pipeline. A request the pipeline refuses raises here (the others are cancelled)."""
+    pipeline. A request the pipeline refuses raises here (the others are cancelled).
+
+    At most ``MERGE_WINDOW`` events per request wait here: a slow client leaves the rest
+    in each request's own inbox, where they coalesce (``omni_core.delivery``)."""
     q: asyncio.Queue[tuple[int, AnyEvent | BaseException | None]] = asyncio.Queue()
+    room = asyncio.Semaphore(MERGE_WINDOW * len(requests))
 
     async def pump(i: int) -> None:
         try:
             async for ev in pipe.astream(requests[i], rids[i], timeout_s):
+                await room.acquire()
                 q.put_nowait((i, ev))
         except Exception as e:  # submit refused: overloaded, closed, a stage dead
             q.put_nowait((i, e))
@@ -57,6 +65,7 @@ async def merged(
             elif isinstance(item, BaseException):
                 raise item
             else:
+                room.release()
                 yield i, item
     finally:
         for t in tasks:
