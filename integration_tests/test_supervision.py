@@ -47,10 +47,13 @@ def test_an_undecodable_payload_fails_its_request_only(no_leaked_segments):
 
 
 def test_a_frame_with_one_bad_message_delivers_the_others():
-    cfg = chain(("hold", "synthetic.sleep", {"hold_s": 2}, {"max_inflight": 4}), **FAST)
+    cfg = chain(
+        ("hold", "synthetic.sleep", {"hold_s": 2}, {"max_inflight": 4, "max_batch_size": 4}), **FAST
+    )
     with Pipeline(cfg) as pipe:
-        good, bad, other = (pipe.submit({}, request_id=r) for r in ("good", "bad", "other"))
-        wait_for(lambda: pipe.metrics()["stages"]["hold"]["dequeued"] >= 3, 10, "all held")
+        ids = ("good", "bad", "run", "other")
+        good, bad, run, other = (pipe.submit({}, request_id=r) for r in ids)
+        wait_for(lambda: pipe.metrics()["stages"]["hold"]["dequeued"] >= 4, 10, "all held")
         ctx = zmq.Context.instance()
         push = ctx.socket(zmq.PUSH)
         push.connect(pipe.backend.addr.results)
@@ -58,6 +61,15 @@ def test_a_frame_with_one_bad_message_delivers_the_others():
             [
                 Segment(request_id="good", stage="hold", sequence=0, tokens=[7]),
                 Segment(request_id="bad", stage="hold", sequence=0, payload={0: "x"}),
+                {  # a malformed run: two token entries for one segment
+                    "event_type": "segment_run",
+                    "request_id": "run",
+                    "stage": "hold",
+                    "sequence": 0,
+                    "ts": [0.0],
+                    "tokens": [[1], [2]],
+                    "payloads": [{}],
+                },
                 Completed(request_id="good", stage="hold", sequence=1),
             ]
         )
@@ -68,6 +80,8 @@ def test_a_frame_with_one_bad_message_delivers_the_others():
         assert got[0].tokens == [7]
         err = terminal(bad)
         assert err.code == "bad_message" and "stage 'hold'" in err.message
+        err = terminal(run)
+        assert err.code == "bad_message" and "one entry per segment" in err.message
         assert not other.done and pipe.healthy  # untouched
         pipe.cancel("other")
 
@@ -239,3 +253,22 @@ def test_a_failed_backend_part_fails_the_runtime_loudly():
         assert pipe.failure == failure and not pipe.healthy
         with pytest.raises(RuntimeFailedError):
             pipe.submit({})
+
+
+def test_garbage_on_a_workers_control_socket_is_dropped_and_control_goes_on():
+    cfg = chain(("hold", "synthetic.sleep", {"hold_s": 5}), **FAST)
+    with Pipeline(cfg) as pipe:
+        held = pipe.submit({})
+        wait_for(lambda: pipe.metrics()["stages"]["hold"]["dequeued"] >= 1, 10, "held")
+        queued = pipe.submit({})
+        ctx = zmq.Context.instance()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(pipe.backend.addr.control("hold"))
+        push.send(b"\x00garbage")
+        push.send(encode_frame([{"event_type": "cancel", "request_id": 7}]))
+        push.close(linger=1000)
+        acks = pipe.metrics()["cancel_acks"]
+        assert pipe.cancel(queued.request_id)  # a real cancel still reaches the worker
+        wait_for(lambda: pipe.metrics()["cancel_acks"] > acks, 5, "the worker's ack")
+        assert pipe.health()["hold"]["restarts"] == 0 and pipe.healthy
+        pipe.cancel(held.request_id)
