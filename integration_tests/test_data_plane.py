@@ -5,22 +5,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 from omni_core import Pipeline
 from omni_core.shm import list_segments
 from omni_core.testing.configs import chain
+from omni_core.testing.faults import wait_for
 
 FAST = {"heartbeat_interval_s": 0.05}
-
-
-def wait_for(cond, timeout=10.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_dead_consumers_slots_go_back_to_its_producer(no_leaked_segments):

@@ -14,17 +14,9 @@ from omni_core import Pipeline
 from omni_core.errors import StageDeadError
 from omni_core.shm import list_segments
 from omni_core.testing.configs import chain
+from omni_core.testing.faults import wait_for
 
 FAST = {"heartbeat_interval_s": 0.05}
-
-
-def wait_for(cond, timeout=10.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_slow_sink_depth_stays_bounded_and_every_event_arrives(no_leaked_segments):

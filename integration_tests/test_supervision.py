@@ -16,18 +16,9 @@ from omni_core.errors import OverloadedError, RuntimeFailedError
 from omni_core.events import Completed, Segment
 from omni_core.serial import encode_frame
 from omni_core.testing.configs import chain
-from omni_core.testing.faults import kill_stage, wait_ready
+from omni_core.testing.faults import kill_stage, wait_for, wait_ready
 
 FAST = {"heartbeat_interval_s": 0.05}
-
-
-def wait_for(cond, timeout=10.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def terminal(handle):

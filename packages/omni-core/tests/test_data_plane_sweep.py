@@ -1,12 +1,11 @@
 """Socket directories: owner-locked while their pipeline lives, swept once it died."""
 
 import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
 from omni_core import transport
+from omni_core.testing.faults import child_reporting
 from omni_core.transport import (
     OWNER_LOCK,
     make_socket_dir,
@@ -34,15 +33,7 @@ def tmpdir_(tmp_path, monkeypatch):
 
 
 def _owner_process(directory):
-    p = subprocess.Popen(
-        [sys.executable, "-c", _OWNER, str(directory)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    path = p.stdout.readline().strip()
-    assert path, "the owner process did not start"
-    return p, path
+    return child_reporting(_OWNER, str(directory))
 
 
 def test_a_socket_dir_is_private_locked_and_removed_with_its_lock(tmpdir_):

@@ -1,8 +1,6 @@
 import fcntl
 import os
 import stat
-import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -19,6 +17,7 @@ from omni_core.shm import (
     list_segments,
     sweep_stale,
 )
+from omni_core.testing.faults import child_reporting
 
 
 @pytest.fixture
@@ -48,15 +47,7 @@ sys.stdin.read()
 
 
 def _owner_process(directory):
-    p = subprocess.Popen(
-        [sys.executable, "-c", _OWNER, str(directory)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    name = p.stdout.readline().strip()
-    assert name, "the owner process did not start"
-    return p, name
+    return child_reporting(_OWNER, str(directory))
 
 
 def _segment(directory, name, mode=0o600):

@@ -1,10 +1,14 @@
-"""Fault injection for tests: kill a stage's worker, wait for its restart."""
+"""Fault injection for tests: kill a stage's worker, wait for its restart, wait for a
+condition, start a child process that holds something until told."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -23,3 +27,27 @@ def wait_ready(pipe: Any, stage: str, timeout_s: float = 60.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``cond`` every 20 ms until it is true; AssertionError after ``timeout``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def child_reporting(script: str, *args: str) -> tuple[subprocess.Popen[str], str]:
+    """Run ``python -c script args...``; returns it and the first line it prints (what it
+    made), once printed. It lives until its stdin is closed or it is killed."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = p.stdout.readline().strip()  # type: ignore[union-attr]
+    assert line, "the child process did not start"
+    return p, line
