@@ -1,8 +1,11 @@
 """The AR stages end to end on the transformers engine, against the model in one process."""
 
+import time
+
 import pytest
 import torch
 from omni_core import Pipeline
+from omni_core.collector import collect
 from omni_core.testing.faults import kill_stage, wait_ready
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -187,3 +190,25 @@ def test_talker_consumes_decode_output_in_windows(tiny_model, size, overlap):
     else:
         assert [e.payload["tokens_in"] for e in talker] == [40]
     assert all(len(e.tokens) == 1 for e in talker)
+
+
+def test_the_longest_stop_strings_allowed_do_not_stall_other_requests(tiny_model, reference):
+    """Postprocess serves every request: one with 16 stop strings of 1,024 characters
+    (the intake's limits) must cost it little per token, or everyone waits behind it."""
+    tok, ref = reference
+    stops = [chr(0x4E00 + k) * 1024 for k in range(16)]  # never in the tiny model's text
+    heavy = {"prompt": "the quick brown fox", "max_tokens": 64, "stop": stops}
+    heavy["ignore_eos"] = True
+    with Pipeline(ar_config(tiny_model)) as pipe:
+        t0 = time.monotonic()
+        alone = pipe.generate([PROMPTS[0]])[0]
+        solo_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        h_heavy = pipe.submit(heavy)
+        light = pipe.generate([PROMPTS[0]])[0]
+        light_s = time.monotonic() - t0
+        heavy_out = collect(h_heavy)
+    assert alone.ok and light.ok and heavy_out.ok
+    assert text_and_tokens(light) == text_and_tokens(alone)
+    assert len(text_and_tokens(heavy_out)[1]) == 64
+    assert light_s < max(10.0, 5 * solo_s), (light_s, solo_s)
