@@ -263,3 +263,12 @@ def test_garbage_on_a_workers_control_socket_is_dropped_and_control_goes_on():
         wait_for(lambda: pipe.metrics()["cancel_acks"] > acks, 5, "the worker's ack")
         assert pipe.health()["hold"]["restarts"] == 0 and pipe.healthy
         pipe.cancel(held.request_id)
+
+
+def test_a_timeout_that_is_not_a_positive_finite_number_is_refused():
+    with Pipeline(chain(("src", "synthetic.source", {}), **FAST)) as pipe:
+        for bad in (float("nan"), float("inf"), 0.0, -1.0):
+            with pytest.raises(ValueError, match="timeout_s"):
+                pipe.submit({"n": 2}, timeout_s=bad)
+        assert pipe.generate([{"n": 2}])[0].ok
+        assert pipe.metrics()["in_flight"] == 0

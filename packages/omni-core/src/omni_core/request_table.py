@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import threading
 import time
 from typing import Any
@@ -35,6 +36,8 @@ class RequestTable:
         loop: asyncio.AbstractEventLoop | None,
     ) -> RequestHandle:
         """Admit a request (or raise :class:`OverloadedError` past ``max_queued_requests``)."""
+        if timeout_s is not None and not (0 < timeout_s < math.inf):
+            raise ValueError(f"request {request_id}: timeout_s must be a positive finite number")
         cap = self.cfg.max_queued_requests
         with self.lock:
             n = len(self.collector.handles)
