@@ -171,7 +171,12 @@ def test_per_request_timeout(client):
 
 def test_metrics_scrape_parses_and_covers_stages_and_requests(text_server, client):
     client.completions.create(model="tiny_chat", prompt="a red fox", max_tokens=4)
-    samples = scrape(text_server)
+    postprocess = ("omni_stage_received_total", (("stage", "postprocess"),))
+    for _ in range(50):  # stage counters come with the workers' heartbeats
+        samples = scrape(text_server)
+        if samples.get(postprocess, 0) > 0:
+            break
+        time.sleep(0.1)
     names = {name for name, _ in samples}
     for stage in ("intake", "prefill", "decode", "postprocess"):
         label = (("stage", stage),)
@@ -180,6 +185,9 @@ def test_metrics_scrape_parses_and_covers_stages_and_requests(text_server, clien
         assert ("omni_stage_queue_depth", label) in samples
         assert ("omni_stage_blocked_seconds_total", label) in samples
         assert ("omni_stage_restarts_total", label) in samples
+        # on a CPU: the GPU families are there, the memory at 0, no utilisation sample
+        assert samples[("omni_stage_gpu_mem_allocated_bytes", label)] == 0
+        assert ("omni_stage_gpu_utilization_percent", label) not in samples
     for name in (
         "omni_stage_window_triggers_total",
         "omni_stage_dropped_total",

@@ -295,6 +295,9 @@ class StageStats(msgspec.Struct, kw_only=True):
     shm_slots_in_use: int = 0
     steps: int = 0  # generator steps the stage thread finished (its progress)
     busy_s: float = 0.0  # how long the stage thread has been inside its current step
+    gpu_mem_allocated_bytes: int = 0  # torch's allocator, this worker (0: no CUDA used)
+    gpu_mem_reserved_bytes: int = 0
+    gpu_util_pct: float | None = None  # the device's utilisation (NVML), where available
 
 
 class TraceSpan(msgspec.Struct, array_like=True):

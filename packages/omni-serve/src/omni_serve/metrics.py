@@ -28,8 +28,10 @@ STAGE_GAUGES = {
     "shm_slots_in_use": "shared-memory slots a stage's arena has out",
     "enqueue_per_s": "events taken in per second (last heartbeat interval)",
     "dequeue_per_s": "work items taken per second (last heartbeat interval)",
+    "gpu_mem_allocated_bytes": "GPU memory torch's allocator holds in a stage's worker",
+    "gpu_mem_reserved_bytes": "GPU memory torch's allocator reserved in a stage's worker",
 }
-STATES = ("starting", "ready", "restarting", "dead")
+STATES = ("starting", "ready", "unresponsive", "hung", "restarting", "dead", "failed")
 SUMMARIES = {
     "time_to_first_event_s": ("omni_request_time_to_first_event_seconds", "submit to first event"),
     "time_between_events_s": ("omni_request_time_between_events_seconds", "time per segment"),
@@ -68,6 +70,15 @@ class PipelineCollector(Collector):
             for name, s in stages.items():
                 g.add_metric([name], s.get(key, 0))
             yield g
+        util = GaugeMetricFamily(
+            "omni_stage_gpu_utilization_percent",
+            "utilisation of a stage's GPU (NVML; absent where unknown)",
+            labels=["stage"],
+        )
+        for name, s in stages.items():
+            if s.get("gpu_util_pct") is not None:
+                util.add_metric([name], s["gpu_util_pct"])
+        yield util
         state = GaugeMetricFamily(
             "omni_stage_state", "1 for the state each stage is in", labels=["stage", "state"]
         )

@@ -13,6 +13,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -128,20 +129,27 @@ class ArrayOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ArraySource(Stage):
-    """Emits ``count`` arrays of ``request.get("nbytes", nbytes)`` bytes (data-plane bench)."""
+    """Emits ``count`` arrays of ``request.get("nbytes", nbytes)`` bytes (data-plane bench);
+    torch tensors on ``request["device"]`` when given."""
 
     Options = ArrayOptions
 
     def load(self) -> None:
-        self._cache: dict[int, np.ndarray] = {}
+        self._cache: dict[tuple[int, str | None], Any] = {}
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             nbytes = int(inp.request.get("nbytes", self.options.nbytes))
             count = int(inp.request.get("count", self.options.count))
-            arr = self._cache.get(nbytes)
+            device = inp.request.get("device")  # e.g. "cuda": a torch tensor there
+            arr = self._cache.get((nbytes, device))
             if arr is None:
-                arr = self._cache[nbytes] = np.arange(nbytes, dtype=np.uint8)
+                arr = np.arange(nbytes, dtype=np.uint8)
+                if device:
+                    import torch
+
+                    arr = torch.from_numpy(arr).to(device)
+                self._cache[(nbytes, device)] = arr
             for i in range(count):
                 yield inp.segment(None, arrays={"data": arr}, is_last=i == count - 1)
 

@@ -19,6 +19,7 @@ from omni_core.events import (
     SegmentGone,
     Shutdown,
 )
+from omni_core.gpu_stats import GpuProbe
 from omni_core.poll_loop import PollLoop
 from omni_core.serial import (
     BadMessage,
@@ -42,6 +43,7 @@ class WorkerIO(PollLoop):
         self.interval = worker.spec.config.heartbeat_interval_s
         self.next_beat = 0.0
         self.data_on = False
+        self.gpu = GpuProbe(worker.spec.devices)
         self.watch(worker.ctl_in, self.drain_control)
 
     def done(self) -> bool:
@@ -92,6 +94,7 @@ class WorkerIO(PollLoop):
         s.window_triggers = w.host.window_triggers
         s.emitted = w.sender.sent
         s.shm_slots_in_use = w.arena.slots_in_use
+        self.gpu.sample(s)
         started = w.step_started
         s.busy_s = time.monotonic() - started if started else 0.0
         spans, w.scheduler.spans = w.scheduler.spans, []

@@ -156,6 +156,14 @@ class Worker:
         os._exit(IO_FAILED_EXIT)
 
 
+def _current_gpu(devices: str | None) -> None:
+    """A worker given GPUs makes the first one current before its stage loads (only when
+    the stage's module brought torch in: a worker never imports it for nothing)."""
+    torch = sys.modules.get("torch")
+    if devices and torch is not None and torch.cuda.is_available():
+        torch.cuda.set_device(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     configure_logging()  # OMNI_LOG_LEVEL, OMNI_LOG_FORMAT (text | json)
@@ -172,6 +180,7 @@ def serve(spec: WorkerSpec) -> int:
     status = push_socket(zctx, Addresses(spec.socket_dir).status)
     try:
         worker = Worker(spec)
+        _current_gpu(spec.devices)
         worker.stage.load()
         worker.open_sockets()
     except BaseException as e:  # report any load failure, then exit non-zero

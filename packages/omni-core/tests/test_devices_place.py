@@ -1,0 +1,72 @@
+"""Where a stage's models go, decided in its worker: the device and the dtype, and the
+error when a GPU is asked for where torch sees none (this machine: a CPU build)."""
+
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from omni_core.devices import DeviceError, default_dtype, place  # noqa: E402
+from omni_core.events import StageStats  # noqa: E402
+from omni_core.gpu_stats import GpuProbe, nvml_device  # noqa: E402
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+
+
+def test_devices_cpu_is_the_cpu_in_float32():
+    p = place("s", "")
+    assert (p.device, p.dtype, p.is_gpu) == ("cpu", "float32", False)
+    assert place("s", "", "bfloat16").dtype == "bfloat16"
+    assert place("s", "", "auto").dtype == "float32"
+
+
+@no_cuda
+def test_no_devices_key_is_the_cpu_where_torch_sees_no_gpu():
+    assert place("s", None) == place("s", "")
+
+
+@no_cuda
+def test_a_gpu_asked_for_where_there_is_none_names_stage_devices_and_what_torch_sees():
+    with pytest.raises(DeviceError) as e:
+        place("sample", "0,1")
+    msg = str(e.value)
+    assert "stage 'sample'" in msg and "'0,1'" in msg
+    assert torch.__version__ in msg and "0 device(s)" in msg and "devices: cpu" in msg
+
+
+def test_an_unknown_dtype_is_refused():
+    with pytest.raises(DeviceError, match="dtype 'float8'"):
+        place("s", "", "float8")
+
+
+def test_gpu_dtype_default_follows_bf16_support(monkeypatch):
+    assert default_dtype("cpu") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert default_dtype("cuda:0") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert default_dtype("cuda:0") == "float16"
+
+
+def test_nvml_finds_the_first_visible_gpu_by_index_or_uuid():
+    assert nvml_device(None) == ("index", 0)
+    assert nvml_device("3,1") == ("index", 3)
+    assert nvml_device("GPU-8f3a,GPU-11") == ("uuid", "GPU-8f3a")
+
+
+def test_gpu_figures_come_from_torch_once_cuda_is_in_use(monkeypatch):
+    stats = StageStats()
+    GpuProbe("0").sample(stats)  # CUDA never initialised here: nothing reported
+    assert (stats.gpu_mem_allocated_bytes, stats.gpu_util_pct) == (0, None)
+    fake_cuda = types.SimpleNamespace(
+        is_initialized=lambda: True,
+        memory_allocated=lambda: 3 << 20,
+        memory_reserved=lambda: 8 << 20,
+    )
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=fake_cuda))
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML: memory figures only
+    GpuProbe("0").sample(stats)
+    assert stats.gpu_mem_allocated_bytes == 3 << 20
+    assert stats.gpu_mem_reserved_bytes == 8 << 20
+    assert stats.gpu_util_pct is None
