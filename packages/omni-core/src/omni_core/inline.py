@@ -35,7 +35,10 @@ class InlineRunner:
         for name in self.order:
             st = self.cfg.stage(name)
             cls = load_stage_class(st.kind)
-            stage = cls(stage_context(self.cfg, name))
+            # devices: cpu keeps a stage on the CPU here too; a GPU list means this
+            # process's first GPU (one process cannot give each stage its own view)
+            devices = "" if st.devices == "cpu" else None if st.devices is None else "0"
+            stage = cls(stage_context(self.cfg, name, devices))
             stage.load()
             codec = ArrayCodec(name, threshold=self.cfg.shm_threshold_bytes)
             self.hosts[name] = StageHost(self.cfg, name, stage, codec)

@@ -137,22 +137,31 @@ def torch_dtype(name: str) -> Any:
 
 
 def load_part(
-    cls: Any, path: Path, part: str, dtype: str = "float32", variant: str | None = None
+    cls: Any,
+    path: Path,
+    part: str,
+    dtype: str = "float32",
+    variant: str | None = None,
+    device: str = "cpu",
 ) -> Any:
-    """``cls.from_pretrained(path / part)`` in eval mode, offline."""
-    return cls.from_pretrained(
+    """``cls.from_pretrained(path / part)`` in ``dtype`` on ``device`` (a torch device:
+    ``"cpu"``, ``"cuda:0"``), in eval mode, offline."""
+    model = cls.from_pretrained(
         path,
         subfolder=part,
         dtype=torch_dtype(dtype),
         variant=variant,
         local_files_only=True,
-    ).eval()
+    )
+    return model.to(device).eval()
 
 
-def load_vae(path: Path, dtype: str = "float32", variant: str | None = None) -> Any:
+def load_vae(
+    path: Path, dtype: str = "float32", variant: str | None = None, device: str = "cpu"
+) -> Any:
     from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
-    return load_part(AutoencoderKL, path, "vae", dtype, variant)
+    return load_part(AutoencoderKL, path, "vae", dtype, variant, device)
 
 
 def load_scheduler(path: Path) -> Any:

@@ -18,16 +18,18 @@ from omni_core.model_cache import build_once
 
 def fit_projection(vae: Any, samples: int = 8, size: int = 8, seed: int = 0) -> np.ndarray:
     """``(channels + 1, 3)``: RGB in [-1, 1] from a latent pixel (in the sampler's scaled
-    space) and a bias."""
+    space) and a bias. The latents are drawn on the CPU and decoded on the VAE's device
+    (the sampler fits with a float32 VAE on the CPU: one map whatever device samples)."""
     import torch
     import torch.nn.functional as F
 
     cfg = vae.config
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(samples, cfg.latent_channels, size, size, generator=g)
+    scaled = (z / cfg.scaling_factor + (cfg.shift_factor or 0.0)).to(vae.device, vae.dtype)
     with torch.inference_mode():
-        image = vae.decode(z / cfg.scaling_factor + (cfg.shift_factor or 0.0)).sample
-    rgb = F.adaptive_avg_pool2d(image.float(), (size, size))
+        image = vae.decode(scaled).sample
+    rgb = F.adaptive_avg_pool2d(image.float().cpu(), (size, size))
     x = z.permute(0, 2, 3, 1).reshape(-1, cfg.latent_channels)
     x = torch.cat([x, torch.ones(x.shape[0], 1)], dim=1)
     y = rgb.permute(0, 2, 3, 1).reshape(-1, 3)

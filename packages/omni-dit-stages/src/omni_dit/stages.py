@@ -9,6 +9,14 @@
 * vae: decodes the final latents to an RGB image (floats in [0, 1]).
 * encode: JPEG, WEBP or PNG bytes in the final image event.
 
+Devices: text_encode, sample and vae (the stages with models) place them with
+``omni_core.devices.place`` at load: on the GPU their worker sees (its ``devices``; none
+given: the first GPU torch sees, else the CPU), in the ``dtype`` option (``auto``:
+float32 on a CPU, bfloat16 or float16 on a GPU). Arrays received go to that device;
+arrays yielded are moved to the CPU first. Plan draws the seeded noise on the CPU (a CPU
+``torch.Generator``, as diffusers advises for reproducibility), so a seed is the same
+noise on every device; sample moves it to its own.
+
 The loop is the one of diffusers' pipeline for the checkpoint's architecture
 (``omni_dit.architectures``: Stable Diffusion 3, Flux.1), split across processes, so the
 same parts, conditioning and seed give the same image.
@@ -25,6 +33,7 @@ from typing import Any
 import msgspec
 import numpy as np
 from omni_core import Stage, StageEvent, StageInput
+from omni_core.devices import Placement, place
 
 from omni_dit import models
 from omni_dit.architectures import Architecture, architecture
@@ -35,7 +44,9 @@ from omni_dit.preview import cached_projection, project
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str  # a diffusers pipeline directory, a Hugging Face id, or an embedded model
     variant: str | None = None  # weights variant, as diffusers takes it ("fp16")
-    dtype: str = "float32"
+    # the models' dtype: auto (float32 on a CPU, bfloat16 or float16 on a GPU), float32,
+    # bfloat16 or float16; plan has no model and draws float32 noise whatever it says
+    dtype: str = "auto"
     conditioning_width: int = 576  # of the embedded tiny-sd3 (the encoder's hidden size)
     threads: int | None = None  # torch threads in this worker
 
@@ -90,6 +101,15 @@ def _threads(n: int | None) -> None:
         import torch
 
         torch.set_num_threads(n)
+
+
+def placement(stage: Stage) -> Placement:
+    """Where a model-bearing stage's models go (``devices`` and its ``dtype`` option);
+    :class:`omni_core.devices.DeviceError` naming the stage when it asks for a GPU this
+    worker does not have. Called first in ``load``, before any weights are read."""
+    where = place(stage.ctx.name, stage.ctx.devices, stage.options.dtype)
+    stage.ctx.logger.info("models on %s in %s", where.device, where.dtype)
+    return where
 
 
 class Plan(Stage):
@@ -208,9 +228,14 @@ class Sample(Stage):
 
     def load(self) -> None:
         o = self.options
+        self.placement = placement(self)
         _threads(o.threads)
         self.arch = load_architecture(o)
-        self.transformer = self.arch.load_transformer(o.dtype, o.variant)
+        self.transformer = self.arch.load_transformer(
+            self.placement.dtype, o.variant, self.placement.device
+        )
+        # the preview map is fitted once per VAE with the VAE in float32 on the CPU, so
+        # it is the same map (and cache entry) whatever device samples
         self.projection = cached_projection(
             self.arch.path, lambda: self.arch.load_vae("float32", o.variant)
         )
@@ -219,7 +244,7 @@ class Sample(Stage):
         import torch
 
         groups: dict[tuple[Any, ...], list[_Job]] = defaultdict(list)
-        dtype = self.transformer.dtype
+        dtype, device = self.transformer.dtype, self.placement.device
         for inp in batch:
             try:
                 params = _image_params(inp)
@@ -227,13 +252,14 @@ class Sample(Stage):
                 yield inp.fail(str(e))
                 continue
             a = _arrays(inp)
-            # copies: the arrays may be read-only views of shared memory
+            # copies on the model's device: the arrays may be read-only views of shared
+            # memory
             job = _Job(
                 inp,
                 params,
-                torch.tensor(a["latents"], dtype=dtype),
-                torch.tensor(a["prompt_embeds"], dtype=dtype),
-                torch.tensor(a["pooled"], dtype=dtype),
+                torch.tensor(a["latents"], dtype=dtype, device=device),
+                torch.tensor(a["prompt_embeds"], dtype=dtype, device=device),
+                torch.tensor(a["pooled"], dtype=dtype, device=device),
             )
             groups[job.key].append(job)
         for jobs in groups.values():
@@ -247,6 +273,7 @@ class Sample(Stage):
         schedule = arch.scheduler(p.steps, latents)
         guided = arch.guided(p)
         embeds, pooled = self._conditioning(jobs, guided)
+        sigmas = schedule.sigmas.tolist()  # for previews, read on the host once
         for i, t in enumerate(schedule.timesteps):
             live = [k for k, j in enumerate(jobs) if not j.inp.cancelled]
             if not live:
@@ -258,12 +285,12 @@ class Sample(Stage):
             previews = []
             step = i + 1
             if step < p.steps:
-                sigma = float(schedule.sigmas[i])
+                sigma = sigmas[i]
                 for k, j in enumerate(jobs):
                     every = j.params.preview_every
                     if every and step % every == 0:
                         x0 = latents[k : k + 1] - sigma * noise[k : k + 1]  # clean estimate
-                        x0 = arch.spatial(x0, j.params)[0].float().numpy()
+                        x0 = arch.spatial(x0, j.params)[0].float().cpu().numpy()
                         previews.append(
                             j.inp.image(
                                 step,
@@ -273,9 +300,10 @@ class Sample(Stage):
                         )
             latents = schedule.step(noise, t, latents, return_dict=False)[0]
             yield previews  # also the point where a cancel takes effect
+        final = latents.float().cpu().numpy()  # to the host once, for the whole batch
         for k, j in enumerate(jobs):
             yield j.inp.segment(
-                arrays={"latents": latents[k : k + 1].float().numpy()},
+                arrays={"latents": np.ascontiguousarray(final[k : k + 1])},
                 payload={"image": msgspec.to_builtins(j.params)},
                 is_last=True,
             )
@@ -300,9 +328,10 @@ class VaeDecode(Stage):
 
     def load(self) -> None:
         o = self.options
+        self.placement = placement(self)
         _threads(o.threads)
         self.arch = load_architecture(o)
-        self.vae = self.arch.load_vae(o.dtype, o.variant)
+        self.vae = self.arch.load_vae(self.placement.dtype, o.variant, self.placement.device)
         from diffusers.image_processor import VaeImageProcessor
 
         self.processor = VaeImageProcessor(vae_scale_factor=self.arch.multiple)
@@ -322,7 +351,7 @@ class VaeDecode(Stage):
             except ImageRequestError as e:
                 yield inp.fail(str(e))
                 continue
-            latents = torch.tensor(a["latents"])
+            latents = torch.tensor(a["latents"], device=self.placement.device)
             key = (tuple(latents.shape), params.height, params.width)
             groups[key].append((inp, latents, params))
         cfg = self.vae.config
@@ -332,7 +361,8 @@ class VaeDecode(Stage):
             latents = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
             with torch.inference_mode():
                 decoded = self.vae.decode(latents, return_dict=False)[0]
-            images = self.processor.postprocess(decoded.float(), output_type="np")
+            # to the host once; post-processed there
+            images = self.processor.postprocess(decoded.float().cpu(), output_type="np")
             for (inp, _, params), image in zip(items, images, strict=True):
                 yield inp.segment(
                     arrays={"image": np.ascontiguousarray(image, dtype=np.float32)},

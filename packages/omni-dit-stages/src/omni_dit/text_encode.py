@@ -10,7 +10,8 @@ Alike requests are encoded as one batch (the stage's ``max_batch_size``): every 
 padded to the same length (CLIP's 77 tokens, T5's ``max_sequence_length``).
 
 Output: one segment with ``prompt_embeds`` ``(tokens, width)``, ``pooled`` ``(width,)``
-and, when guided, ``negative_prompt_embeds`` and ``negative_pooled``.
+and, when guided, ``negative_prompt_embeds`` and ``negative_pooled`` (float32, on the
+host). The encoders run on the stage's device in its ``dtype`` (``omni_dit.stages.placement``).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from omni_core import Stage, StageEvent, StageInput
 from omni_dit.architectures import TextOptions, architecture
 from omni_dit.models import ModelError, resolve_model
 from omni_dit.params import image_fields
-from omni_dit.stages import check_image_defaults
+from omni_dit.stages import check_image_defaults, placement
 
 
 class TextEncodeOptions(TextOptions, forbid_unknown_fields=True, kw_only=True):
     model: str  # a diffusers pipeline directory, a Hugging Face id, or an embedded model
     variant: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: float32 on a CPU, bfloat16 or float16 on a GPU
     threads: int | None = None
     # the plan stage's image_defaults: whether a request is guided decides whether its
     # negative prompt is encoded
@@ -44,6 +45,7 @@ class TextEncode(Stage):
         import torch
 
         o = self.options
+        self.placement = placement(self)
         check_image_defaults(o.image_defaults)
         if o.max_sequence_length is not None and not 1 <= o.max_sequence_length <= 512:
             raise ModelError(
@@ -53,8 +55,9 @@ class TextEncode(Stage):
         if o.threads:
             torch.set_num_threads(o.threads)
         self.arch = architecture(resolve_model(o.model, variant=o.variant))
-        self.pipe = self.arch.load_text_pipeline(o.dtype, o.variant, o)
-        self.arch.encode(self.pipe, ["warm up"], None, o)
+        where = self.placement
+        self.pipe = self.arch.load_text_pipeline(where.dtype, o.variant, o, where.device)
+        self.arch.encode(self.pipe, ["warm up"], None, o, where.device)
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         o = self.options
@@ -72,9 +75,11 @@ class TextEncode(Stage):
             if not jobs:
                 continue
             negatives = [neg for _, _, neg in jobs] if guided else None
-            out = self.arch.encode(self.pipe, [text for _, text, _ in jobs], negatives, o)
-            embeds, pooled, neg, neg_pooled = (
-                None if x is None else x.float().numpy() for x in out
+            out = self.arch.encode(
+                self.pipe, [text for _, text, _ in jobs], negatives, o, self.placement.device
+            )
+            embeds, pooled, neg, neg_pooled = (  # to the host once per tensor
+                None if x is None else x.float().cpu().numpy() for x in out
             )
             for i, (inp, text, _) in enumerate(jobs):
                 arrays = {"prompt_embeds": embeds[i], "pooled": pooled[i]}

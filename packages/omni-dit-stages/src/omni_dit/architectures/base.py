@@ -75,12 +75,14 @@ class Architecture:
         raise NotImplementedError
 
     def initial_latents(self, p: ImageParams) -> Any:
-        """The seeded noise of one request, ``(1, ...)`` float32, as the pipeline draws it."""
+        """The seeded noise of one request, ``(1, ...)`` float32, as the pipeline draws it
+        with a CPU ``torch.Generator``: drawn on the CPU whatever device samples it (the
+        sampler moves it there), so a seed is the same noise on every device."""
         raise NotImplementedError
 
     def scheduler(self, steps: int, latents: Any) -> Any:
-        """A fresh scheduler with its timesteps set for ``latents`` (a scheduler keeps a
-        step index, so each batch of alike requests gets its own)."""
+        """A fresh scheduler with its timesteps set for ``latents``, on their device (a
+        scheduler keeps a step index, so each batch of alike requests gets its own)."""
         raise NotImplementedError
 
     def new_scheduler(self) -> Any:
@@ -89,7 +91,8 @@ class Architecture:
 
     # -- sample -------------------------------------------------------------------
 
-    def load_transformer(self, dtype: str, variant: str | None) -> Any:
+    def load_transformer(self, dtype: str, variant: str | None, device: str = "cpu") -> Any:
+        """The transformer in ``dtype`` on ``device``, in eval mode."""
         raise NotImplementedError
 
     def predict(
@@ -119,20 +122,28 @@ class Architecture:
 
     # -- vae ----------------------------------------------------------------------
 
-    def load_vae(self, dtype: str, variant: str | None) -> Any:
-        return models.load_vae(self.path, dtype, variant)
+    def load_vae(self, dtype: str, variant: str | None, device: str = "cpu") -> Any:
+        return models.load_vae(self.path, dtype, variant, device)
 
     # -- text ---------------------------------------------------------------------
 
-    def load_text_pipeline(self, dtype: str, variant: str | None, o: TextOptions) -> Any:
-        """The diffusers pipeline with its tokenizers and text encoders loaded (and no
-        transformer weights, no VAE)."""
+    def load_text_pipeline(
+        self, dtype: str, variant: str | None, o: TextOptions, device: str = "cpu"
+    ) -> Any:
+        """The diffusers pipeline with its tokenizers and text encoders loaded in
+        ``dtype`` on ``device`` (and no transformer weights, no VAE)."""
         raise NotImplementedError
 
-    def text_pipeline(self, cls: Any, dtype: str, variant: str | None, **parts: Any) -> Any:
+    TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+    def text_pipeline(
+        self, cls: Any, dtype: str, variant: str | None, device: str = "cpu", **parts: Any
+    ) -> Any:
         """``cls.from_pretrained`` of this checkpoint without its VAE (and whatever
-        ``parts`` replace), offline: the text encoders and tokenizers it loads."""
-        return cls.from_pretrained(
+        ``parts`` replace), offline: the text encoders and tokenizers it loads, the
+        encoders moved to ``device`` (one by one: ``pipe.to`` would move a stand-in
+        transformer on the meta device too)."""
+        pipe = cls.from_pretrained(
             self.path,
             vae=None,
             dtype=models.torch_dtype(dtype),
@@ -140,6 +151,11 @@ class Architecture:
             local_files_only=True,
             **parts,
         )
+        for name in self.TEXT_ENCODERS:
+            encoder = getattr(pipe, name, None)
+            if encoder is not None:
+                encoder.to(device)
+        return pipe
 
     def require_parts(self, parts: list[str]) -> None:
         """:class:`ModelError` naming the parts ``model_index.json`` does not list."""
@@ -152,9 +168,15 @@ class Architecture:
             )
 
     def encode(
-        self, pipe: Any, prompts: list[str], negatives: list[str] | None, o: TextOptions
+        self,
+        pipe: Any,
+        prompts: list[str],
+        negatives: list[str] | None,
+        o: TextOptions,
+        device: str = "cpu",
     ) -> tuple[Any, Any, Any, Any]:
         """``(embeds (B, tokens, width), pooled (B, width), negative_embeds,
-        negative_pooled)`` by the pipeline's own ``encode_prompt``, the negatives (None
-        without guidance) encoded as the pipeline encodes them."""
+        negative_pooled)`` by the pipeline's own ``encode_prompt`` on ``device`` (where
+        the encoders are; the tensors stay there), the negatives (None without guidance)
+        encoded as the pipeline encodes them."""
         raise NotImplementedError

@@ -41,6 +41,8 @@ class Flux(Architecture):
 
         channels = int(self.transformer_config["in_channels"]) // 4
         h, w = self._latent_size(p)
+        # on the CPU by design: the same noise for a seed on every device (the sampler
+        # moves it to its own)
         gen = torch.Generator("cpu").manual_seed(p.seed)
         noise = randn_tensor(
             (1, channels, h, w), generator=gen, device=torch.device("cpu"), dtype=torch.float32
@@ -61,14 +63,16 @@ class Flux(Architecture):
             c.get("base_shift", 0.5),
             c.get("max_shift", 1.15),
         )
-        retrieve_timesteps(scheduler, steps, "cpu", sigmas=sigmas, mu=mu)
+        retrieve_timesteps(scheduler, steps, latents.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
         return scheduler
 
-    def load_transformer(self, dtype: str, variant: str | None) -> Any:
+    def load_transformer(self, dtype: str, variant: str | None, device: str = "cpu") -> Any:
         from diffusers import FluxTransformer2DModel
 
-        return models.load_part(FluxTransformer2DModel, self.path, "transformer", dtype, variant)
+        return models.load_part(
+            FluxTransformer2DModel, self.path, "transformer", dtype, variant, device
+        )
 
     def forward(
         self, transformer: Any, x: Any, t: Any, embeds: Any, pooled: Any, p: ImageParams
@@ -83,7 +87,8 @@ class Flux(Architecture):
         text_ids = torch.zeros(embeds.shape[1], 3, device=x.device, dtype=x.dtype)
         guidance = None
         if transformer.config.guidance_embeds:
-            guidance = torch.full([1], p.guidance, dtype=torch.float32).expand(x.shape[0])
+            guidance = torch.full([1], p.guidance, device=x.device, dtype=torch.float32)
+            guidance = guidance.expand(x.shape[0])
         timestep = t.expand(x.shape[0]).to(x.dtype)
         return transformer(
             hidden_states=x,
@@ -101,17 +106,24 @@ class Flux(Architecture):
 
         return FluxPipeline._unpack_latents(latents, p.height, p.width, self.vae_scale)
 
-    def load_text_pipeline(self, dtype: str, variant: str | None, o: TextOptions) -> Any:
+    def load_text_pipeline(
+        self, dtype: str, variant: str | None, o: TextOptions, device: str = "cpu"
+    ) -> Any:
         from diffusers import FluxPipeline
 
         for name, value, default in (("use_t5", o.use_t5, True), ("clip_skip", o.clip_skip, None)):
             if value != default:
                 raise models.ModelError(f"option {name!r}: Flux's encode_prompt has no such choice")
         self.require_parts(["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"])
-        return self.text_pipeline(FluxPipeline, dtype, variant, transformer=None)
+        return self.text_pipeline(FluxPipeline, dtype, variant, device, transformer=None)
 
     def encode(
-        self, pipe: Any, prompts: list[str], negatives: list[str] | None, o: TextOptions
+        self,
+        pipe: Any,
+        prompts: list[str],
+        negatives: list[str] | None,
+        o: TextOptions,
+        device: str = "cpu",
     ) -> tuple[Any, Any, Any, Any]:
         import torch
 
@@ -120,7 +132,7 @@ class Flux(Architecture):
                 embeds, pooled, _ = pipe.encode_prompt(
                     prompt=texts,
                     prompt_2=None,
-                    device=torch.device("cpu"),
+                    device=torch.device(device),
                     max_sequence_length=o.max_sequence_length or self.max_sequence_length,
                 )
             return embeds, pooled

@@ -49,6 +49,8 @@ class SD3(Architecture):
 
         channels = int(self.transformer_config["in_channels"])
         shape = (1, channels, p.height // self.vae_scale, p.width // self.vae_scale)
+        # on the CPU by design: the same noise for a seed on every device (the sampler
+        # moves it to its own)
         gen = torch.Generator("cpu").manual_seed(p.seed)
         return randn_tensor(shape, generator=gen, device=torch.device("cpu"), dtype=torch.float32)
 
@@ -70,13 +72,15 @@ class SD3(Architecture):
                 c.get("base_shift", 0.5),
                 c.get("max_shift", 1.16),
             )
-        retrieve_timesteps(scheduler, steps, "cpu", **kwargs)
+        retrieve_timesteps(scheduler, steps, latents.device, **kwargs)
         return scheduler
 
-    def load_transformer(self, dtype: str, variant: str | None) -> Any:
+    def load_transformer(self, dtype: str, variant: str | None, device: str = "cpu") -> Any:
         from diffusers import SD3Transformer2DModel
 
-        return models.load_part(SD3Transformer2DModel, self.path, "transformer", dtype, variant)
+        return models.load_part(
+            SD3Transformer2DModel, self.path, "transformer", dtype, variant, device
+        )
 
     def forward(
         self, transformer: Any, x: Any, t: Any, embeds: Any, pooled: Any, p: ImageParams
@@ -89,7 +93,9 @@ class SD3(Architecture):
             return_dict=False,
         )[0]
 
-    def load_text_pipeline(self, dtype: str, variant: str | None, o: TextOptions) -> Any:
+    def load_text_pipeline(
+        self, dtype: str, variant: str | None, o: TextOptions, device: str = "cpu"
+    ) -> Any:
         import torch
         from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
@@ -102,11 +108,16 @@ class SD3(Architecture):
         self.require_parts(parts + (["text_encoder_3", "tokenizer_3"] if o.use_t5 else []))
         skip = {} if o.use_t5 else {"text_encoder_3": None, "tokenizer_3": None}
         return self.text_pipeline(
-            StableDiffusion3Pipeline, dtype, variant, transformer=stand_in, **skip
+            StableDiffusion3Pipeline, dtype, variant, device, transformer=stand_in, **skip
         )
 
     def encode(
-        self, pipe: Any, prompts: list[str], negatives: list[str] | None, o: TextOptions
+        self,
+        pipe: Any,
+        prompts: list[str],
+        negatives: list[str] | None,
+        o: TextOptions,
+        device: str = "cpu",
     ) -> tuple[Any, Any, Any, Any]:
         import torch
 
@@ -115,7 +126,7 @@ class SD3(Architecture):
                 prompt=prompts,
                 prompt_2=None,
                 prompt_3=None,
-                device=torch.device("cpu"),
+                device=torch.device(device),
                 do_classifier_free_guidance=negatives is not None,
                 negative_prompt=negatives,
                 clip_skip=o.clip_skip,
