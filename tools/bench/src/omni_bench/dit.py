@@ -12,6 +12,8 @@ timed) and the same image settings, and both end in encoded JPEG bytes.
   configs ship it (``--batch``, 8: alike requests share one forward pass per step); also
   with ``max_batch_size: 1`` (``staged_unbatched_img_per_s_c*``).
 * previews: the staged pipeline with a preview every step vs none.
+* hop (``--arms hop``): one request at a time, staged vs the same stages in one process
+  (``mrs.enabled: false``): the latency the process hops add (``hop_overhead_pct``).
 * full_layout: a complete checkpoint (``--full-model``, default the embedded
   ``tiny-sd3-full``: CLIP-L, CLIP-G, T5) through ``configs/sd3_image.yaml`` as shipped
   (the prompt encoded by ``dit.text_encode`` as a stage; every worker with torch's
@@ -22,6 +24,10 @@ timed) and the same image settings, and both end in encoded JPEG bytes.
   its architecture's usual guidance (SD3: CFG 4.5 against the empty negative prompt;
   Flux: embedded guidance 3.5); the stock runs (1 thread, one per core) and the staged
   run alternate for ``--rounds``, best of each.
+
+On a GPU (``--device auto``, the default, takes one where torch sees it) both arms run
+there in the same dtype (``--dtype``, default the device's: bfloat16 on a GPU): the stock
+pipelines are moved with ``.to(device, dtype)``, the stages placed by their ``devices``.
 
 Images/s are completions over the wall time of ``--requests`` requests after a warm-up;
 the staged arms with and without previews alternate for ``--rounds`` and keep their best.
@@ -65,10 +71,25 @@ def _requests(
     ]
 
 
-def _config(model: str, width: int, batch: int) -> dict[str, Any]:
+def _config(model: str, width: int, batch: int, dtype: str) -> dict[str, Any]:
     from omni_dit.testing import dit_config
 
-    return dit_config(model, width=width, sample={"max_batch_size": batch})
+    cfg = dit_config(model, width=width, sample={"max_batch_size": batch})
+    for st in cfg["stages"]:
+        if st["kind"] in ("dit.sample", "dit.vae"):
+            st["options"]["dtype"] = dtype  # the stock arm's dtype: like for like
+    return cfg
+
+
+def device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """``auto``: the GPU where torch sees one (the staged stages' own default), else the
+    CPU; its default dtype (bfloat16 / float16 on a GPU, float32 on a CPU)."""
+    import torch
+    from omni_core.devices import default_dtype
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, default_dtype(device) if dtype == "auto" else dtype
 
 
 def staged(pipe: Pipeline, reqs: list[dict[str, Any]], concurrency: int) -> float:
@@ -91,16 +112,20 @@ def staged(pipe: Pipeline, reqs: list[dict[str, Any]], concurrency: int) -> floa
     return len(reqs) / (time.monotonic() - t0)
 
 
-def stock(model: str, width: int, reqs: list[dict[str, Any]], threads: int) -> float:
+def stock(
+    model: str, width: int, reqs: list[dict[str, Any]], threads: int, device: str, dtype: str
+) -> float:
     import torch
     from omni_dit.testing import hash_conditioning, stock_image, stock_pipeline
 
-    pipe = stock_pipeline(model, width)
+    kind = getattr(torch, dtype)
+    pipe = stock_pipeline(model, width).to(device, kind)
     torch.set_num_threads(threads)
 
     def one(r: dict[str, Any]) -> bytes:
         embeds, pooled = hash_conditioning(r["prompt"], width, 8)
-        e, p = torch.from_numpy(embeds)[None], torch.from_numpy(pooled)[None]
+        e = torch.from_numpy(embeds)[None].to(device, kind)
+        p = torch.from_numpy(pooled)[None].to(device, kind)
         return _jpeg(stock_image(pipe, e, p, r["image"], output_type="pil"))
 
     return _one_at_a_time(one, reqs)
@@ -122,7 +147,14 @@ def _jpeg(image: Any) -> bytes:
 
 
 def full_layout(
-    model: str, config: str, reqs: list[dict[str, Any]], concurrency: int, rounds: int, cores: int
+    model: str,
+    config: str,
+    reqs: list[dict[str, Any]],
+    concurrency: int,
+    rounds: int,
+    cores: int,
+    device: str,
+    dtype: str,
 ) -> dict[str, Any]:
     """Staged (the shipped ``config``, text encoders as a stage, the checkpoint given as
     its users give it: the environment variable the config names) vs diffusers' pipeline
@@ -132,7 +164,7 @@ def full_layout(
     from omni_core import load_config
     from omni_dit.testing import checkpoint_image, checkpoint_pipeline
 
-    stock_pipe = checkpoint_pipeline(model)
+    stock_pipe = checkpoint_pipeline(model).to(device, getattr(torch, dtype))
 
     def stock_rate(threads: int) -> float:
         torch.set_num_threads(threads)
@@ -143,6 +175,7 @@ def full_layout(
     by_threads = dict.fromkeys(sorted({1, cores}), 0.0)
     staged_rate = 0.0
     os.environ[CHECKPOINT_CONFIGS[config]] = model
+    os.environ["OMNI_DIT_DTYPE"] = dtype  # the configs' dtype: the stock arm's
     with Pipeline(load_config(CONFIGS / config)) as pipe:
         for _ in range(rounds):
             for n in by_threads:
@@ -170,10 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="staged runs with/without previews")
     ap.add_argument("--full-model", default="tiny-sd3-full", help="complete SD3 checkpoint")
     ap.add_argument("--second-model", default="tiny-flux", help="complete Flux checkpoint")
+    ap.add_argument("--arms", default="embeds,full,second", help="any of embeds, full, second, hop")
     ap.add_argument(
-        "--arms", default="embeds,full,second", help="which of embeds, full, second to run"
+        "--device", default="auto", help="auto (a GPU where torch sees one), cuda or cpu"
     )
+    ap.add_argument("--dtype", default="auto", help="auto (the device's default) or a dtype")
     args = ap.parse_args(argv)
+    args.device, args.dtype = device_and_dtype(args.device, args.dtype)
     quiet_hub()
     arms = set(args.arms.split(","))
     c = args.concurrency
@@ -181,17 +217,32 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {}
     if "embeds" in arms:
         res.update(embeds_arm(args, c, cores))
+    if "hop" in arms:
+        res.update(hop_arm(args))
     if "full" in arms:
         sd3 = _requests(args.requests, args.size, args.steps, 0, guidance=4.5)
-        full = full_layout(args.full_model, "sd3_image.yaml", sd3, c, args.rounds, cores)
+        full = full_layout(
+            args.full_model, "sd3_image.yaml", sd3, c, args.rounds, cores, args.device, args.dtype
+        )
         res["full_layout"] = full
         res["full_layout_vs_stock"] = full["vs_stock"]
     if "second" in arms:
         flux = _requests(args.requests, args.size, args.steps, 0, guidance=3.5)
-        second = full_layout(args.second_model, "flux_image.yaml", flux, c, args.rounds, cores)
+        second = full_layout(
+            args.second_model,
+            "flux_image.yaml",
+            flux,
+            c,
+            args.rounds,
+            cores,
+            args.device,
+            args.dtype,
+        )
         res["second_arch"] = second
         res["second_arch_vs_stock"] = second["vs_stock"]
     res["settings"] = {
+        "device": args.device,
+        "dtype": args.dtype,
         "model": args.model,
         "full_model": args.full_model,
         "second_model": args.second_model,
@@ -204,19 +255,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def hop_arm(args: argparse.Namespace) -> dict[str, Any]:
+    """One request at a time: the staged pipeline (a process per stage, latents from
+    sample to vae through the data plane) against the same stages called in one process
+    (``mrs.enabled: false``): what the hops add to a request's latency."""
+    from omni_dit.testing import dit_config
+
+    reqs = _requests(args.requests, args.size, args.steps, 0)
+    latency: dict[bool, float] = {}
+    for enabled in (True, False):
+        cfg = dit_config(args.model, width=args.width, encode=False, enabled=enabled)
+        for st in cfg["stages"]:
+            if st["kind"] in ("dit.sample", "dit.vae"):
+                st["options"]["dtype"] = args.dtype
+        with Pipeline(cfg) as pipe:
+            latency[enabled] = 1 / staged(pipe, reqs, 1)
+    return {
+        "hop_staged_latency_s_c1": round(latency[True], 4),
+        "hop_one_process_latency_s_c1": round(latency[False], 4),
+        "hop_overhead_pct": round(100 * (latency[True] / latency[False] - 1), 2),
+    }
+
+
 def embeds_arm(args: argparse.Namespace, c: int, cores: int) -> dict[str, Any]:
     """tiny-sd3 conditioned by dit.hash_encode: the sampling stages alone."""
     reqs = _requests(args.requests, args.size, args.steps, 0)
     previews = _requests(args.requests, args.size, args.steps, 1)
-    stock_by_threads = {n: stock(args.model, args.width, reqs, n) for n in sorted({1, cores})}
+    stock_by_threads = {
+        n: stock(args.model, args.width, reqs, n, args.device, args.dtype)
+        for n in sorted({1, cores})
+    }
     stock_rate = max(stock_by_threads.values())
-    with Pipeline(_config(args.model, args.width, args.batch)) as pipe:
+    with Pipeline(_config(args.model, args.width, args.batch, args.dtype)) as pipe:
         # alternating rounds, best of each: a noisy moment hurts neither arm alone
         staged_rate = preview_rate = 0.0
         for _ in range(args.rounds):
             staged_rate = max(staged_rate, staged(pipe, reqs, c))
             preview_rate = max(preview_rate, staged(pipe, previews, c))
-    with Pipeline(_config(args.model, args.width, 1)) as pipe:
+    with Pipeline(_config(args.model, args.width, 1, args.dtype)) as pipe:
         unbatched = max(staged(pipe, reqs, c) for _ in range(args.rounds))
     return {
         f"staged_img_per_s_c{c}": round(staged_rate, 3),
