@@ -236,3 +236,29 @@ def test_streams_share_steps_and_closing_one_frees_its_kv(engines, monkeypatch):
         next(s)
         s.close()
     assert decode.engine.get_num_unfinished_requests() == 0 and kv_usage(decode) == 0
+
+
+def test_connector_views_both_paged_layouts_and_loads_in_the_cache_dtype_and_device():
+    """The data-plane connector's two halves without an engine: ``kv_views`` of the CPU
+    layout (per block and head, its keys then its values) and of the GPU one
+    (``(2, blocks, block, heads, head_dim)``); received KV goes into a cache in that
+    cache's dtype and on its device, whatever it came as."""
+    import numpy as np
+    from omni_ar.engines.kv_connector import _as, kv_views
+
+    cpu = torch.zeros(3, 2, BLOCK, 2 * 32, dtype=torch.bfloat16)
+    k, v = kv_views(cpu, BLOCK)
+    assert tuple(k.shape) == tuple(v.shape) == (3, 2, BLOCK, 32)
+    idx = torch.tensor([1])
+    k[idx] = _as(np.ones((1, 2, BLOCK, 32), np.float32), cpu)  # numpy float32 in
+    v[idx] = _as(torch.full((1, 2, BLOCK, 32), 2.0), cpu)  # a float32 tensor in
+    flat = cpu.view(3, 2, -1)
+    assert cpu.dtype == torch.bfloat16 and flat[[0, 2]].abs().sum() == 0
+    assert (flat[1, :, : BLOCK * 32] == 1).all() and (flat[1, :, BLOCK * 32 :] == 2).all()
+    gpu = torch.zeros(2, 4, BLOCK, 2, 32, dtype=torch.float16)
+    k, v = kv_views(gpu, BLOCK)
+    assert k.data_ptr() == gpu[0].data_ptr() and v.data_ptr() == gpu[1].data_ptr()
+    moved = _as(torch.ones(2, BLOCK, 2, 32, dtype=torch.bfloat16), gpu)
+    assert moved.dtype == gpu.dtype and moved.device == gpu.device
+    with pytest.raises(RuntimeError, match="unknown paged KV layout"):
+        kv_views(torch.zeros(4, BLOCK, 64), BLOCK)

@@ -8,16 +8,23 @@
   the request is cancelled.
 * postprocess: incremental detokenization and stop strings, off the decode loop; streams
   text to the caller directly.
+
+The stages that hold a model (prefill, decode, talker) load it where
+:func:`omni_core.devices.place` puts them: the stage's ``devices`` (``cpu``, or GPUs: the
+first one it is given) in its ``dtype`` (``auto``: float32 on a CPU, bfloat16 or float16
+on a GPU). A GPU asked for where torch sees none fails the load, naming the stage.
+Intake and postprocess load only a tokenizer.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from omni_core import Stage, StageEvent, StageInput
+from omni_core.devices import place
 
 from omni_ar.detokenizer import IncrementalDetokenizer
 from omni_ar.engines import load_engine
@@ -30,7 +37,11 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: Literal["transformers", "vllm"] = "transformers"
     kv_connector: Literal["shm", "file"] = "shm"  # vLLM: how prefill's KV reaches decode
     engine_args: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM: extra args
-    dtype: str = "float32"
+    # the model's dtype; auto: float32 on a CPU, bfloat16 (else float16) on a GPU, and
+    # vLLM's own choice on a GPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # vLLM on a GPU: the share of its memory the engine may take (weights + KV cache)
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     threads: int | None = None  # torch threads in this worker
     max_prompt_tokens: int = 2048
     max_tokens_limit: int = 4096
@@ -44,17 +55,32 @@ class _ModelStage(Stage):
     images: ClassVar[bool] = False  # requests may carry image parts (the ar.mm_* stages)
     kv_role: ClassVar[str | None] = None  # the vLLM engine's KV connector role
 
-    def _engine(self):  # type: ignore[no-untyped-def]
+    def _engine(self, model: bool = True):  # type: ignore[no-untyped-def]
+        """The stage's engine; ``model``: it will load the model, on the device and in
+        the dtype of the stage's placement (else only a tokenizer, on the CPU)."""
         o = self.options
+        device, dtype = self._placement() if model else ("cpu", "float32")
         return load_engine(
             o.engine,
             resolve_model(o.model),
-            o.dtype,
+            dtype,
             o.threads,
+            device,
             kv_role=self.kv_role,
             kv_connector=o.kv_connector,
             engine_args=o.engine_args,
+            gpu_memory_utilization=o.gpu_memory_utilization,
         )
+
+    def _placement(self) -> tuple[str, str]:
+        """(device, dtype) of the stage's model: :func:`omni_core.devices.place` of its
+        ``devices`` and ``dtype`` (a :class:`omni_core.devices.DeviceError` where it asks
+        for a GPU torch does not see). vLLM on a GPU keeps ``auto``: it picks the dtype."""
+        o = self.options
+        p = place(self.ctx.name, self.ctx.devices, o.dtype)
+        if o.engine == "vllm" and p.is_gpu and o.dtype == "auto":
+            return p.device, "auto"
+        return p.device, p.dtype
 
     def _params(self, inp: StageInput):  # type: ignore[no-untyped-def]
         """(prompt or messages, sampling params); every stage reads the request alike."""
@@ -74,7 +100,7 @@ class Intake(_ModelStage):
     """Request -> prompt token ids (one segment), or an error naming the bad field."""
 
     def load(self) -> None:
-        self.engine = self._engine()
+        self.engine = self._engine(model=False)
         self.engine.load_tokenizer()
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
@@ -219,7 +245,7 @@ class Postprocess(_ModelStage):
     """Token segments -> text deltas, with stop strings; streams to the caller."""
 
     def load(self) -> None:
-        self.engine = self._engine()
+        self.engine = self._engine(model=False)
         self.tokenizer = self.engine.load_tokenizer()
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.counts: dict[str, int] = {}

@@ -8,15 +8,22 @@ output is one segment with ``prompt_embeds`` ``(max_tokens, hidden)`` (the hidde
 of ``layer``) and ``pooled`` ``(hidden,)`` (their mean over the real tokens). With
 ``image.guidance > 1`` and an ``image.negative_prompt``, the negative prompt is encoded
 alike (``negative_prompt_embeds``, ``negative_pooled``).
+
+The model loads where the stage's ``devices`` and ``dtype`` place it
+(:func:`omni_core.devices.place`; ``dtype: auto`` is float32 on a CPU, bfloat16 or
+float16 on a GPU); the embeddings it emits are float32 numpy arrays on the CPU whatever
+the model's device and dtype.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
 
 import msgspec
 import numpy as np
 from omni_core import Stage, StageEvent, StageInput
+from omni_core.devices import place
 
 from omni_ar.engines import load_engine
 from omni_ar.models import resolve_model
@@ -24,7 +31,7 @@ from omni_ar.models import resolve_model
 
 class TextEncodeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str  # a Hugging Face model directory, or a named model ("smollm2")
-    dtype: str = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     threads: int | None = None
     max_tokens: int = 64  # every prompt is padded or cut to this many tokens
     layer: int = -1  # which hidden layer conditions the image (-1: the last)
@@ -35,7 +42,9 @@ class TextEncode(Stage):
 
     def load(self) -> None:
         o = self.options
-        self.engine = load_engine("transformers", resolve_model(o.model), o.dtype, o.threads)
+        p = place(self.ctx.name, self.ctx.devices, o.dtype)
+        model = resolve_model(o.model)
+        self.engine = load_engine("transformers", model, p.dtype, o.threads, p.device)
         tok = self.engine.load_tokenizer()
         self.engine.load_model()
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -60,6 +60,8 @@ def config(
     worker = {**common, "threads": 1}
     if engine == "vllm":
         worker["kv_connector"] = connector
+        # prefill and decode share one GPU (no devices key): half of its memory each
+        worker["gpu_memory_utilization"] = 0.4
     env = {"OMP_NUM_THREADS": "1"}
     if kv_dir:  # the file connector's directory
         env["OMNI_VLLM_KV_DIR"] = kv_dir

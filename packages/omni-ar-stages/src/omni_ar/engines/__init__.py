@@ -13,18 +13,22 @@ def load_engine(
     model: str,
     dtype: str = "float32",
     threads: int | None = None,
+    device: str = "cpu",
     **vllm_options: Any,
 ) -> Any:
-    """An engine by name; a missing engine is a clear error. ``vllm_options``
-    (``kv_role``, ``kv_connector``, ``engine_args``) configure the vLLM engine only."""
+    """An engine by name, for a model on ``device`` (``"cpu"`` or ``"cuda:0"``, see
+    :func:`omni_core.devices.place`) in ``dtype`` (``"auto"``: float32 on the CPU; on a
+    GPU bfloat16 or float16 for transformers, vLLM's own choice for vLLM); a missing
+    engine is a clear error. ``vllm_options`` (``kv_role``, ``kv_connector``,
+    ``engine_args``, ``gpu_memory_utilization``) configure the vLLM engine only."""
     if name == "transformers":
         from omni_ar.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(model, dtype=dtype, threads=threads)
+        return TransformersEngine(model, dtype=dtype, threads=threads, device=device)
     if name == "vllm":
         from omni_ar.engines.vllm_engine import INSTALL_HINT, VllmEngine
 
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError(INSTALL_HINT)
-        return VllmEngine(model, dtype=dtype, threads=threads, **vllm_options)
+        return VllmEngine(model, dtype=dtype, threads=threads, device=device, **vllm_options)
     raise RuntimeError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")

@@ -22,6 +22,9 @@ valid, and the slots past the prompt in its last block are overwritten by the de
 engine's own tokens before anything reads them. Both engines need the same block size.
 Everything is synchronous: KV is copied inside the step that computes or needs it, so
 blocks are freed as usual when a request finishes.
+
+Devices: saved blocks are copied to the CPU (the data plane carries host memory); loaded
+blocks are copied to the paged cache's device and dtype (a GPU's, or the CPU's).
 """
 
 from __future__ import annotations
@@ -187,8 +190,9 @@ class DataPlaneConnector(KVConnectorBase_V1):
                         f"this engine's are {tuple(k_dst.shape[1:])} (same block size and "
                         "model on both sides?)"
                     )
-                k_dst[dst.to(cache.device)] = _as(k_src, cache)
-                v_dst[dst.to(cache.device)] = _as(v_src, cache)
+                idx = dst.to(cache.device)
+                k_dst[idx] = _as(k_src, cache)
+                v_dst[idx] = _as(v_src, cache)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -213,5 +217,7 @@ class DataPlaneConnector(KVConnectorBase_V1):
 
 
 def _as(src: Any, like: torch.Tensor) -> torch.Tensor:
+    """Received KV (a CPU tensor or numpy array) on the device and in the dtype of
+    ``like``, a paged cache."""
     t = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
     return t.to(device=like.device, dtype=like.dtype)

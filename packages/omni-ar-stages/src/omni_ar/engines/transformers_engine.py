@@ -4,6 +4,10 @@ Prefill runs the prompt forward and returns the first token with the KV cache as
 arrays (layers stacked: ``(layers, kv_heads, tokens, head_dim)``), so it can cross
 processes through the shared-memory data plane; decode rebuilds a ``DynamicCache`` from
 them and steps from there, giving the same tokens as ``model.generate``.
+
+The model lives on the engine's ``device`` (``"cpu"``, or ``"cuda:0"``: the first GPU
+the worker sees) in its ``dtype``; the inputs it builds go there, and what it hands out
+(KV, hidden states) comes back to the CPU, one copy per array, for the data plane.
 """
 
 from __future__ import annotations
@@ -13,16 +17,24 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from omni_core.devices import default_dtype
 
 from omni_ar.models import quiet_offline
 from omni_ar.params import SamplingParams
 
 
 class TransformersEngine:
-    def __init__(self, model: str, dtype: str = "float32", threads: int | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        threads: int | None = None,
+        device: str = "cpu",
+    ) -> None:
         quiet_offline()
         self.model_dir = model
-        self.dtype = dtype
+        self.device = device  # "cpu" or "cuda:0" (omni_core.devices.place)
+        self.dtype = default_dtype(device) if dtype == "auto" else dtype
         self.threads = threads
         self.model: Any = None
         self.tokenizer: Any = None
@@ -40,12 +52,21 @@ class TransformersEngine:
         if self.threads:
             torch.set_num_threads(self.threads)
         self.adopt(
-            AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.dtype))
+            AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=getattr(torch, self.dtype), **self._device_map()
+            )
         )
 
+    def _device_map(self) -> dict[str, Any]:
+        """``from_pretrained`` arguments that load the weights straight onto a GPU (none
+        on the CPU, where they load as they always have)."""
+        return {} if self.device == "cpu" else {"device_map": self.device}
+
     def adopt(self, model: Any) -> None:
-        """Use ``model`` (a causal LM) for prefill and decode."""
+        """Use ``model`` (a causal LM) for prefill and decode, on this engine's device."""
         self.model = model.eval()
+        if self.device != "cpu":
+            self.model.to(self.device)  # a no-op for what from_pretrained put there
         # transformers renamed `past_key_values` to `cache` during 5.x: use what this has
         params = inspect.signature(self.model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -78,13 +99,22 @@ class TransformersEngine:
         return tok, float(logprobs[tok])
 
     def generator(self, params: SamplingParams, offset: int = 0) -> Any:
+        """The request's sampling generator, seeded, on the model's device (where the
+        probabilities it samples from are): a seed gives the same tokens on every run on
+        that device (not the same tokens on a CPU and a GPU)."""
         import torch
 
         if params.temperature == 0:
             return None
-        g = torch.Generator()
+        g = torch.Generator(device=self.device)
         g.manual_seed((params.seed or 0) + offset)
         return g
+
+    def tensor(self, ids: list[int] | list[list[int]]) -> Any:
+        """Token ids as a tensor on the model's device."""
+        import torch
+
+        return torch.tensor(ids, device=self.device)
 
     def prefill_many(
         self, prompts: list[list[int]], params: list[SamplingParams]
@@ -100,7 +130,7 @@ class TransformersEngine:
         import torch
 
         with torch.inference_mode():
-            out = self.model(torch.tensor([ids]), use_cache=True)
+            out = self.model(self.tensor([ids]), use_cache=True)
         tok, lp = self._pick(out.logits[0, -1], params, self.generator(params))
         keys, values = kv_arrays(_cache_of(out))
         return tok, lp, keys, values
@@ -116,16 +146,24 @@ class TransformersEngine:
         """Tokens after ``first``, one per step, until EOS or ``max_tokens`` in all."""
         return self.steps(first, self.cache_from(keys, values), params)
 
-    @staticmethod
-    def cache_from(keys: np.ndarray, values: np.ndarray) -> Any:
-        """A ``DynamicCache`` holding copies of stacked ``(L, kvH, T, D)`` KV arrays."""
-        import torch
+    def cache_from(self, keys: Any, values: Any) -> Any:
+        """A ``DynamicCache`` on the model's device, in its dtype, holding copies of
+        stacked ``(L, kvH, T, D)`` KV arrays (numpy, or CPU torch tensors for bfloat16)."""
         from transformers import DynamicCache
 
         cache = DynamicCache()
         for i in range(keys.shape[0]):  # copies: the arrays may be read-only shared views
-            cache.update(torch.tensor(keys[i])[None], torch.tensor(values[i])[None], i)
+            cache.update(self._kv_tensor(keys[i])[None], self._kv_tensor(values[i])[None], i)
         return cache
+
+    def _kv_tensor(self, a: Any) -> Any:
+        """A copy of one layer's KV on the model's device, in the model's dtype."""
+        import torch
+
+        dtype = getattr(torch, self.dtype)
+        if isinstance(a, torch.Tensor):
+            return a.to(device=self.device, dtype=dtype, copy=True)
+        return torch.tensor(a, device=self.device, dtype=dtype)
 
     def steps(self, first: int, cache: Any, params: SamplingParams) -> Iterator[tuple[int, float]]:
         """The tokens after ``first`` (the cache holds everything before it), one per
@@ -138,7 +176,7 @@ class TransformersEngine:
             if tok in self.eos_ids and not params.ignore_eos:
                 return
             with torch.inference_mode():
-                out = self.model(torch.tensor([[tok]]), use_cache=True, **{self.cache_kw: cache})
+                out = self.model(self.tensor([[tok]]), use_cache=True, **{self.cache_kw: cache})
             cache = _cache_of(out)
             tok, lp = self._pick(out.logits[0, -1], params, gen)
             yield tok, lp
@@ -150,21 +188,33 @@ class TransformersEngine:
 
     def hidden_states(self, ids: list[list[int]], layer: int = -1) -> np.ndarray:
         """Per-token hidden states ``(batch, tokens, hidden)`` of one layer (-1: the
-        last, after the final norm) for equal-length prompts: a text encoder's output."""
+        last, after the final norm) for equal-length prompts: a text encoder's output,
+        float32 on the CPU whatever the model's device and dtype."""
         import torch
 
         with torch.inference_mode():
-            out = self.model(torch.tensor(ids), output_hidden_states=True)
-        return out.hidden_states[layer].float().numpy()
+            out = self.model(self.tensor(ids), output_hidden_states=True)
+        return out.hidden_states[layer].to("cpu").float().numpy()
 
 
-def kv_arrays(cache: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A batch-of-one cache as stacked ``(layers, kv_heads, tokens, head_dim)`` arrays."""
+def kv_arrays(cache: Any) -> tuple[Any, Any]:
+    """A batch-of-one cache as stacked ``(layers, kv_heads, tokens, head_dim)`` arrays on
+    the CPU (see :func:`to_host`)."""
     import torch
 
-    keys = torch.stack([layer.keys[0] for layer in cache.layers]).numpy()
-    values = torch.stack([layer.values[0] for layer in cache.layers]).numpy()
-    return keys, values
+    keys = torch.stack([layer.keys[0] for layer in cache.layers])
+    values = torch.stack([layer.values[0] for layer in cache.layers])
+    return to_host(keys), to_host(values)
+
+
+def to_host(t: Any) -> Any:
+    """A tensor as an array for the data plane: copied to the CPU once (no copy there
+    already), a numpy array where numpy has its dtype (float32, float16), else a CPU
+    torch tensor (bfloat16, which the data plane carries as it is)."""
+    import torch
+
+    t = t.detach().to("cpu")
+    return t if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _cache_of(out: Any) -> Any:

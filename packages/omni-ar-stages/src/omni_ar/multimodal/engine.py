@@ -2,7 +2,9 @@
 
 Prefill loads the whole model (vision tower, projector, language model). Decode loads
 only the language model and its head, read tensor by tensor from the checkpoint, so it
-never holds (or even reads) the vision tower's weights.
+never holds (or even reads) the vision tower's weights. Both load onto the engine's
+device (see :class:`~omni_ar.engines.transformers_engine.TransformersEngine`); the KV they
+hand out, and the prefix cache, stay on the CPU.
 """
 
 from __future__ import annotations
@@ -47,9 +49,13 @@ class VLMEngine(TransformersEngine):
         dtype = getattr(torch, self.dtype)
         config = AutoConfig.from_pretrained(self.model_dir)
         if vision:
-            self.adopt(AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype))
+            self.adopt(
+                AutoModelForImageTextToText.from_pretrained(
+                    self.model_dir, dtype=dtype, **self._device_map()
+                )
+            )
         else:
-            self.adopt(_language_model(Path(self.model_dir), config, dtype))
+            self.adopt(_language_model(Path(self.model_dir), config, dtype, self.device))
         text = config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.kv_shape = (text.num_hidden_layers, text.num_key_value_heads, head_dim)
@@ -87,7 +93,7 @@ class VLMEngine(TransformersEngine):
         import torch
 
         pv = self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        return pv.to(getattr(torch, self.dtype))
+        return pv.to(device=self.device, dtype=getattr(torch, self.dtype))
 
     # -- prefill ----------------------------------------------------------------------
     def prefill_kv(
@@ -97,10 +103,12 @@ class VLMEngine(TransformersEngine):
         images: list[np.ndarray],
         block_size: int,
         cache: PrefixCache | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, int]:
+    ) -> tuple[Any, Any, int]:
         """(keys, values, cached positions): the KV of ``ids[:-1]``, the positions decode
-        does not recompute. Blocks found in ``cache`` are reused (the vision encoder then
-        skips the images they cover); computed full blocks are added to it."""
+        does not recompute, on the CPU (numpy; a CPU torch tensor for bfloat16, see
+        :func:`~omni_ar.engines.transformers_engine.to_host`). Blocks found in ``cache``
+        are reused (the vision encoder then skips the images they cover); computed full
+        blocks are added to it."""
         import torch
 
         n = len(ids)
@@ -118,7 +126,7 @@ class VLMEngine(TransformersEngine):
             kwargs[self.cache_kw] = self.cache_from(*cache.get(hashes[: start // block_size]))
         with torch.inference_mode():
             out = self.model(
-                input_ids=torch.tensor([ids[start:]]), use_cache=True, logits_to_keep=1, **kwargs
+                input_ids=self.tensor([ids[start:]]), use_cache=True, logits_to_keep=1, **kwargs
             )
         keys, values = kv_arrays(_cache_of(out))
         if cache is not None:
@@ -129,8 +137,8 @@ class VLMEngine(TransformersEngine):
     def resume(
         self,
         ids: list[int],
-        keys: np.ndarray,
-        values: np.ndarray,
+        keys: Any,
+        values: Any,
         kv_tokens: int,
         params: SamplingParams,
     ) -> Iterator[tuple[int, float]]:
@@ -153,16 +161,16 @@ class VLMEngine(TransformersEngine):
             )
         with torch.inference_mode():
             out = self.model(
-                torch.tensor([rest]), use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}
+                self.tensor([rest]), use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}
             )
         first, lp = self._pick(out.logits[0, -1], params, self.generator(params))
         yield first, lp
         yield from self.steps(first, _cache_of(out), params)
 
 
-def _language_model(path: Path, config: Any, dtype: Any) -> Any:
-    """The language model and head of a Llava-style checkpoint as a causal LM, reading
-    only their tensors."""
+def _language_model(path: Path, config: Any, dtype: Any, device: str = "cpu") -> Any:
+    """The language model and head of a Llava-style checkpoint as a causal LM on
+    ``device``, reading only their tensors (straight onto the device)."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -175,7 +183,7 @@ def _language_model(path: Path, config: Any, dtype: Any) -> Any:
     )
     state = {}
     for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
+        with safe_open(str(path / name), framework="pt", device=device) as f:
             for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 for src, dst in LANGUAGE_PREFIXES.items():
                     if key.startswith(src):
@@ -183,6 +191,8 @@ def _language_model(path: Path, config: Any, dtype: Any) -> Any:
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config.get_text_config(), dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
+    if device != "cpu":
+        model.to(device)  # the buffers (rotary frequencies) were made on the CPU
     if (path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model

@@ -166,11 +166,12 @@ def admit(
 
 
 class PrefixCache:
-    """KV of full prompt blocks, keyed by their chained block hashes (LRU)."""
+    """KV of full prompt blocks, keyed by their chained block hashes (LRU), in host
+    memory: numpy arrays, or CPU torch tensors (bfloat16 KV, which numpy has no type for)."""
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity = capacity_blocks
-        self.blocks: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self.blocks: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
         self.hits = 0  # blocks served
 
     def match(self, hashes: list[str]) -> int:
@@ -182,15 +183,15 @@ class PrefixCache:
             n += 1
         return n
 
-    def get(self, hashes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, hashes: list[str]) -> tuple[Any, Any]:
         """The KV of the cached blocks ``hashes``, concatenated along positions."""
         for h in hashes:
             self.blocks.move_to_end(h)
         self.hits += len(hashes)
         ks, vs = zip(*(self.blocks[h] for h in hashes), strict=True)
-        return np.concatenate(ks, axis=2), np.concatenate(vs, axis=2)
+        return _concat(ks), _concat(vs)
 
-    def put(self, hashes: list[str], keys: np.ndarray, values: np.ndarray, size: int) -> None:
+    def put(self, hashes: list[str], keys: Any, values: Any, size: int) -> None:
         """Store each full block of ``keys``/``values`` under its hash."""
         if self.capacity <= 0:
             return
@@ -199,6 +200,19 @@ class PrefixCache:
                 self.blocks.move_to_end(h)
                 continue
             sl = slice(b * size, (b + 1) * size)
-            self.blocks[h] = (keys[:, :, sl].copy(), values[:, :, sl].copy())
+            self.blocks[h] = (_copy(keys[:, :, sl]), _copy(values[:, :, sl]))
             while len(self.blocks) > self.capacity:
                 self.blocks.popitem(last=False)
+
+
+def _copy(a: Any) -> Any:
+    return a.copy() if isinstance(a, np.ndarray) else a.clone()
+
+
+def _concat(parts: tuple[Any, ...]) -> Any:
+    """Blocks joined along positions (axis 2), numpy or torch alike."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts, axis=2)
+    import torch
+
+    return torch.cat(parts, dim=2)

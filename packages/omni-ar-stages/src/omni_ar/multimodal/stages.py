@@ -13,6 +13,9 @@
   ``media: reprocess`` is the full-media baseline of ``omni bench mm-handoff``: decode
   receives the media and renders the prompt from it again.
 * mm_postprocess: ar.postprocess for requests that carry image parts.
+
+mm_prefill and mm_decode load their models where their ``devices`` and ``dtype`` place
+them, as the text stages do (:mod:`omni_ar.stages`); mm_intake loads only the processor.
 """
 
 from __future__ import annotations
@@ -55,11 +58,12 @@ class _MMStage(_ModelStage):
     Options = MMOptions
     images = True
 
-    def _engine(self) -> VLMEngine:
+    def _engine(self, model: bool = True) -> VLMEngine:
         o = self.options
         if o.engine != "transformers":
             raise RuntimeError(VLLM_UNSUPPORTED)
-        return VLMEngine(resolve_model(o.model), dtype=o.dtype, threads=o.threads)
+        device, dtype = self._placement() if model else ("cpu", "float32")
+        return VLMEngine(resolve_model(o.model), dtype=dtype, threads=o.threads, device=device)
 
     def _messages(self, inp: StageInput) -> tuple[list[dict[str, Any]] | None, Any]:
         """(chat messages, or None for a plain prompt; sampling params)."""
@@ -71,7 +75,7 @@ class MMIntake(_MMStage):
     """Request -> prompt ids with placeholders, decoded images and their hashes."""
 
     def load(self) -> None:
-        self.engine = self._engine()
+        self.engine = self._engine(model=False)
         self.engine.load_tokenizer()
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:

@@ -1,0 +1,274 @@
+"""Where the AR stages put their models (``devices`` and ``dtype``, through
+:func:`omni_core.devices.place`), and the vLLM engine's settings by device.
+
+On a machine whose torch sees no GPU, a model-bearing stage given ``devices: "0"`` fails
+its load with the placement's message; ``devices: cpu`` runs as before, bit for bit. The
+GPU side itself (models on ``cuda:0``, bfloat16 by default) needs a GPU to run.
+"""
+
+import os
+
+import msgspec
+import pytest
+import torch
+from omni_ar.engines.transformers_engine import TransformersEngine
+from omni_ar.engines.vllm_engine import engine_settings, set_vllm_env
+from omni_ar.multimodal.stages import MMDecode, MMPrefill
+from omni_ar.params import SamplingParams
+from omni_ar.stages import Decode, Intake, Postprocess, Prefill, Talker
+from omni_ar.text_encode import TextEncode
+from omni_core import Pipeline, StageInput
+from omni_core.config import ConfigError, parse_config
+from omni_core.devices import DeviceError
+from omni_core.errors import StageStartError
+from omni_core.stage import StageContext
+from omni_core.windows import Piece, Window
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    from omni_ar.multimodal.testing import build_tiny_llava
+
+    return str(build_tiny_llava(tmp_path_factory.mktemp("tiny-llava")))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Greedy tokens of ``model.generate`` in this process (float32, CPU)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ids = tok(PROMPT)["input_ids"]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def stage(cls, kind, model, devices=None, **options):
+    return cls(StageContext("s", kind, {"model": model, **options}, devices=devices))
+
+
+MODEL_STAGES = [
+    (Prefill, "ar.prefill"),
+    (Decode, "ar.decode"),
+    (Talker, "ar.talker"),
+    (TextEncode, "ar.text_encode"),
+]
+MM_STAGES = [(MMPrefill, "ar.mm_prefill"), (MMDecode, "ar.mm_decode")]
+
+
+# -- the vLLM engine's settings, chosen by device (no vLLM needed) ------------------------
+
+
+def test_vllm_settings_on_the_cpu_are_todays():
+    assert engine_settings("cpu", "auto") == {"enforce_eager": True, "dtype": "float32"}
+    assert engine_settings("cpu", "bfloat16", 0.5) == {"enforce_eager": True, "dtype": "bfloat16"}
+
+
+def test_vllm_settings_on_a_gpu_size_the_kv_cache_and_keep_cuda_graphs():
+    assert engine_settings("cuda:0", "auto") == {"dtype": "auto", "gpu_memory_utilization": 0.9}
+    args = engine_settings("cuda:0", "float16", 0.45)
+    assert args == {"dtype": "float16", "gpu_memory_utilization": 0.45}
+    assert "enforce_eager" not in args
+    assert engine_settings("cuda:0", "auto", 1.0)["gpu_memory_utilization"] == 1.0
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.01, 2])
+def test_vllm_gpu_memory_utilization_must_be_a_share(bad):
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization .*expected 0 < x <= 1"):
+        engine_settings("cuda:0", "auto", bad)
+
+
+def test_vllm_environment_by_device(monkeypatch):
+    for var in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    set_vllm_env(None, "cuda:0")
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # a CPU-only setting
+    set_vllm_env(None, "cpu")
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+@no_gpu
+def test_a_vllm_engine_without_a_device_takes_the_cpu_where_torch_sees_no_gpu(monkeypatch):
+    from omni_ar.engines.vllm_engine import VllmEngine
+
+    for var in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(var, "1")  # restored afterwards; the engine only sets defaults
+    engine = VllmEngine("unused", dtype="auto")  # nothing loads before load_model
+    assert engine.device == "cpu" and engine.settings == engine_settings("cpu", "float32")
+
+
+# -- options ------------------------------------------------------------------------------
+
+
+def _config(kind, **options):
+    return {"stages": [{"name": "s", "kind": kind, "options": {"model": "m", **options}}]}
+
+
+@pytest.mark.parametrize("kind", ["ar.prefill", "ar.decode", "ar.text_encode", "ar.mm_decode"])
+def test_dtype_is_auto_or_a_torch_float_type(kind):
+    parse_config(_config(kind, dtype="bfloat16"))
+    with pytest.raises(ConfigError, match=r"stages\[0\]\.options\.dtype"):
+        parse_config(_config(kind, dtype="float64"))
+
+
+@pytest.mark.parametrize("bad", [0, 1.5])
+def test_gpu_memory_utilization_option_is_checked_at_config_load(bad):
+    parse_config(_config("ar.decode", engine="vllm", gpu_memory_utilization=0.4))
+    with pytest.raises(ConfigError, match=r"stages\[0\]\.options\.gpu_memory_utilization"):
+        parse_config(_config("ar.decode", engine="vllm", gpu_memory_utilization=bad))
+
+
+# -- placement of the model-bearing stages ------------------------------------------------
+
+
+@no_gpu
+@pytest.mark.parametrize("cls,kind", MODEL_STAGES + MM_STAGES, ids=lambda v: str(v))
+def test_a_gpu_torch_does_not_see_fails_the_load(tiny_model, llava, cls, kind):
+    model = llava if kind.startswith("ar.mm_") else tiny_model
+    s = stage(cls, kind, model, devices="0")
+    with pytest.raises(DeviceError, match=r"stage 's': devices '0' asks for a GPU.*sees none"):
+        s.load()
+
+
+@pytest.mark.parametrize(
+    "cls,kind", [(Intake, "ar.intake"), (Postprocess, "ar.postprocess")], ids=str
+)
+def test_tokenizer_stages_hold_no_model_and_place_nothing(tiny_model, cls, kind):
+    s = stage(cls, kind, tiny_model, devices="0")
+    s.load()  # a tokenizer only: its devices do not matter
+    assert s.engine.model is None
+
+
+@pytest.mark.parametrize("cls,kind", MODEL_STAGES + MM_STAGES, ids=lambda v: str(v))
+def test_devices_cpu_loads_on_the_cpu_in_float32(tiny_model, llava, cls, kind):
+    model = llava if kind.startswith("ar.mm_") else tiny_model
+    s = stage(cls, kind, model, devices="")  # devices: cpu
+    s.load()
+    assert s.engine.device == "cpu" and s.engine.dtype == "float32"
+    params = list(s.engine.model.parameters())
+    assert {p.device.type for p in params} == {"cpu"}
+    assert {p.dtype for p in params} == {torch.float32}
+
+
+def _run(s, tokens=None, arrays=None, payload=None, request=None):
+    windows = {}
+    if tokens is not None:
+        windows["up"] = Window("up", 0, 0, 0, [Piece(0, tokens, arrays or {}, payload or {})], True)
+    inp = StageInput("r", request or {"prompt": PROMPT, "max_tokens": 16}, windows, True, True)
+    return [
+        e
+        for ev in s.process([inp])
+        if ev is not None
+        for e in (ev if isinstance(ev, list) else [ev])
+    ]
+
+
+def test_prefill_and_decode_on_the_cpu_equal_the_model(tiny_model, reference):
+    """``devices: cpu`` and the default ``dtype: auto``: the KV crosses as float32 numpy
+    arrays, and the tokens are ``model.generate``'s."""
+    prefill, decode = (stage(c, k, tiny_model, devices="") for c, k in MODEL_STAGES[:2])
+    prefill.load()
+    decode.load()
+    ids = prefill.engine.load_tokenizer()(PROMPT)["input_ids"]
+    (ev,) = _run(prefill, ids)
+    keys = ev.arrays["keys"]
+    assert type(keys).__name__ == "ndarray" and keys.dtype == "float32"
+    out = _run(decode, ev.tokens, ev.arrays, ev.payload)
+    assert [t for e in out for t in e.tokens] == reference
+
+
+def test_bfloat16_kv_crosses_as_a_cpu_tensor_and_decode_takes_it_in_its_dtype(tiny_model):
+    """The path a GPU's default dtype takes, run on the CPU: a bfloat16 prefill hands out
+    CPU torch tensors (numpy has no bfloat16); decode copies them to its own device and
+    dtype (here float32), and a bfloat16 decode continues from them as a bfloat16
+    engine does in one process."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    bf16 = TransformersEngine(tiny_model, dtype="bfloat16")
+    bf16.load_tokenizer()
+    bf16.load_model()
+    ids = bf16.encode(PROMPT)
+    first, _, keys, values = bf16.prefill(ids, params)
+    assert isinstance(keys, torch.Tensor) and keys.dtype == torch.bfloat16
+    assert keys.device.type == "cpu" and keys.shape == values.shape and keys.shape[2] == len(ids)
+    staged = [first, *(t for t, _ in bf16.decode(first, keys, values, params))]
+    assert staged == bf16.generate(PROMPT, params)
+    f32 = TransformersEngine(tiny_model, dtype="auto")  # float32 on the CPU
+    f32.load_model()
+    assert f32.dtype == "float32"
+    assert len(list(f32.decode(first, keys, values, params))) == params.max_tokens - 1
+
+
+def test_a_seed_gives_the_same_tokens_on_every_run(tiny_model):
+    engine = TransformersEngine(tiny_model, device="cpu")
+    engine.load_tokenizer()
+    engine.load_model()
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    assert engine.generator(params).device.type == "cpu"
+    runs = [engine.generate(PROMPT, params) for _ in range(2)]
+    other = engine.generate(PROMPT, msgspec.structs.replace(params, seed=8))
+    assert runs[0] == runs[1] and runs[0] != other
+
+
+def test_text_encode_on_the_cpu_emits_float32_numpy(tiny_model):
+    s = stage(TextEncode, "ar.text_encode", tiny_model, devices="", max_tokens=8)
+    s.load()
+    (ev,) = _run(s, request={"prompt": PROMPT})
+    assert (
+        ev.arrays["prompt_embeds"].dtype == "float32" and ev.arrays["prompt_embeds"].shape[0] == 8
+    )
+
+
+# -- in a running pipeline -----------------------------------------------------------------
+
+
+def ar_config(model, devices):
+    opts = {"model": model, "threads": 1}
+    return {
+        "heartbeat_interval_s": 0.1,
+        "stages": [
+            {"name": "intake", "kind": "ar.intake", "options": {"model": model}},
+            {"name": "prefill", "kind": "ar.prefill", "devices": devices, "options": opts},
+            {"name": "decode", "kind": "ar.decode", "devices": devices, "options": opts},
+            {"name": "postprocess", "kind": "ar.postprocess", "options": {"model": model}},
+        ],
+        "edges": [
+            {"from": "intake", "to": "prefill"},
+            {"from": "prefill", "to": "decode"},
+            {"from": "decode", "to": "postprocess"},
+        ],
+    }
+
+
+@no_gpu
+def test_pipeline_with_a_gpu_stage_on_a_cpu_machine_fails_to_start(tiny_model):
+    cfg = ar_config(tiny_model, "cpu")
+    cfg["stages"][1]["devices"] = "0"
+    with pytest.raises(StageStartError) as e:
+        Pipeline(cfg).start()
+    msg = str(e.value)
+    assert "stage 'prefill' (kind 'ar.prefill') failed to load" in msg, msg
+    assert "DeviceError: stage 'prefill': devices '0' asks for a GPU" in msg, msg
+    assert "sees none" in msg and "CUDA_VISIBLE_DEVICES='0'" in msg, msg
+
+
+def test_pipeline_with_devices_cpu_equals_the_model(tiny_model, reference):
+    with Pipeline(ar_config(tiny_model, "cpu")) as pipe:
+        out = pipe.generate([{"prompt": PROMPT, "max_tokens": 16}])[0]
+    assert out.ok, out.error
+    assert [t for e in out.by_stage("postprocess") for t in e.tokens] == reference
+
+
+def test_the_mm_prefix_cache_keeps_bfloat16_kv_as_cpu_tensors():
+    from omni_ar.multimodal.handoff import PrefixCache
+
+    cache = PrefixCache(8)
+    keys = torch.arange(2 * 2 * 8 * 4, dtype=torch.bfloat16).reshape(2, 2, 8, 4)
+    cache.put(["a", "b"], keys, -keys, 4)  # two blocks of 4 positions
+    keys[:] = 0  # the cache holds copies
+    k, v = cache.get(["a", "b"])
+    assert k.dtype == torch.bfloat16 and k.shape == (2, 2, 8, 4) and k.device.type == "cpu"
+    assert torch.equal(v, -k) and k.float().abs().sum() > 0
