@@ -203,42 +203,60 @@ class Decode(_ModelStage):
             else None
         )
         tokens, logprobs = [t for t, _ in tokens_so_far], [lp for _, lp in tokens_so_far]
+        total = len(tokens)
+        last_tok = tokens[-1] if tokens else None
         last_flush = time.monotonic()
         for tok, lp in steps:
             if inp.cancelled:
                 return
             tokens.append(tok)
             logprobs.append(lp)
+            total += 1
+            last_tok = tok
             now = time.monotonic()
             if (
                 len(tokens) >= o.max_segment_tokens
                 or (now - last_flush) * 1000 >= o.min_flush_interval_ms
             ):
-                ev = self._segment(inp, tokens, logprobs, params, detok, last=False)
+                ev = self._segment(inp, tokens, logprobs, params, detok, last=None)
                 ev.payload.update(counted)
                 counted = {}
                 yield ev
                 if detok is not None and detok.stopped is not None:
                     return
                 tokens, logprobs, last_flush = [], [], now
-        ev = self._segment(inp, tokens, logprobs, params, detok, last=True)
+        ev = self._segment(
+            inp, tokens, logprobs, params, detok, last=self._finish(params, total, last_tok)
+        )
         ev.payload.update(counted)
         yield ev
 
+    def _finish(self, params: SamplingParams, total: int, last_tok: int | None) -> str:
+        """Why generation ended: ``length`` when it reached ``max_tokens`` (the request's
+        or the stage's default) without ending at EOS, else ``stop`` (EOS)."""
+        eos = getattr(self.engine, "eos_ids", None) or set()
+        at_eos = last_tok in eos and not params.ignore_eos
+        return "length" if total >= params.max_tokens and not at_eos else "stop"
+
     @staticmethod
     def _segment(inp, tokens, logprobs, params, detok, last):  # type: ignore[no-untyped-def]
-        payload = {}
+        """A segment of ``tokens``; ``last``: None, or the finish reason of the last one
+        (``stop`` or ``length``; a stop string found by ``detok`` makes it ``stop``)."""
+        payload = {} if last is None else {"finish_reason": last}
         if detok is not None:
             text = detok.add(tokens)
             if detok.stopped is not None:
                 payload = {"text": text, "finish_reason": "stop"}
-                last = True
-            elif last:
-                payload = {"text": text + detok.flush(), "finish_reason": "end"}
+            elif last is not None:
+                payload["text"] = text + detok.flush()
             else:
                 payload = {"text": text}
+            if params.logprobs:
+                payload["token_texts"] = token_texts(detok.tokenizer, tokens)
         lps = logprobs if params.logprobs else None
-        return inp.segment(tokens, logprobs=lps, payload=payload, is_last=last)
+        return inp.segment(
+            tokens, logprobs=lps, payload=payload, is_last="finish_reason" in payload
+        )
 
 
 class Postprocess(_ModelStage):
@@ -250,6 +268,8 @@ class Postprocess(_ModelStage):
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.counts: dict[str, int] = {}
         self.prompt_tokens: dict[str, int] = {}  # until passed on with the next event
+        self.finish: dict[str, str] = {}  # decode's finish reason, once it sent it
+        self.want_logprobs: dict[str, bool] = {}
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
@@ -258,30 +278,54 @@ class Postprocess(_ModelStage):
             if d is None:
                 _, params = self._params(inp)
                 d = self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
+                self.want_logprobs[rid] = params.logprobs
             if d.stopped is not None:
                 continue  # the text already ended at a stop string
             for p in inp.window.payloads:
                 if "prompt_tokens" in p:
                     self.prompt_tokens[rid] = p["prompt_tokens"]
+                if "finish_reason" in p:  # decode's: "length" or "stop" (EOS)
+                    self.finish[rid] = p["finish_reason"]
             new = inp.window.new_tokens
             text = d.add(new)
             self.counts[rid] = self.counts.get(rid, 0) + len(new)
             if d.stopped is not None:
                 payload = {"text": text, "finish_reason": "stop"}
             elif inp.last:
-                payload = {"text": text + d.flush(), "finish_reason": "end"}
+                reason = self.finish.get(rid, "stop")
+                payload = {"text": text + d.flush(), "finish_reason": reason}
             elif new or text:
                 payload = {"text": text}
             else:
                 continue
             if rid in self.prompt_tokens:
                 payload["prompt_tokens"] = self.prompt_tokens.pop(rid)
-            yield inp.segment(new, payload=payload, is_last="finish_reason" in payload)
+            lps = None
+            if self.want_logprobs.get(
+                rid
+            ):  # the decode step's logprobs of the new tokens, with their text
+                window_lps = inp.window.logprobs
+                lps = window_lps[len(window_lps) - len(new) :] if new else []
+                if len(lps) != len(new):  # an upstream that sent none: no logprobs
+                    lps = None
+                else:
+                    payload["token_texts"] = token_texts(self.tokenizer, new)
+            yield inp.segment(
+                new, logprobs=lps, payload=payload, is_last="finish_reason" in payload
+            )
 
     def end_request(self, request_id: str) -> None:
         self.detoks.pop(request_id, None)
         self.counts.pop(request_id, None)
         self.prompt_tokens.pop(request_id, None)
+        self.finish.pop(request_id, None)
+        self.want_logprobs.pop(request_id, None)
+
+
+def token_texts(tokenizer: Any, tokens: list[int]) -> list[str]:
+    """Each token's own text (special tokens included), for logprobs: what OpenAI's
+    ``logprobs.content[].token`` holds."""
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
 
 
 class Talker(_ModelStage):

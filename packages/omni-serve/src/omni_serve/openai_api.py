@@ -1,18 +1,21 @@
 """OpenAI request bodies, checked, and mapped onto pipeline requests.
 
-Text: ``{"messages" | "prompt", "max_tokens", "temperature", "top_p", "seed", "stop"}``
-(the AR intake's fields; logprobs are refused: postprocess streams text only). Images:
+Text: ``{"messages" | "prompt", "max_tokens", "temperature", "top_p", "seed", "stop",
+"logprobs"}`` (the AR intake's fields; ``logprobs``: decode's per-token logprobs, which
+postprocess passes on with each token's text; the engines give the chosen token's only, so
+``top_logprobs`` > 0 is refused). Images:
 ``{"prompt", "image": {"width", "height", "steps", "seed", "guidance", "true_cfg_scale",
 "format", "quality", "preview_every", "negative_prompt"}}`` (the DiT plan's fields).
 Unknown fields are refused, naming the field; fields the OpenAI API has that change the
-answer in ways a pipeline cannot (tools, n > 1 for text, URLs for images) are refused too
-rather than ignored.
+answer in ways a pipeline cannot (tools, structured output, n > 1 for text, URLs for
+images) are refused too rather than ignored, naming the field and saying it is not
+supported.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -29,6 +32,9 @@ _SIZE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})")  # ASCII digits only: not "²x1
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # OpenAI fields this endpoint does not support -> why (a 400 naming the field, not
+    # "unknown field"); sent as null, [] or {} they are taken as absent
+    unsupported: ClassVar[dict[str, str]] = {}
 
 
 class _Body(_Model):
@@ -42,7 +48,30 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+_TOOLS = "tool and function calling is not supported by this server"
+_TEXT_UNSUPPORTED = {
+    "tools": _TOOLS,
+    "tool_choice": _TOOLS,
+    "functions": _TOOLS,
+    "function_call": _TOOLS,
+    "parallel_tool_calls": _TOOLS,
+    "logit_bias": "not supported by this server",
+    "audio": "audio output is not supported by this server",
+    "modalities": "only text output is supported by this server",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+    "reasoning_effort": "not supported by this server",
+    "best_of": "not supported by this server (only one completion per request)",
+}
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # json_schema: {"json_schema": {...}}
+    type: str
+
+
 class _TextBody(_Body):
+    unsupported: ClassVar[dict[str, str]] = _TEXT_UNSUPPORTED
     max_tokens: Positive | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -54,6 +83,10 @@ class _TextBody(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     ignore_eos: bool | None = None  # omni (as vLLM): decode to max_tokens
+    response_format: ResponseFormat | None = None
+    store: bool | None = None  # accepted (OpenAI's stored completions): nothing is stored
+    metadata: dict[str, str] | None = None  # with store: accepted, unused
+    service_tier: str | None = None  # accepted, unused: one tier here
 
 
 class ContentPart(_Model):
@@ -70,13 +103,13 @@ class ChatMessage(_Model):
 class ChatRequest(_TextBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Positive | None = None
-    logprobs: bool = False
-    top_logprobs: Int64 | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class CompletionRequest(_TextBody):
     prompt: str | list[str]
-    logprobs: Int64 | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -122,12 +155,22 @@ def parse(model: type[T], body: Any) -> T:
     """``body`` as ``model``, or a 400 naming the first bad field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    for name, why in model.unsupported.items():  # type: ignore[attr-defined]
+        if name in body:
+            if body[name] is None or body[name] == [] or body[name] == {}:
+                body = {k: v for k, v in body.items() if k != name}
+            else:
+                raise bad_field(name, why)
     try:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         param = _param(err["loc"])
-        what = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        what = (
+            "not supported by this server (unknown field)"
+            if err["type"] == "extra_forbidden"
+            else err["msg"]
+        )
         raise bad_field(param, what) from None
 
 
@@ -161,21 +204,39 @@ def _sampling(req: _TextBody, max_tokens: int | None, limit: int) -> dict[str, A
             out[name] = value
     if req.stop is not None:
         out["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type in ("json_object", "json_schema"):
+            raise bad_field(
+                "response_format",
+                f"type {fmt.type!r}: structured output is not supported by this engine "
+                "(only {'type': 'text'})",
+            )
+        raise bad_field("response_format", f"type {fmt.type[:40]!r}: expected 'text'")
     return out
+
+
+def _no_top_logprobs(param: str, k: int) -> APIError:
+    return bad_field(
+        param,
+        f"{k} is not supported: this server's engines return the chosen token's logprob "
+        "only, not the top alternatives (use 0)",
+    )
 
 
 def chat_request(req: ChatRequest, max_tokens_limit: int) -> dict[str, Any]:
     """The pipeline request of a chat completion."""
-    if req.logprobs or req.top_logprobs:
-        # the AR postprocess stage streams text, not the decode step's logprobs
-        raise bad_field("logprobs" if req.logprobs else "top_logprobs", "not supported")
+    if req.top_logprobs:
+        raise _no_top_logprobs("top_logprobs", req.top_logprobs)
     messages = []
     for m in req.messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
         role = "system" if m.role == "developer" else m.role
         messages.append({"role": role, "content": content})
-    out = {"messages": messages}
+    out: dict[str, Any] = {"messages": messages}
     out.update(_sampling(req, req.max_completion_tokens or req.max_tokens, max_tokens_limit))
+    if req.logprobs:
+        out["logprobs"] = True
     return out
 
 
@@ -186,14 +247,16 @@ def completion_request(req: CompletionRequest, max_tokens_limit: int) -> dict[st
         if len(prompt) != 1:
             raise bad_field("prompt", "only one prompt per request is supported")
         prompt = prompt[0]
-    if req.logprobs is not None:
-        raise bad_field("logprobs", "not supported")
+    if req.logprobs:
+        raise _no_top_logprobs("logprobs", req.logprobs)
     if req.echo:
         raise bad_field("echo", "not supported")
     if req.suffix:
         raise bad_field("suffix", "not supported")
     out: dict[str, Any] = {"prompt": prompt}
     out.update(_sampling(req, req.max_tokens, max_tokens_limit))
+    if req.logprobs is not None:  # 0: the chosen tokens' logprobs
+        out["logprobs"] = True
     return out
 
 

@@ -49,24 +49,40 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone
 
 
+MIN_LOGPROB = -9999.0  # JSON has no -inf: a token the model gave no chance gets this
+
+
 @dataclass
 class TextState:
-    """The text of one request so far: deltas, tokens, how it ended."""
+    """The text of one request so far: deltas, tokens, their logprobs, how it ended."""
 
     parts: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     end: str | None = None
     prompt_tokens: int = 0  # the AR stages pass the prompt's length along
+    # (token text, logprob) of each token, when the request asked for logprobs
+    logprobs: list[tuple[str, float]] = field(default_factory=list)
+    new_logprobs: list[tuple[str, float]] = field(default_factory=list)  # of the last add
 
     def add(self, ev: AnyEvent) -> str | None:
-        """The text delta ``ev`` carries (None when it carries none)."""
+        """The text delta ``ev`` carries (None when it carries none); its tokens'
+        logprobs are in ``new_logprobs``."""
+        self.new_logprobs = []
         payload = ev.payload if isinstance(ev.payload, dict) else {}
         if not isinstance(ev, Segment) or not isinstance(payload.get("text"), str):
             return None
         self.parts.append(payload["text"])
-        self.tokens.extend(ev.tokens or [])
+        tokens = ev.tokens or []
+        self.tokens.extend(tokens)
         self.prompt_tokens = int(payload.get("prompt_tokens", self.prompt_tokens))
         self.end = payload.get("finish_reason", self.end)
+        texts = payload.get("token_texts")
+        if ev.logprobs is not None and isinstance(texts, list) and len(texts) == len(tokens):
+            self.new_logprobs = [
+                (str(t), max(float(lp), MIN_LOGPROB))
+                for t, lp in zip(texts, ev.logprobs, strict=True)
+            ]
+            self.logprobs.extend(self.new_logprobs)
         return payload["text"]
 
     @property
@@ -74,7 +90,12 @@ class TextState:
         return "".join(self.parts)
 
     def finish_reason(self, max_tokens: int | None) -> str:
-        """``stop`` (end of sequence or a stop string), or ``length`` at ``max_tokens``."""
+        """``stop`` (end of sequence or a stop string), or ``length`` at ``max_tokens``:
+        as the AR stages decided it (decode knows why it stopped); for a pipeline whose
+        stages say only ``end``, ``length`` when the request's ``max_tokens`` was
+        reached."""
+        if self.end in ("stop", "length"):
+            return self.end
         if self.end == "end" and max_tokens is not None and len(self.tokens) >= max_tokens:
             return "length"
         return "stop"

@@ -54,25 +54,39 @@ class TextChunks:
     chat: bool
     max_tokens: int | None
     include_usage: bool
+    logprobs: bool = False
     state: TextState = field(default_factory=TextState)
     opening: list[bytes] = field(default_factory=list)  # chat: the role, before any text
+    offset: int = 0  # completions: the text offset of the next chunk's first token
 
     def __post_init__(self) -> None:
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
         if self.chat:
             self.opening.append(self.chunk({"role": "assistant", "content": ""}, None))
 
-    def chunk(self, delta: dict[str, Any] | str, finish: str | None) -> bytes:
-        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    def chunk(
+        self,
+        delta: dict[str, Any] | str,
+        finish: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
+        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
         c["delta" if self.chat else "text"] = delta
         extra = {"usage": None} if self.include_usage else {}
         return sse({**self.head, "object": self.object, "choices": [c], **extra})
 
     def chunks(self, _index: int, ev: AnyEvent) -> list[bytes]:
         delta = self.state.add(ev)
-        if not delta:
+        new = self.state.new_logprobs if self.logprobs else []
+        if not delta and not new:
             return []
-        out = [*self.opening, self.chunk({"content": delta} if self.chat else delta, None)]
+        lps = None
+        if self.logprobs:
+            lps = chat_logprobs(new) if self.chat else completion_logprobs(new, self.offset)
+            self.offset += sum(len(t) for t, _ in new)
+        delta = delta or ""
+        body = {"content": delta} if self.chat else delta
+        out = [*self.opening, self.chunk(body, None, lps)]
         self.opening.clear()
         return out
 
@@ -107,12 +121,13 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     stream = merged(server.pipe, [preq], [pid], server.timeout_of(req.timeout_s))
     head = {"id": oid, "created": int(time.time()), "model": server.settings.model_name}
     max_tokens = preq.get("max_tokens")
+    wants_logprobs = bool(preq.get("logprobs"))
     if not req.stream:
         events = (await collect(request, stream, 1, rid, {}))[0]
-        return complete(server, path, t0, rid, head, events, chat, max_tokens)
+        return complete(server, path, t0, rid, head, events, chat, max_tokens, wants_logprobs)
     first = await first_event(request, stream, rid, {})
     usage = bool(req.stream_options and req.stream_options.include_usage)
-    writer = TextChunks(head, rid, path, chat, max_tokens, usage)
+    writer = TextChunks(head, rid, path, chat, max_tokens, usage, wants_logprobs)
     return SSEAnswer(server, path, t0, rid, {}).response(first, stream, writer)
 
 
@@ -125,6 +140,7 @@ def complete(
     events: list[AnyEvent],
     chat: bool,
     max_tokens: int | None,
+    logprobs: bool = False,
 ) -> Response:
     """The non-streaming answer: the whole text, its finish reason and usage."""
     state = TextState()
@@ -135,6 +151,9 @@ def complete(
         "finish_reason": state.finish_reason(max_tokens),
         "logprobs": None,
     }
+    if logprobs:
+        lps = state.logprobs
+        choice["logprobs"] = chat_logprobs(lps) if chat else completion_logprobs(lps, 0)
     if chat:
         choice["message"] = {"role": "assistant", "content": state.text}
     else:
@@ -143,3 +162,28 @@ def complete(
     obj = "chat.completion" if chat else "text_completion"
     server.observe(path, 200, t0)
     return JSONResponse({**head, "object": obj, "choices": [choice], "usage": state.usage()})
+
+
+def chat_logprobs(tokens: list[tuple[str, float]]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: each token's text, logprob and UTF-8 bytes (the
+    engines give no alternatives: ``top_logprobs`` is empty)."""
+    content = [
+        {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+        for t, lp in tokens
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokens: list[tuple[str, float]], offset: int) -> dict[str, Any]:
+    """A (legacy) completion choice's ``logprobs``; ``offset``: of the first token in
+    the whole completion text."""
+    offsets = []
+    for t, _ in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": [t for t, _ in tokens],
+        "token_logprobs": [lp for _, lp in tokens],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }

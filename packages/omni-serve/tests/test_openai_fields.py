@@ -1,0 +1,177 @@
+"""What OpenAI clients send: logprobs (chat and completions, streamed too), finish_reason
+as the AR stages decide it, response_format, and the fields omni does not support refused
+by name. Driven by the real ``openai`` client against ``omni serve`` on the tiny Llama."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("transformers")
+
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+
+
+@pytest.fixture(scope="module")
+def client(text_server):
+    return openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_logprobs_match_the_tokens(client):
+    out = client.chat.completions.create(
+        model="tiny_chat",
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    choice = out.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == out.usage.completion_tokens == 10
+    assert all(c.logprob <= 0 for c in content)
+    assert all(c.bytes == list(c.token.encode()) and c.top_logprobs == [] for c in content)
+    # the tokens' texts spell the answer (the tiny model's vocabulary has no specials here)
+    assert "".join(c.token for c in content).strip() == choice.message.content.strip()
+    assert choice.finish_reason == "length"
+    # without logprobs: none
+    plain = client.chat.completions.create(
+        model="tiny_chat", messages=MESSAGES, max_tokens=4, temperature=0
+    )
+    assert plain.choices[0].logprobs is None
+
+
+def test_streamed_chat_logprobs_equal_the_whole_answers(client):
+    kw = {"model": "tiny_chat", "messages": MESSAGES, "max_tokens": 9, "temperature": 0}
+    full = client.chat.completions.create(**kw, logprobs=True)
+    chunks = list(
+        client.chat.completions.create(
+            **kw, logprobs=True, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    streamed = [
+        (c.token, c.logprob)
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for c in ch.choices[0].logprobs.content
+    ]
+    assert len(streamed) == chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [t for t, _ in streamed] == [c.token for c in full.choices[0].logprobs.content]
+    expected = [c.logprob for c in full.choices[0].logprobs.content]
+    assert [lp for _, lp in streamed] == pytest.approx(expected, abs=1e-4)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(
+        model="tiny_chat",
+        prompt="a red fox",
+        max_tokens=6,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens == 6
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(
+        client.completions.create(
+            model="tiny_chat",
+            prompt="a red fox",
+            max_tokens=6,
+            logprobs=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    tokens = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
+    assert tokens == lp.tokens
+
+
+def test_top_logprobs_above_zero_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="tiny_chat", messages=MESSAGES, logprobs=True, top_logprobs=3
+        )
+    assert e.value.body["param"] == "top_logprobs"
+    assert "not supported" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny_chat", prompt="x", logprobs=2)
+    assert e.value.body["param"] == "logprobs"
+
+
+def test_finish_reason_length_vs_stop(client):
+    # the request's max_tokens
+    out = client.completions.create(
+        model="tiny_chat", prompt="a red fox", max_tokens=8, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 8
+    # the stage's default max_tokens (16): the request gives none
+    dflt = client.completions.create(
+        model="tiny_chat", prompt="a red fox", extra_body={"ignore_eos": True}
+    )
+    assert dflt.choices[0].finish_reason == "length"
+    assert dflt.usage.completion_tokens == 16
+    stream = client.completions.create(
+        model="tiny_chat", prompt="a red fox", stream=True, extra_body={"ignore_eos": True}
+    )
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"
+    # a stop string
+    text = out.choices[0].text
+    stop = text[len(text) // 2 :][:2]
+    cut = client.completions.create(model="tiny_chat", prompt="a red fox", max_tokens=8, stop=stop)
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_tools_are_refused_by_name(client):
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+        }
+    ]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny_chat", messages=MESSAGES, tools=tools)
+    assert e.value.body["param"] == "tools"
+    assert "tools" in e.value.body["message"] and "not supported" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny_chat", messages=MESSAGES, tool_choice="auto")
+    assert e.value.body["param"] == "tool_choice"
+
+
+def test_response_format(client):
+    ok = client.chat.completions.create(
+        model="tiny_chat", messages=MESSAGES, max_tokens=2, response_format={"type": "text"}
+    )
+    assert ok.choices[0].message.content is not None
+    for fmt in (
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model="tiny_chat", messages=MESSAGES, response_format=fmt
+            )
+        assert e.value.body["param"] == "response_format"
+        assert "structured output is not supported" in e.value.body["message"]
+
+
+def test_unknown_and_null_fields(text_server):
+    url = f"{text_server.url}/v1/chat/completions"
+    body = {"messages": MESSAGES, "max_tokens": 2}
+    # an unsupported field sent as null / empty is taken as absent
+    r = httpx.post(url, json={**body, "tools": None, "functions": []}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(url, json={**body, "frobnicate": 1}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "frobnicate"
+    assert "not supported" in err["message"]
