@@ -58,6 +58,17 @@ def reference(tiny_model):
     return tok, out
 
 
+def check_outputs(outs, tok, expected):
+    """Each output: the reference's tokens and text, ended for the reason it ended."""
+    for out, exp, req in zip(outs, expected, PROMPTS, strict=True):
+        assert out.ok, out.error
+        text, tokens = text_and_tokens(out)
+        assert tokens == exp
+        assert text == tok.decode(exp, skip_special_tokens=True)
+        reason = "length" if len(exp) == req["max_tokens"] else "stop"  # max_tokens, or EOS
+        assert out.events[-1].payload["finish_reason"] == reason
+
+
 def text_and_tokens(out):
     segs = out.by_stage("postprocess")
     return "".join(e.payload["text"] for e in segs), [t for e in segs for t in e.tokens]
@@ -72,13 +83,7 @@ def test_staged_tokens_and_text_equal_the_model_in_one_process(
     tok, expected = reference
     with Pipeline(ar_config(tiny_model, enabled, post_window)) as pipe:
         outs = pipe.generate(PROMPTS)
-    for out, exp, req in zip(outs, expected, PROMPTS, strict=True):
-        assert out.ok, out.error
-        text, tokens = text_and_tokens(out)
-        assert tokens == exp
-        assert text == tok.decode(exp, skip_special_tokens=True)
-        reason = "length" if len(exp) == req["max_tokens"] else "stop"  # max_tokens, or EOS
-        assert out.events[-1].payload["finish_reason"] == reason
+    check_outputs(outs, tok, expected)
 
 
 @pytest.fixture(scope="module")
@@ -232,10 +237,4 @@ def test_the_fused_generate_stage_equals_the_model_and_the_split_pipeline(tiny_m
     }
     with Pipeline(cfg) as pipe:
         outs = pipe.generate(PROMPTS)
-    for out, exp, req in zip(outs, expected, PROMPTS, strict=True):
-        assert out.ok, out.error
-        text, tokens = text_and_tokens(out)
-        assert tokens == exp
-        assert text == tok.decode(exp, skip_special_tokens=True)
-        reason = "length" if len(exp) == req["max_tokens"] else "stop"
-        assert out.events[-1].payload["finish_reason"] == reason
+    check_outputs(outs, tok, expected)

@@ -33,18 +33,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from omni_bench.ar import PROMPTS  # the same fixed prompts as omni bench ar
 from omni_bench.report import emit
 
-PROMPTS = [
-    "Write a haiku about foxes in the snow.",
-    "Explain what a pipeline is in one sentence.",
-    "List three colors of autumn leaves.",
-    "What is the capital of France?",
-    "Describe a red fox.",
-    "Give me a short poem about rivers.",
-    "Why is the sky blue?",
-    "Name a famous painter.",
-]
 SERVED_NAME = "bench"
 OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
 
