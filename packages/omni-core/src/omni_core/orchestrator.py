@@ -79,7 +79,7 @@ class ControlLoop(PollLoop):
         # segments of dead workers: (stage, its worker, requests open when it died)
         self.retired: list[tuple[str, WorkerHandle, set[str]]] = []
         self.watch(orch.results, self.drain_results)
-        self.watch(orch.status, self.drain_status)
+        self.watch(orch.status, orch.drain_status)
         for p in self.sup.procs.values():
             self._watch_exit(p)
 
@@ -167,22 +167,6 @@ class ControlLoop(PollLoop):
         err = Error(request_id=h.request_id, stage=ev.stage, message=message, code="internal")
         self.collector.finish(h, err)
         return True
-
-    # -- worker status -------------------------------------------------------------
-    def drain_status(self) -> None:
-        while True:
-            try:
-                frame = self.o.status.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msgs = decode_status_frame(frame)
-            except msgspec.DecodeError:
-                msgs, bad = salvage_frame(frame, "status")
-                for b in bad:
-                    log.error("undecodable status message from %s: %s", b.stage, b.error)
-            for msg in msgs:
-                self.o.on_status(msg)
 
     # -- deaths --------------------------------------------------------------------
     def on_death(self, p: StageProc) -> None:
@@ -317,7 +301,7 @@ class Orchestrator:
                 )
             events = dict(poller.poll(min(left, 0.5) * 1000))
             if self.status in events:
-                self._drain_status_now()
+                self.drain_status()
             ended = self.supervisor.ended(events)
             for p in self.procs.values():
                 if p.load_error:
@@ -327,19 +311,27 @@ class Orchestrator:
                 if not p.ready and p in ended:
                     reason = p.worker.reap()
                     p.dead = True
-                    self._drain_status_now()
+                    self.drain_status()
                     detail = p.load_error or reason
                     raise StageStartError(
                         f"stage {p.name!r} (kind {p.kind!r}) failed to start: {detail}"
                     )
 
-    def _drain_status_now(self) -> None:
+    def drain_status(self) -> None:
+        """Every waiting status message (ready, load failure, heartbeat, ack); one that
+        does not decode is logged, the rest of its frame applied."""
         while True:
             try:
                 frame = self.status.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            for msg in decode_status_frame(frame):
+            try:
+                msgs = decode_status_frame(frame)
+            except msgspec.DecodeError:
+                msgs, bad = salvage_frame(frame, "status")
+                for b in bad:
+                    log.error("undecodable status message from %s: %s", b.stage, b.error)
+            for msg in msgs:
                 self.on_status(msg)
 
     def on_status(self, msg: Any) -> None:

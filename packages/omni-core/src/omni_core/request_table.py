@@ -107,6 +107,3 @@ class RequestTable:
     def fail_all(self, message: str, code: str, stage: str = "") -> None:
         with self.lock:
             self.collector.fail_all(message, code=code, stage=stage)
-
-    def __len__(self) -> int:
-        return len(self.collector.handles)

@@ -253,6 +253,8 @@ class Chaos:
         self.rng = random.Random(args.seed)
         self.stop = threading.Event()
         self.samples = 0
+        self.health_errors = 0
+        self.health_error_example = ""
         self.lies: Counter[str] = Counter()
         self.lie_examples: list[str] = []
         self.injected: Counter[str] = Counter()
@@ -272,7 +274,9 @@ class Chaos:
         while not self.stop.wait(0.05):
             try:
                 healthy, pids = self.target.health()
-            except Exception:
+            except Exception as e:  # health itself failed to answer: counted, not a lie
+                self.health_errors += 1
+                self.health_error_example = self.health_error_example or repr(e)[:300]
                 continue
             now = time.monotonic()
             self.samples += 1
@@ -372,6 +376,8 @@ class Chaos:
             "rejected_other": o["rejected"],
             "lost": o["lost"],
             "health_samples": self.samples,
+            "health_errors": self.health_errors,
+            "health_error_example": self.health_error_example,
             "health_lies": sum(self.lies.values()),
             "health_lies_by_kind": dict(self.lies),
             "health_lie_examples": self.lie_examples,
