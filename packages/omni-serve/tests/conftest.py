@@ -35,10 +35,14 @@ class Server:
         return httpx.get(f"{self.url}/health", timeout=10)
 
 
-def start_server(config: dict[str, Any], where: Path, *args: str) -> Server:
-    """``omni serve`` of ``config`` (written as YAML; JSON is YAML) once it is healthy."""
-    cfg = where / "pipeline.yaml"
-    cfg.write_text(json.dumps(config))
+def start_server(config: dict[str, Any] | Path, where: Path, *args: str) -> Server:
+    """``omni serve`` of ``config`` (a YAML file, or a dict written as YAML: JSON is YAML)
+    once it is healthy."""
+    if isinstance(config, Path):
+        cfg = config
+    else:
+        cfg = where / "pipeline.yaml"
+        cfg.write_text(json.dumps(config))
     log_path = where / "server.log"
     env = {**os.environ, "OMNI_CACHE_DIR": str(where / "cache")}
     with open(log_path, "wb") as log:
@@ -170,3 +174,22 @@ def intake_then(name: str, model: str, *stages: dict[str, Any]) -> dict[str, Any
 def slow(hold_s: float) -> dict[str, Any]:
     """A stage that holds each request ``hold_s`` (it cannot be interrupted)."""
     return {"name": "slow", "kind": "synthetic.sleep", "options": {"hold_s": hold_s}}
+
+
+@pytest.fixture
+def image_host(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A local HTTP server of the files in a folder: (its URL, ``cat.png`` in it, a
+    synthetic image; anything missing answers 404)."""
+    import functools
+    import http.server
+    import threading
+
+    from omni_ar.multimodal.testing import synthetic_image
+
+    (tmp_path / "cat.png").write_bytes(synthetic_image(0))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", tmp_path / "cat.png"
+    httpd.shutdown()
+    httpd.server_close()

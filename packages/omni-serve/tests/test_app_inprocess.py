@@ -25,10 +25,11 @@ Script = Callable[[str], list[AnyEvent]]
 
 class FakePipe:
     """What the app reads of a Pipeline; each request answers ``script(request_id)``
-    (events) or raises ``refuse``."""
+    (events) or raises ``refuse``; ``requests``: what it was given."""
 
-    def __init__(self, request_timeout_s: float | None = None) -> None:
-        stages = [SimpleNamespace(name=n, kind=f"ar.{n}") for n in ("intake", "decode")]
+    def __init__(self, request_timeout_s: float | None = None, intake: str = "ar.intake") -> None:
+        stages = [SimpleNamespace(name="intake", kind=intake)]
+        stages.append(SimpleNamespace(name="decode", kind="ar.decode"))
         self.config = SimpleNamespace(
             name="fake", stages=stages, request_timeout_s=request_timeout_s
         )
@@ -37,11 +38,13 @@ class FakePipe:
         self.script: Script = lambda rid: [text(rid, "hi", last=True)]
         self.refuse: Exception | None = None
         self.timeouts: list[float | None] = []
+        self.requests: list[dict[str, Any]] = []
 
     async def astream(
         self, request: dict[str, Any], request_id: str, timeout_s: float | None
     ) -> AsyncIterator[AnyEvent]:
         self.timeouts.append(timeout_s)
+        self.requests.append(request)
         if self.refuse is not None:
             raise self.refuse
         for ev in self.script(request_id):
@@ -233,3 +236,203 @@ def test_host_allow_lists():
     )
     assert client.get("/health").status_code == 200
     assert client.get("/health", headers={"Host": "rebound.example"}).status_code == 400
+
+
+# -- top_logprobs: the AR stages' per-token alternatives, in OpenAI's shapes -------------
+
+TOKENS = [
+    ("Hé", -0.5, [["Hé", -0.5], ["Ho", -1.5], ["Hé", -2.0]]),
+    (" fox", -0.25, [[" fox", -0.25], [" cat", -2.5], [" dog", -3.0]]),
+]
+
+
+def with_top(rid: str) -> list[AnyEvent]:
+    """Postprocess's segments of a request with ``logprobs`` and ``top_logprobs: 3``:
+    ``token_texts`` and ``top_logprobs`` beside the segment's logprobs, one token each."""
+    return [
+        Segment(
+            request_id=rid,
+            stage="postprocess",
+            tokens=[i],
+            logprobs=[lp],
+            payload={"text": t, "token_texts": [t], "top_logprobs": [top]},
+            is_last=i == len(TOKENS) - 1,
+        )
+        for i, (t, lp, top) in enumerate(TOKENS)
+    ]
+
+
+def sse_chunks(r) -> list[dict[str, Any]]:
+    return [
+        json.loads(line.removeprefix("data: "))
+        for line in r.text.split("\n")
+        if line.startswith("data: {")
+    ]
+
+
+def test_chat_top_logprobs_rendered(pipe):
+    pipe.script = with_top
+    client = client_of(pipe)
+    body = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert pipe.requests[-1]["logprobs"] is True and pipe.requests[-1]["top_logprobs"] == 3
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "Hé" and content[0]["bytes"] == list("Hé".encode())
+    assert content[0]["top_logprobs"] == [
+        {"token": a, "logprob": lp, "bytes": list(a.encode())} for a, lp in TOKENS[0][2]
+    ]
+    assert [c["top_logprobs"][1]["token"] for c in content] == ["Ho", " cat"]
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    parts = [
+        c
+        for ch in sse_chunks(streamed)
+        if ch["choices"] and ch["choices"][0]["logprobs"]
+        for c in ch["choices"][0]["logprobs"]["content"]
+    ]
+    assert parts == content
+    # top_logprobs without logprobs: true is refused (as OpenAI does)
+    r = client.post("/v1/chat/completions", json={**body, "logprobs": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    # logprobs alone: no alternatives asked for, none rendered
+    plain = {"messages": body["messages"], "logprobs": True}
+    r = client.post("/v1/chat/completions", json=plain)
+    assert "top_logprobs" not in pipe.requests[-1]
+
+
+def test_completion_top_logprobs_rendered(pipe):
+    pipe.script = with_top
+    client = client_of(pipe)
+    r = client.post("/v1/completions", json={"prompt": "x", "logprobs": 3})
+    assert r.status_code == 200, r.text
+    assert pipe.requests[-1]["top_logprobs"] == 3
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["Hé", " fox"] and lp["token_logprobs"] == [-0.5, -0.25]
+    # one {text: logprob} per token, most likely first; a repeated text keeps the likelier
+    assert lp["top_logprobs"] == [
+        {"Hé": -0.5, "Ho": -1.5},
+        {" fox": -0.25, " cat": -2.5, " dog": -3.0},
+    ]
+    assert list(lp["top_logprobs"][1]) == [" fox", " cat", " dog"]
+    assert lp["text_offset"] == [0, 2]
+    r = client.post("/v1/completions", json={"prompt": "x", "logprobs": 3, "stream": True})
+    chunks = [ch["choices"][0]["logprobs"] for ch in sse_chunks(r) if ch["choices"][0]["logprobs"]]
+    assert [t for c in chunks for t in c["top_logprobs"]] == lp["top_logprobs"]
+    assert [o for c in chunks for o in c["text_offset"]] == [0, 2]
+    r = client.post("/v1/completions", json={"prompt": "x", "logprobs": 0})
+    assert r.json()["choices"][0]["logprobs"]["top_logprobs"] is None
+    assert "top_logprobs" not in pipe.requests[-1]
+
+
+# -- images in chat: what reaches ar.mm_intake, and what is refused by name -------------
+
+PNG_URL = "data:image/png;base64,iVBORw0KGgo="  # the server passes it on; the intake decodes
+
+
+def image_chat(url: str, role: str = "user", **part: Any) -> dict[str, Any]:
+    content = [
+        {"type": "text", "text": "what is "},
+        {"type": "image_url", "image_url": {"url": url, **part}},
+    ]
+    return {"messages": [{"role": role, "content": content}]}
+
+
+def test_image_parts_reach_the_multimodal_intake():
+    mm = FakePipe(intake="ar.mm_intake")
+    client = client_of(mm)
+    r = client.post("/v1/chat/completions", json=image_chat(PNG_URL, detail="low"))
+    assert r.status_code == 200, r.text
+    assert mm.requests[-1]["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is "},
+                {"type": "image_url", "image_url": {"url": PNG_URL}},
+            ],
+        }
+    ]
+    # text-only parts still become one string (what ar.intake reads too)
+    parts = [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 200 and mm.requests[-1]["messages"][0]["content"] == "a b"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        (
+            image_chat("https://example.com/cat.png"),
+            "messages[0].content[1].image_url",
+            "--allow-remote-images",
+        ),
+        (image_chat("/etc/passwd"), "messages[0].content[1].image_url", "data URL"),
+        (image_chat("file:///etc/passwd"), "messages[0].content[1].image_url", "data URL"),
+        (image_chat(PNG_URL, role="assistant"), "messages[0].content[1]", "user messages only"),
+        (image_chat(PNG_URL, detail="max"), "messages[0].content[1].image_url.detail", "'auto'"),
+        (image_chat(""), "messages[0].content[1].image_url.url", "at least 1"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}
+                ]
+            },
+            "messages[0].content[0]",
+            "'input_audio'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0].image_url",
+            "required",
+        ),
+    ],
+)
+def test_bad_image_parts_are_400s_naming_the_part(body, param, says):
+    mm = FakePipe(intake="ar.mm_intake")
+    r = client_of(mm).post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert not mm.requests
+
+
+def test_a_text_pipeline_refuses_image_parts_by_name(pipe):
+    r = client_of(pipe).post("/v1/chat/completions", json=image_chat(PNG_URL))
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[1]"
+    assert "multimodal pipeline (ar.mm_intake" in err["message"] and not pipe.requests
+
+
+def test_allowed_remote_images_are_fetched_and_inlined(image_host):
+    import base64
+
+    url, path = image_host
+    path.write_bytes(b"\x89PNG fake image bytes" * 10)
+    mm = FakePipe(intake="ar.mm_intake")
+    client = client_of(mm, allow_remote_images=True, max_body_bytes=1000)
+    r = client.post("/v1/chat/completions", json=image_chat(f"{url}/cat.png"))
+    assert r.status_code == 200, r.text
+    sent = mm.requests[-1]["messages"][0]["content"][1]["image_url"]["url"]
+    assert sent == "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    r = client.post("/v1/chat/completions", json=image_chat(f"{url}/missing.png"))
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages[0].content[1].image_url"
+    assert "HTTP 404" in err["message"]
+    path.write_bytes(b"x" * 1001)  # over --max-body-bytes
+    r = client.post("/v1/chat/completions", json=image_chat(f"{url}/cat.png"))
+    assert r.status_code == 400 and "over 1000 bytes" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json=image_chat("http://127.0.0.1:9/x.png"))
+    assert r.status_code == 400 and "cannot fetch" in r.json()["error"]["message"]
+    assert len(mm.requests) == 1
+
+
+def test_body_limit_fits_images_and_names_itself(pipe):
+    from omni_serve.cli import parser
+
+    assert ServeSettings(model_name="m").max_body_bytes == 20 << 20
+    assert parser().parse_args(["x.yaml"]).max_body_bytes == 20 << 20
+    client = client_of(pipe, max_body_bytes=1000)
+    r = client.post("/v1/chat/completions", json=image_chat("data:image/png;base64," + "A" * 1000))
+    assert r.status_code == 413
+    err = r.json()["error"]
+    assert err["code"] == "body_too_large" and "1000 bytes (--max-body-bytes)" in err["message"]

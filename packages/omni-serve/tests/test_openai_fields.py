@@ -1,6 +1,7 @@
-"""What OpenAI clients send: logprobs (chat and completions, streamed too), finish_reason
-as the AR stages decide it, response_format, and the fields omni does not support refused
-by name. Driven by the real ``openai`` client against ``omni serve`` on the tiny Llama."""
+"""What OpenAI clients send: logprobs and top_logprobs (chat and completions, streamed
+too), finish_reason as the AR stages decide it, response_format, image parts a text
+pipeline refuses, and the fields omni does not support refused by name. Driven by the real
+``openai`` client against ``omni serve`` on the tiny Llama."""
 
 from __future__ import annotations
 
@@ -96,16 +97,52 @@ def test_completion_logprobs(client):
     assert tokens == lp.tokens
 
 
-def test_top_logprobs_above_zero_is_a_clear_400(client):
+def test_top_logprobs_the_models_alternatives(client):
+    """``top_logprobs: k``: each token's k most likely alternatives, most likely first;
+    greedy, the chosen token is the first of them (chat and completions, streamed too)."""
+    kw = {"model": "tiny_chat", "max_tokens": 6, "temperature": 0}
+    kw["extra_body"] = {"ignore_eos": True}
+    out = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=3, **kw)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 6
+    for c in content:
+        assert len(c.top_logprobs) == 3
+        lps = [t.logprob for t in c.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and all(lp <= 0 for lp in lps)
+        assert all(t.bytes == list(t.token.encode()) for t in c.top_logprobs)
+        assert c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-4)
+    chunks = client.chat.completions.create(
+        messages=MESSAGES, logprobs=True, top_logprobs=3, stream=True, **kw
+    )
+    streamed = [
+        [t.token for t in c.top_logprobs]
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for c in ch.choices[0].logprobs.content
+    ]
+    assert streamed == [[t.token for t in c.top_logprobs] for c in content]
+    # legacy completions: logprobs N is the top N, as {text: logprob} per token
+    done = client.completions.create(prompt="a red fox", logprobs=2, **kw)
+    lp = done.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 6
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(chosen, abs=1e-4)
+    # top_logprobs needs logprobs: true (as OpenAI says)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=MESSAGES, top_logprobs=3, **kw)
+    assert e.value.body["param"] == "top_logprobs"
+
+
+def test_a_text_pipeline_refuses_images_by_name(client):
+    url = "data:image/png;base64,iVBORw0KGgo="
+    parts = [{"type": "text", "text": "a "}, {"type": "image_url", "image_url": {"url": url}}]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
-            model="tiny_chat", messages=MESSAGES, logprobs=True, top_logprobs=3
+            model="tiny_chat", messages=[{"role": "user", "content": parts}], max_tokens=2
         )
-    assert e.value.body["param"] == "top_logprobs"
-    assert "not supported" in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny_chat", prompt="x", logprobs=2)
-    assert e.value.body["param"] == "logprobs"
+    assert e.value.body["param"] == "messages[0].content[1]"
+    assert "multimodal pipeline" in e.value.body["message"]
 
 
 def test_finish_reason_length_vs_stop(client):

@@ -104,8 +104,10 @@ def test_malformed_bodies_and_wrong_endpoints(text_server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/chat/completions", content=b"{}")  # says not what it is
     assert r.status_code == 415 and r.json()["error"]["param"] == "Content-Type"
-    r = httpx.post(f"{url}/v1/chat/completions", content=b"x" * (2 << 20), headers=json_body)
+    big = b"x" * ((20 << 20) + 1)  # over the default --max-body-bytes (20 MiB)
+    r = httpx.post(f"{url}/v1/chat/completions", content=big, headers=json_body, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert f"limit of {20 << 20} bytes (--max-body-bytes)" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/images/generations", json={"prompt": "x"}, timeout=10)
     assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]
     r = httpx.get(f"{url}/v1/nothing", timeout=10)

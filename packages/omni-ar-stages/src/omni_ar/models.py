@@ -23,14 +23,20 @@ NAMED = {
 }
 
 
+# the tiny Llava of the multimodal tests (random weights, built from configs): for
+# configs/mm_chat.yaml, a multimodal pipeline that runs anywhere, offline
+TINY_LLAVA = "tiny-llava"
+
+
 def resolve_model(model: str) -> str:
     """A loadable model directory for ``model`` (converting a named model once)."""
     if os.path.isdir(model):
         return model
+    if model == TINY_LLAVA:
+        return str(build_once(model, _build_tiny_llava, "config.json"))
     if model not in NAMED:
-        raise RuntimeError(
-            f"model {model!r}: not a directory and not a named model ({', '.join(sorted(NAMED))})"
-        )
+        names = ", ".join(sorted([*NAMED, TINY_LLAVA]))
+        raise RuntimeError(f"model {model!r}: not a directory and not a named model ({names})")
     dist, module, filename = NAMED[model]
 
     def convert(target: Path) -> None:
@@ -61,3 +67,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     plain.generation_config = quantized.generation_config
     plain.save_pretrained(target)
     tokenizer.save_pretrained(target)
+
+
+def _build_tiny_llava(target: Path) -> None:
+    quiet_offline()
+    from omni_ar.multimodal.testing import build_tiny_llava
+
+    build_tiny_llava(target)

@@ -50,7 +50,11 @@ def check_content_type(value: str | None) -> None:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, at most ``limit`` bytes (else 413, read no further)."""
-    too_big = APIError(413, f"the request body is over {limit} bytes", code="body_too_large")
+    too_big = APIError(
+        413,
+        f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)",
+        code="body_too_large",
+    )
     length = request.headers.get("content-length", "")
     if length.isascii() and length.isdigit() and int(length[:20]) > limit:
         raise too_big

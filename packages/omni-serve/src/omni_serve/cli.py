@@ -13,7 +13,7 @@ import sys
 from omni_core.cli import add_backend_args
 from omni_core.logs import configure_logging
 
-from omni_serve.settings import MAX_TIMEOUT_S, ServeSettings, SettingsError
+from omni_serve.settings import MAX_BODY_BYTES, MAX_TIMEOUT_S, ServeSettings, SettingsError
 
 log = logging.getLogger("omni.serve")
 
@@ -88,7 +88,18 @@ def parser() -> argparse.ArgumentParser:
         "default: none, no CORS headers)",
     )
     p.add_argument(
-        "--max-body-bytes", type=positive_int, default=1 << 20, help="request body limit"
+        "--max-body-bytes",
+        type=positive_int,
+        default=MAX_BODY_BYTES,
+        help="request body limit, images as data URLs included; a bigger body is a 413 "
+        f"(default: {MAX_BODY_BYTES} = 20 MiB)",
+    )
+    p.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="let chat image parts give http(s) URLs, which the server fetches (up to "
+        "--max-body-bytes each): any URL the server can reach, internal ones included "
+        "(default: off, base64 data URLs only)",
     )
     p.add_argument(
         "--max-tokens", type=positive_int, default=4096, help="limit of a request's max_tokens"
@@ -121,6 +132,7 @@ def settings_of(args: argparse.Namespace, model_name: str) -> ServeSettings:
         max_images=args.max_images,
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
         cors_origins=tuple(args.cors_origin),
+        allow_remote_images=args.allow_remote_images,
     )
 
 

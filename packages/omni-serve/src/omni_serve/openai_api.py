@@ -1,9 +1,12 @@
 """OpenAI request bodies, checked, and mapped onto pipeline requests.
 
 Text: ``{"messages" | "prompt", "max_tokens", "temperature", "top_p", "seed", "stop",
-"logprobs"}`` (the AR intake's fields; ``logprobs``: decode's per-token logprobs, which
-postprocess passes on with each token's text; the engines give the chosen token's only, so
-``top_logprobs`` > 0 is refused). Images:
+"logprobs", "top_logprobs"}`` (the AR intake's fields; ``logprobs``: decode's per-token
+logprobs, which postprocess passes on with each token's text, and with ``top_logprobs: k``
+the k most likely alternatives of each). Chat image parts (``image_url``) go to an
+``ar.mm_intake`` as ``{"type": "image_url", "image_url": {"url": data URL}}``: data URLs
+always, http(s) URLs only when the operator allows them (the server fetches them and
+passes them on as data URLs: no stage ever touches the network), file paths never. Images:
 ``{"prompt", "image": {"width", "height", "steps", "seed", "guidance", "true_cfg_scale",
 "format", "quality", "preview_every", "negative_prompt"}}`` (the DiT plan's fields).
 Unknown fields are refused, naming the field; fields the OpenAI API has that change the
@@ -89,9 +92,23 @@ class _TextBody(_Body):
     service_tier: str | None = None  # accepted, unused: one tier here
 
 
-class ContentPart(_Model):
+class TextPart(_Model):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(_Model):
+    url: str = Field(min_length=1)
+    # accepted, unused: the vision tower's processor has one resolution
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessage(_Model):
@@ -164,7 +181,11 @@ def parse(model: type[T], body: Any) -> T:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        # a union (``content: str | list[part]``) fails once per member: the deepest
+        # error of the first bad field says what is wrong (the part, not "not a string")
+        top = errors[0]["loc"][:1]
+        err = max((x for x in errors if x["loc"][:1] == top), key=lambda x: len(x["loc"]))
         param = _param(err["loc"])
         what = (
             "not supported by this server (unknown field)"
@@ -175,13 +196,19 @@ def parse(model: type[T], body: Any) -> T:
 
 
 def _param(loc: tuple[Any, ...]) -> str:
-    """``("messages", 0, "content", "str")`` -> ``messages[0].content``."""
+    """``("messages", 0, "content", "list[tagged-union[...]]", 1, "image_url", "image_url",
+    "url")`` -> ``messages[0].content[1].image_url.url``: pydantic's names of union
+    members, and the tag of a tagged union's member, are not fields."""
     out = ""
+    tagged = tag_next = False
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "list[ContentPart]", "list[str]") or "[" in str(part):
-            break  # pydantic's name of a union member, not a field
+            tag_next, tagged = tagged, False
+        elif part == "str" or "[" in str(part):
+            tagged = "tagged-union" in str(part)
+        elif tag_next:
+            tag_next = False
         else:
             out += f".{part}" if out else str(part)
     return out or "body"
@@ -216,27 +243,63 @@ def _sampling(req: _TextBody, max_tokens: int | None, limit: int) -> dict[str, A
     return out
 
 
-def _no_top_logprobs(param: str, k: int) -> APIError:
-    return bad_field(
-        param,
-        f"{k} is not supported: this server's engines return the chosen token's logprob "
-        "only, not the top alternatives (use 0)",
-    )
+REMOTE = ("http://", "https://")
 
 
-def chat_request(req: ChatRequest, max_tokens_limit: int) -> dict[str, Any]:
-    """The pipeline request of a chat completion."""
-    if req.top_logprobs:
-        raise _no_top_logprobs("top_logprobs", req.top_logprobs)
+def _image(where: str, part: ImagePart, role: str, images: bool, remote: bool) -> dict[str, Any]:
+    """An image part as the multimodal intake reads it, or a 400 naming the part."""
+    if not images:
+        raise bad_field(
+            where,
+            "image parts need a multimodal pipeline (ar.mm_intake -> ar.mm_prefill -> "
+            "ar.mm_decode); this one serves text only",
+        )
+    if role != "user":
+        raise bad_field(where, f"image parts are allowed in user messages only, not {role!r}")
+    url = part.image_url.url
+    param = f"{where}.image_url"
+    if url.startswith(REMOTE):
+        if not remote:
+            raise bad_field(
+                param,
+                "remote image URLs are not fetched by this server (the operator can allow "
+                "them with --allow-remote-images); send a base64 data URL",
+            )
+    elif not url.startswith("data:"):
+        raise bad_field(param, "expected a base64 data URL (data:image/png;base64,...)")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def chat_request(
+    req: ChatRequest, max_tokens_limit: int, images: bool = False, remote: bool = False
+) -> dict[str, Any]:
+    """The pipeline request of a chat completion; ``images``: the pipeline reads image
+    parts; ``remote``: http(s) image URLs are allowed (:func:`omni_serve.media.fetch_remote`
+    inlines them before the request is submitted)."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_field("top_logprobs", "requires 'logprobs': true")
     messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+    for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
+        content: str | list[dict[str, Any]]
+        if isinstance(m.content, str):
+            content = m.content
+        elif not any(isinstance(p, ImagePart) for p in m.content):
+            content = "".join(p.text for p in m.content if isinstance(p, TextPart))
+        else:
+            content = [
+                {"type": "text", "text": p.text}
+                if isinstance(p, TextPart)
+                else _image(f"messages[{i}].content[{j}]", p, m.role, images, remote)
+                for j, p in enumerate(m.content)
+            ]
         messages.append({"role": role, "content": content})
     out: dict[str, Any] = {"messages": messages}
     out.update(_sampling(req, req.max_completion_tokens or req.max_tokens, max_tokens_limit))
     if req.logprobs:
         out["logprobs"] = True
+        if req.top_logprobs:
+            out["top_logprobs"] = req.top_logprobs
     return out
 
 
@@ -247,16 +310,16 @@ def completion_request(req: CompletionRequest, max_tokens_limit: int) -> dict[st
         if len(prompt) != 1:
             raise bad_field("prompt", "only one prompt per request is supported")
         prompt = prompt[0]
-    if req.logprobs:
-        raise _no_top_logprobs("logprobs", req.logprobs)
     if req.echo:
         raise bad_field("echo", "not supported")
     if req.suffix:
         raise bad_field("suffix", "not supported")
     out: dict[str, Any] = {"prompt": prompt}
     out.update(_sampling(req, req.max_tokens, max_tokens_limit))
-    if req.logprobs is not None:  # 0: the chosen tokens' logprobs
+    if req.logprobs is not None:  # 0: the chosen tokens' logprobs; N: and the top N
         out["logprobs"] = True
+        if req.logprobs:
+            out["top_logprobs"] = req.logprobs
     return out
 
 

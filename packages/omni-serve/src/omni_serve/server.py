@@ -16,6 +16,7 @@ from omni_serve.metrics import ServerMetrics
 from omni_serve.settings import ServeSettings
 
 TEXT_SOURCES = {"ar.intake", "ar.mm_intake"}
+MM_SOURCES = {"ar.mm_intake"}  # reads chat image parts
 IMAGE_STAGES = {"dit.plan"}
 
 
@@ -38,11 +39,13 @@ class Server:
     settings: ServeSettings
     metrics: ServerMetrics = field(init=False)
     served: list[str] = field(init=False)
+    images: bool = field(init=False)  # chat requests may carry images
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.pipe)
         self.served = endpoints(self.pipe)
+        self.images = bool({s.kind for s in self.pipe.config.stages} & MM_SOURCES)
 
     def observe(self, endpoint: str, status: int, t0: float) -> None:
         self.metrics.http_requests.labels(endpoint, str(status)).inc()

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout past a week is a mistake, not a wish
+# room for a chat with a few images as base64 data URLs (4/3 of their encoded size)
+MAX_BODY_BYTES = 20 << 20
 
 
 class SettingsError(ValueError):
@@ -30,13 +32,15 @@ class ServeSettings:
     # the cap of a request's timeout: a body's timeout_s may lower it, never raise it
     # (None: the pipeline config's request_timeout_s)
     request_timeout_s: float | None = None
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = MAX_BODY_BYTES  # also the limit of a fetched remote image
     max_tokens: int = 4096
     max_image_pixels: int = 1024 * 1024
     max_images: int = 4
     # Host header names answered (any port); None: every Host (see omni_serve.middleware)
     allowed_hosts: tuple[str, ...] | None = None
     cors_origins: tuple[str, ...] = ()  # origins a browser may call from (none: no CORS)
+    # chat image parts with http(s) URLs: fetched by the server (off: only data URLs)
+    allow_remote_images: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():

@@ -9,7 +9,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from fastapi import Request
 from omni_core.events import AnyEvent, Cancelled, Error, Segment
@@ -52,6 +52,19 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a token the model gave no chance gets this
 
 
+class TokenLogprob(NamedTuple):
+    """One generated token's text and logprob, and (with ``top_logprobs``) the most
+    likely alternatives at its position, most likely first."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+def _logprob(value: Any) -> float:
+    return max(float(value), MIN_LOGPROB)
+
+
 @dataclass
 class TextState:
     """The text of one request so far: deltas, tokens, their logprobs, how it ended."""
@@ -60,9 +73,9 @@ class TextState:
     tokens: list[int] = field(default_factory=list)
     end: str | None = None
     prompt_tokens: int = 0  # the AR stages pass the prompt's length along
-    # (token text, logprob) of each token, when the request asked for logprobs
-    logprobs: list[tuple[str, float]] = field(default_factory=list)
-    new_logprobs: list[tuple[str, float]] = field(default_factory=list)  # of the last add
+    # each token's logprob, when the request asked for logprobs
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the last add
 
     def add(self, ev: AnyEvent) -> str | None:
         """The text delta ``ev`` carries (None when it carries none); its tokens'
@@ -78,9 +91,13 @@ class TextState:
         self.end = payload.get("finish_reason", self.end)
         texts = payload.get("token_texts")
         if ev.logprobs is not None and isinstance(texts, list) and len(texts) == len(tokens):
+            # postprocess's "top_logprobs": per token, [[text, logprob], ...]
+            tops = payload.get("top_logprobs")
+            if not (isinstance(tops, list) and len(tops) == len(tokens)):
+                tops = [[] for _ in tokens]
             self.new_logprobs = [
-                (str(t), max(float(lp), MIN_LOGPROB))
-                for t, lp in zip(texts, ev.logprobs, strict=True)
+                TokenLogprob(str(t), _logprob(lp), [(str(a), _logprob(b)) for a, b in top])
+                for t, lp, top in zip(texts, ev.logprobs, tops, strict=True)
             ]
             self.logprobs.extend(self.new_logprobs)
         return payload["text"]

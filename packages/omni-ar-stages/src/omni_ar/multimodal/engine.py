@@ -163,9 +163,9 @@ class VLMEngine(TransformersEngine):
             out = self.model(
                 self.tensor([rest]), use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}
             )
-        first, lp = self._pick(out.logits[0, -1], params, self.generator(params))
-        yield first, lp
-        yield from self.steps(first, _cache_of(out), params)
+        first = self._pick(out.logits[0, -1], params, self.generator(params))
+        yield first  # as picked: with its top_logprobs alternatives
+        yield from self.steps(first[0], _cache_of(out), params)
 
 
 def _language_model(path: Path, config: Any, dtype: Any, device: str = "cpu") -> Any:

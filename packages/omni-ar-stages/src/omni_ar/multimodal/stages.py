@@ -217,7 +217,8 @@ class MMDecode(_MMStage, Decode):
             except AdmissionError as e:
                 yield inp.fail(f"requires_kv admission: {e}")
                 continue
-            yield from self._stream(inp, params, [first], steps)
+            n_prompt = len(handoff["prompt_token_ids"])  # type: ignore[index]
+            yield from self._stream(inp, params, [first], steps, prompt_tokens=n_prompt)
 
     def _rerender(
         self, messages: list[dict[str, Any]] | None, handoff: dict[str, Any] | None

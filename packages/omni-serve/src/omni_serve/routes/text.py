@@ -14,6 +14,7 @@ from omni_core.events import AnyEvent
 
 from omni_serve.auth import require_api_key
 from omni_serve.body import check_values, read_json
+from omni_serve.media import fetch_remote
 from omni_serve.middleware import request_id_of, started_at
 from omni_serve.openai_api import (
     ChatRequest,
@@ -24,7 +25,7 @@ from omni_serve.openai_api import (
 )
 from omni_serve.server import Server, ServerDep, pipeline_id
 from omni_serve.sse import SSEAnswer, merged, sse
-from omni_serve.streams import TextState, collect, first_event
+from omni_serve.streams import TextState, TokenLogprob, collect, first_event
 
 log = logging.getLogger("omni.serve")
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -55,6 +56,7 @@ class TextChunks:
     max_tokens: int | None
     include_usage: bool
     logprobs: bool = False
+    top_logprobs: bool = False  # completions: top_logprobs is a list (else null)
     state: TextState = field(default_factory=TextState)
     opening: list[bytes] = field(default_factory=list)  # chat: the role, before any text
     offset: int = 0  # completions: the text offset of the next chunk's first token
@@ -82,8 +84,12 @@ class TextChunks:
             return []
         lps = None
         if self.logprobs:
-            lps = chat_logprobs(new) if self.chat else completion_logprobs(new, self.offset)
-            self.offset += sum(len(t) for t, _ in new)
+            lps = (
+                chat_logprobs(new)
+                if self.chat
+                else completion_logprobs(new, self.offset, self.top_logprobs)
+            )
+            self.offset += sum(len(t.token) for t in new)
         delta = delta or ""
         body = {"content": delta} if self.chat else delta
         out = [*self.opening, self.chunk(body, None, lps)]
@@ -108,7 +114,10 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     if chat:
         req = parse(ChatRequest, body)
         server.check_model(req.model, path)
-        preq = chat_request(req, server.settings.max_tokens)
+        remote = server.settings.allow_remote_images
+        preq = chat_request(req, server.settings.max_tokens, server.images, remote)
+        if remote:
+            await fetch_remote(preq, server.settings.max_body_bytes)
     else:
         req = parse(CompletionRequest, body)
         server.check_model(req.model, path)
@@ -122,12 +131,13 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     head = {"id": oid, "created": int(time.time()), "model": server.settings.model_name}
     max_tokens = preq.get("max_tokens")
     wants_logprobs = bool(preq.get("logprobs"))
+    top = "top_logprobs" in preq
     if not req.stream:
         events = (await collect(request, stream, 1, rid, {}))[0]
-        return complete(server, path, t0, rid, head, events, chat, max_tokens, wants_logprobs)
+        return complete(server, path, t0, rid, head, events, chat, max_tokens, wants_logprobs, top)
     first = await first_event(request, stream, rid, {})
     usage = bool(req.stream_options and req.stream_options.include_usage)
-    writer = TextChunks(head, rid, path, chat, max_tokens, usage, wants_logprobs)
+    writer = TextChunks(head, rid, path, chat, max_tokens, usage, wants_logprobs, top)
     return SSEAnswer(server, path, t0, rid, {}).response(first, stream, writer)
 
 
@@ -141,6 +151,7 @@ def complete(
     chat: bool,
     max_tokens: int | None,
     logprobs: bool = False,
+    top_logprobs: bool = False,
 ) -> Response:
     """The non-streaming answer: the whole text, its finish reason and usage."""
     state = TextState()
@@ -153,7 +164,9 @@ def complete(
     }
     if logprobs:
         lps = state.logprobs
-        choice["logprobs"] = chat_logprobs(lps) if chat else completion_logprobs(lps, 0)
+        choice["logprobs"] = (
+            chat_logprobs(lps) if chat else completion_logprobs(lps, 0, top_logprobs)
+        )
     if chat:
         choice["message"] = {"role": "assistant", "content": state.text}
     else:
@@ -164,26 +177,40 @@ def complete(
     return JSONResponse({**head, "object": obj, "choices": [choice], "usage": state.usage()})
 
 
-def chat_logprobs(tokens: list[tuple[str, float]]) -> dict[str, Any]:
-    """A chat choice's ``logprobs``: each token's text, logprob and UTF-8 bytes (the
-    engines give no alternatives: ``top_logprobs`` is empty)."""
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokens: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: each token's text, logprob and UTF-8 bytes, and its
+    ``top_logprobs`` alternatives in the same shape (empty unless asked for)."""
     content = [
-        {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-        for t, lp in tokens
+        {**_token(t.token, t.logprob), "top_logprobs": [_token(a, lp) for a, lp in t.top]}
+        for t in tokens
     ]
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokens: list[tuple[str, float]], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    tokens: list[TokenLogprob], offset: int, top: bool = False
+) -> dict[str, Any]:
     """A (legacy) completion choice's ``logprobs``; ``offset``: of the first token in
-    the whole completion text."""
+    the whole completion text; ``top``: the request's ``logprobs`` was N > 0, so
+    ``top_logprobs`` holds a ``{text: logprob}`` per token (tokens of equal text keep
+    the likelier), else null."""
     offsets = []
-    for t, _ in tokens:
+    for t in tokens:
         offsets.append(offset)
-        offset += len(t)
+        offset += len(t.token)
+    tops: list[dict[str, float]] | None = None
+    if top:
+        tops = [{} for _ in tokens]
+        for t, alternatives in zip(tokens, tops, strict=True):
+            for a, lp in t.top:
+                alternatives.setdefault(a, lp)
     return {
-        "tokens": [t for t, _ in tokens],
-        "token_logprobs": [lp for _, lp in tokens],
-        "top_logprobs": None,
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
