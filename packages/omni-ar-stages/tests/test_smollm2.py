@@ -1,5 +1,7 @@
 """The embedded default model end to end: converted once from the packaged GGUF, then
-served by the four AR workers with the same tokens as the engine in one process."""
+served by configs/ar_chat.yaml (intake -> the fused ar.generate -> postprocess) and
+configs/ar_chat_split.yaml (prefill -> decode) with the same tokens as the engine in one
+process."""
 
 import importlib.util
 import os
@@ -15,14 +17,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_ar_chat_config_streams_smollm2_text():
+@pytest.mark.parametrize("config", ["configs/ar_chat.yaml", "configs/ar_chat_split.yaml"])
+def test_ar_chat_config_streams_smollm2_text(config):
     from omni_ar.engines.transformers_engine import TransformersEngine
     from omni_ar.models import resolve_model
     from omni_ar.params import parse_request
 
     path = resolve_model("smollm2")  # converts on first use (about a minute), then cached
     request = {"prompt": "Name three colors.", "max_tokens": 12}
-    cfg = load_config("configs/ar_chat.yaml")
+    cfg = load_config(config)
     with Pipeline(cfg) as pipe:
         out = pipe.generate([request])[0]
     assert out.ok, out.error

@@ -11,6 +11,7 @@ import msgspec
 
 MAX_STOP_STRINGS = 16  # a request's stop strings, at most
 MAX_STOP_CHARS = 1024  # characters in one stop string, at most
+MAX_TOP_LOGPROBS = 20  # alternatives per token, at most (OpenAI's limit)
 
 
 class RequestError(ValueError):
@@ -24,7 +25,25 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: the k most likely alternatives of each token
     ignore_eos: bool = False
+
+
+class Sampled(tuple):  # type: ignore[type-arg]
+    """A token an engine produced: a plain tuple, ``(token, logprob)`` (or prefill's
+    ``(token, logprob, keys, values)``), so it unpacks as the pairs it replaced, and
+    ``top``: the ``top_logprobs`` most likely ``(token, logprob)`` at that step, most
+    likely first (empty unless the request asked for them)."""
+
+    top: list[tuple[int, float]]
+
+    def __new__(cls, items: tuple[Any, ...], top: list[tuple[int, float]] | None = None) -> Sampled:
+        self = super().__new__(cls, items)
+        self.top = top or []
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Sampled, (tuple(self), self.top))
 
 
 # "image": the parameters of diffusion stages in the same pipeline (they validate it)
@@ -85,6 +104,12 @@ def parse_request(
         raise RequestError(f"field 'temperature': expected 0..2, got {params.temperature}")
     if not 0.0 < params.top_p <= 1.0:
         raise RequestError(f"field 'top_p': expected a value in (0, 1], got {params.top_p}")
+    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(
+            f"field 'top_logprobs': expected 0..{MAX_TOP_LOGPROBS}, got {params.top_logprobs}"
+        )
+    if params.top_logprobs and not params.logprobs:
+        raise RequestError("field 'top_logprobs': needs 'logprobs': true")
     if any(not s for s in params.stop):
         raise RequestError("field 'stop': stop strings must not be empty")
     if len(params.stop) > MAX_STOP_STRINGS:

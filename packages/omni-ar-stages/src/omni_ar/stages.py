@@ -29,7 +29,7 @@ from omni_core.devices import place
 from omni_ar.detokenizer import IncrementalDetokenizer
 from omni_ar.engines import load_engine
 from omni_ar.models import resolve_model
-from omni_ar.params import RequestError, SamplingParams, parse_request
+from omni_ar.params import RequestError, Sampled, SamplingParams, parse_request
 
 
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -136,12 +136,16 @@ class Prefill(_ModelStage):
         prompts = [inp.window.tokens for inp in batch]
         params = [self._params(inp)[1] for inp in batch]
         results = self.engine.prefill_many(prompts, params)  # vLLM: one batch
-        for inp, ids, (tok, lp, keys, values) in zip(batch, prompts, results, strict=True):
+        for inp, ids, p, res in zip(batch, prompts, params, results, strict=True):
+            tok, lp, keys, values = res
+            payload: dict[str, Any] = {"prompt_tokens": len(ids), "prompt_ids": ids}
+            if p.top_logprobs:
+                payload[TOP_IDS] = [_top(res)]
             yield inp.segment(
                 [tok],
                 logprobs=[lp],
                 arrays={"keys": keys, "values": values},
-                payload={"prompt_tokens": len(ids), "prompt_ids": ids},
+                payload=payload,
                 is_last=True,
             )
 
@@ -172,14 +176,16 @@ class Decode(_ModelStage):
             w = inp.window
             arrays = w.arrays
             first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
+            first_top = [tuple(a) for a in w.payloads[0].get(TOP_IDS, [[]])[0]]
             prompt = w.payloads[0].get("prompt_ids")
             steps = self.engine.decode(first, arrays["keys"], arrays["values"], params, prompt)
             n_prompt = w.payloads[0].get("prompt_tokens")
             try:
-                # the other requests that arrived with this one enter the engine before
-                # its next step (vLLM batches them from their first token on)
-                yield None
-                yield from self._stream(inp, params, [(first, first_lp)], steps, n_prompt)
+                # the first token goes out before any step; meanwhile the other requests
+                # that arrived with this one enter the engine (vLLM batches them from
+                # their first token on)
+                so_far = [Sampled((first, first_lp), first_top)]
+                yield from self._stream(inp, params, so_far, steps, n_prompt)
             finally:
                 close = getattr(steps, "close", None)
                 if close is not None:
@@ -194,7 +200,9 @@ class Decode(_ModelStage):
         prompt_tokens: int | None = None,
     ) -> Iterator[StageEvent]:
         """Flush ``tokens_so_far`` and then the tokens of ``steps`` in segments; the first
-        carries ``prompt_tokens`` (the prompt's length, for usage counts downstream)."""
+        carries ``prompt_tokens`` (the prompt's length, for usage counts downstream).
+        With ``top_logprobs`` each segment's payload carries its tokens' alternatives
+        (``top_ids``, made text by :func:`top_payload`)."""
         counted = {"prompt_tokens": prompt_tokens} if prompt_tokens is not None else {}
         o = self.options
         detok = (
@@ -203,14 +211,30 @@ class Decode(_ModelStage):
             else None
         )
         tokens, logprobs = [t for t, _ in tokens_so_far], [lp for _, lp in tokens_so_far]
+        tops = [_top(s) for s in tokens_so_far]
         total = len(tokens)
         last_tok = tokens[-1] if tokens else None
+        # the first token leaves at once (time to first token): the stage's other streams
+        # may run engine steps before this one's next turn, and holding it for a segment
+        # would make each stream's first text wait one step longer than the last one's
         last_flush = time.monotonic()
-        for tok, lp in steps:
+        if tokens:  # prefill's first token: out before decode's first step
+            ev = self._segment(inp, tokens, logprobs, tops, params, detok, last=None)
+            ev.payload.update(counted)
+            counted = {}
+            yield ev
+            if detok is not None and detok.stopped is not None:
+                return
+            tokens, logprobs, tops = [], [], []
+        else:
+            last_flush = 0.0  # the first step's token flushes as soon as it comes
+        for s in steps:
             if inp.cancelled:
                 return
+            tok, lp = s
             tokens.append(tok)
             logprobs.append(lp)
+            tops.append(_top(s))
             total += 1
             last_tok = tok
             now = time.monotonic()
@@ -218,16 +242,15 @@ class Decode(_ModelStage):
                 len(tokens) >= o.max_segment_tokens
                 or (now - last_flush) * 1000 >= o.min_flush_interval_ms
             ):
-                ev = self._segment(inp, tokens, logprobs, params, detok, last=None)
+                ev = self._segment(inp, tokens, logprobs, tops, params, detok, last=None)
                 ev.payload.update(counted)
                 counted = {}
                 yield ev
                 if detok is not None and detok.stopped is not None:
                     return
-                tokens, logprobs, last_flush = [], [], now
-        ev = self._segment(
-            inp, tokens, logprobs, params, detok, last=self._finish(params, total, last_tok)
-        )
+                tokens, logprobs, tops, last_flush = [], [], [], now
+        last = self._finish(params, total, last_tok)
+        ev = self._segment(inp, tokens, logprobs, tops, params, detok, last=last)
         ev.payload.update(counted)
         yield ev
 
@@ -239,10 +262,12 @@ class Decode(_ModelStage):
         return "length" if total >= params.max_tokens and not at_eos else "stop"
 
     @staticmethod
-    def _segment(inp, tokens, logprobs, params, detok, last):  # type: ignore[no-untyped-def]
+    def _segment(inp, tokens, logprobs, tops, params, detok, last):  # type: ignore[no-untyped-def]
         """A segment of ``tokens``; ``last``: None, or the finish reason of the last one
         (``stop`` or ``length``; a stop string found by ``detok`` makes it ``stop``)."""
         payload = {} if last is None else {"finish_reason": last}
+        if detok is None and params.top_logprobs:  # postprocess makes them text
+            payload[TOP_IDS] = tops
         if detok is not None:
             text = detok.add(tokens)
             if detok.stopped is not None:
@@ -253,6 +278,8 @@ class Decode(_ModelStage):
                 payload = {"text": text}
             if params.logprobs:
                 payload["token_texts"] = token_texts(detok.tokenizer, tokens)
+            if params.top_logprobs:
+                payload["top_logprobs"] = top_payload(detok.tokenizer, tops)
         lps = logprobs if params.logprobs else None
         return inp.segment(
             tokens, logprobs=lps, payload=payload, is_last="finish_reason" in payload
@@ -277,8 +304,9 @@ class Generate(Decode):
                 steps: Iterable[tuple[int, float]] = stream(ids, params)
                 so_far: list[tuple[int, float]] = []
             else:  # transformers: one prefill pass, then the decode loop
-                first, lp, keys, values = self.engine.prefill(ids, params)
-                so_far = [(first, lp)]
+                pre = self.engine.prefill(ids, params)
+                first, lp, keys, values = pre
+                so_far = [Sampled((first, lp), pre.top)]
                 steps = self.engine.decode(first, keys, values, params, ids)
             try:
                 yield None  # the requests that arrived with this one join the same steps
@@ -300,6 +328,7 @@ class Postprocess(_ModelStage):
         self.prompt_tokens: dict[str, int] = {}  # until passed on with the next event
         self.finish: dict[str, str] = {}  # decode's finish reason, once it sent it
         self.want_logprobs: dict[str, bool] = {}
+        self.tops: dict[str, _Alternatives] = {}  # the requests that want top_logprobs
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
@@ -309,6 +338,8 @@ class Postprocess(_ModelStage):
                 _, params = self._params(inp)
                 d = self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
                 self.want_logprobs[rid] = params.logprobs
+                if params.top_logprobs:
+                    self.tops[rid] = _Alternatives()
             if d.stopped is not None:
                 continue  # the text already ended at a stop string
             for p in inp.window.payloads:
@@ -316,6 +347,9 @@ class Postprocess(_ModelStage):
                     self.prompt_tokens[rid] = p["prompt_tokens"]
                 if "finish_reason" in p:  # decode's: "length" or "stop" (EOS)
                     self.finish[rid] = p["finish_reason"]
+            alts = self.tops.get(rid)
+            if alts is not None:
+                alts.add(inp.window)
             new = inp.window.new_tokens
             text = d.add(new)
             self.counts[rid] = self.counts.get(rid, 0) + len(new)
@@ -340,6 +374,9 @@ class Postprocess(_ModelStage):
                     lps = None
                 else:
                     payload["token_texts"] = token_texts(self.tokenizer, new)
+                    tops = alts.take(inp.window.start, len(new)) if alts is not None else []
+                    if alts is not None and len(tops) == len(new):
+                        payload["top_logprobs"] = top_payload(self.tokenizer, tops)
             yield inp.segment(
                 new, logprobs=lps, payload=payload, is_last="finish_reason" in payload
             )
@@ -350,6 +387,46 @@ class Postprocess(_ModelStage):
         self.prompt_tokens.pop(request_id, None)
         self.finish.pop(request_id, None)
         self.want_logprobs.pop(request_id, None)
+        self.tops.pop(request_id, None)
+
+
+TOP_IDS = "top_ids"  # decode -> postprocess: per token, its alternatives' [id, logprob]
+
+
+class _Alternatives:
+    """One request's ``top_ids`` from decode, by the token's index in its stream. A
+    window may cut an event, whose payload (the whole list) then comes with each window
+    it spans, so each event's list is taken once, by its sequence number."""
+
+    def __init__(self) -> None:
+        self.items: list[list[list[Any]]] = []
+        self.last_seq = -1
+
+    def add(self, window: Any) -> None:
+        for p in window.pieces:
+            if p.sequence > self.last_seq:
+                self.items.extend(p.payload.get(TOP_IDS, ()))
+                self.last_seq = p.sequence
+
+    def take(self, start: int, n: int) -> list[list[list[Any]]]:
+        return self.items[start : start + n]
+
+
+def _top(s: tuple[int, float]) -> list[list[Any]]:
+    """An engine token's alternatives as ``[id, logprob]`` lists (none from an engine
+    that gave none)."""
+    return [[t, lp] for t, lp in getattr(s, "top", ())]
+
+
+def top_payload(tokenizer: Any, tops: list[list[list[Any]]]) -> list[list[list[Any]]]:
+    """``top_ids`` as the segment payload's ``top_logprobs``: per token, its
+    alternatives as ``[token_text, logprob]`` pairs, most likely first (the text as
+    :func:`token_texts` gives it), for OpenAI's ``logprobs.content[].top_logprobs``."""
+    out = []
+    for alts in tops:
+        texts = token_texts(tokenizer, [t for t, _ in alts])
+        out.append([[text, lp] for text, (_, lp) in zip(texts, alts, strict=True)])
+    return out
 
 
 def token_texts(tokenizer: Any, tokens: list[int]) -> list[str]:

@@ -5,6 +5,12 @@ arrays (layers stacked: ``(layers, kv_heads, tokens, head_dim)``), so it can cro
 processes through the shared-memory data plane; decode rebuilds a ``DynamicCache`` from
 them and steps from there, giving the same tokens as ``model.generate``.
 
+Decode is batched across requests (:class:`_Batch`): each request's iterator, when it has
+no token queued, runs one forward of every request in flight, so a decode stage driving N
+request generators (``max_inflight: N``) costs one forward per step, not N. Requests of
+different lengths share one cache, left-padded, with an attention mask and explicit
+position ids; it is rebuilt only when a request joins or leaves.
+
 The model lives on the engine's ``device`` (``"cpu"``, or ``"cuda:0"``: the first GPU
 the worker sees) in its ``dtype``; the inputs it builds go there, and what it hands out
 (KV, hidden states) comes back to the CPU, one copy per array, for the data plane.
@@ -13,14 +19,16 @@ the worker sees) in its ``dtype``; the inputs it builds go there, and what it ha
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from omni_core.devices import default_dtype
 
 from omni_ar.models import quiet_offline
-from omni_ar.params import SamplingParams
+from omni_ar.params import Sampled, SamplingParams
 
 
 class TransformersEngine:
@@ -38,6 +46,7 @@ class TransformersEngine:
         self.threads = threads
         self.model: Any = None
         self.tokenizer: Any = None
+        self.batch = _Batch(self)
 
     def load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -83,10 +92,16 @@ class TransformersEngine:
         return list(ids)
 
     # -- model ----------------------------------------------------------------------
-    def _pick(self, logits: Any, params: SamplingParams, gen: Any) -> tuple[int, float]:
+    def _pick(self, logits: Any, params: SamplingParams, gen: Any) -> Sampled:
+        """The next token of one request from its logits, with its logprob and, for
+        ``top_logprobs``, the most likely alternatives."""
         import torch
 
         logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top: list[tuple[int, float]] = []
+        if params.top_logprobs:
+            vals, idx = torch.topk(logprobs, min(params.top_logprobs, logprobs.shape[-1]))
+            top = list(zip(idx.tolist(), vals.tolist(), strict=True))
         if params.temperature == 0:
             tok = int(torch.argmax(logits))
         else:
@@ -96,7 +111,7 @@ class TransformersEngine:
                 keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
                 probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
             tok = int(torch.multinomial(probs, 1, generator=gen))
-        return tok, float(logprobs[tok])
+        return Sampled((tok, float(logprobs[tok])), top)
 
     def generator(self, params: SamplingParams, offset: int = 0) -> Any:
         """The request's sampling generator, seeded, on the model's device (where the
@@ -126,14 +141,15 @@ class TransformersEngine:
     def prefill(
         self, ids: list[int], params: SamplingParams
     ) -> tuple[int, float, np.ndarray, np.ndarray]:
-        """(first token, its logprob, keys, values) for a prompt."""
+        """(first token, its logprob, keys, values) for a prompt; a :class:`Sampled`,
+        whose ``top`` holds the first token's alternatives."""
         import torch
 
         with torch.inference_mode():
             out = self.model(self.tensor([ids]), use_cache=True)
-        tok, lp = self._pick(out.logits[0, -1], params, self.generator(params))
+        first = self._pick(out.logits[0, -1], params, self.generator(params))
         keys, values = kv_arrays(_cache_of(out))
-        return tok, lp, keys, values
+        return Sampled((*first, keys, values), first.top)
 
     def decode(
         self,
@@ -143,8 +159,19 @@ class TransformersEngine:
         params: SamplingParams,
         prompt: list[int] | None = None,  # not needed here: the KV holds the prompt
     ) -> Iterator[tuple[int, float]]:
-        """Tokens after ``first``, one per step, until EOS or ``max_tokens`` in all."""
-        return self.steps(first, self.cache_from(keys, values), params)
+        """Tokens after ``first``, one per step, until EOS or ``max_tokens`` in all,
+        decoded in one batch with every other request in flight.
+
+        The request joins the batch at this call, not at the first ``next``: requests
+        that arrive together share steps from the first one. Close the iterator to leave
+        the batch (also before iterating), which frees the request's KV."""
+        if params.max_tokens <= 1 or (first in self.eos_ids and not params.ignore_eos):
+            return iter(())
+        layers = [
+            (self._kv_tensor(keys[i]), self._kv_tensor(values[i])) for i in range(keys.shape[0])
+        ]
+        req = _Request(params, self.generator(params, offset=1), first, params.max_tokens - 1)
+        return _Steps(self.batch, self.batch.add(req, layers))
 
     def cache_from(self, keys: Any, values: Any) -> Any:
         """A ``DynamicCache`` on the model's device, in its dtype, holding copies of
@@ -167,7 +194,8 @@ class TransformersEngine:
 
     def steps(self, first: int, cache: Any, params: SamplingParams) -> Iterator[tuple[int, float]]:
         """The tokens after ``first`` (the cache holds everything before it), one per
-        step, until EOS or ``max_tokens`` in all."""
+        step, until EOS or ``max_tokens`` in all: one request alone, in its own cache
+        (the multimodal engine's resume; ``decode`` batches)."""
         import torch
 
         gen = self.generator(params, offset=1)
@@ -178,12 +206,13 @@ class TransformersEngine:
             with torch.inference_mode():
                 out = self.model(self.tensor([[tok]]), use_cache=True, **{self.cache_kw: cache})
             cache = _cache_of(out)
-            tok, lp = self._pick(out.logits[0, -1], params, gen)
-            yield tok, lp
+            s = self._pick(out.logits[0, -1], params, gen)
+            tok = s[0]
+            yield s
 
     def generate(self, source: str | list[dict[str, str]], params: SamplingParams) -> list[int]:
         """The whole request in one call (the parity oracle's one-process run)."""
-        first, lp, keys, values = self.prefill(self.encode(source), params)
+        first, _, keys, values = self.prefill(self.encode(source), params)
         return [first, *(t for t, _ in self.decode(first, keys, values, params))]
 
     def hidden_states(self, ids: list[list[int]], layer: int = -1) -> np.ndarray:
@@ -195,6 +224,141 @@ class TransformersEngine:
         with torch.inference_mode():
             out = self.model(self.tensor(ids), output_hidden_states=True)
         return out.hidden_states[layer].to("cpu").float().numpy()
+
+
+@dataclass
+class _Request:
+    """A request in the decode batch: ``tok`` is the input of its next step."""
+
+    params: SamplingParams
+    gen: Any  # its seeded torch.Generator (None: greedy)
+    tok: int
+    left: int  # tokens it may still produce
+    queue: deque[Sampled] = field(default_factory=deque)
+    done: bool = False
+
+
+class _Batch:
+    """The requests an engine decodes together, one forward per step for all of them.
+
+    The cache holds one row per member, left-padded to the longest: row ``i`` has
+    ``lengths[i]`` real positions at its right end, which ``mask`` marks; each step's
+    position ids are the rows' own lengths, so a row computes what it would alone. A
+    request joining or leaving marks the batch ``dirty``, and the next step rebuilds the
+    cache from each member's own KV (cut out of the old cache, or handed in on join)."""
+
+    def __init__(self, engine: TransformersEngine) -> None:
+        self.engine = engine
+        self.requests: dict[int, _Request] = {}
+        self.pending: dict[int, list[tuple[Any, Any]]] = {}  # KV of requests not yet in
+        self.members: list[int] = []  # the cache's rows
+        self.lengths: list[int] = []
+        self.cache: Any = None
+        self.mask: Any = None
+        self.dirty = False
+        self.next_id = 0
+        self.forwards = 0  # batched forwards run (for tests and stats)
+
+    def add(self, req: _Request, layers: list[tuple[Any, Any]]) -> int:
+        """Admit a request with its KV, per layer ``(kv_heads, tokens, head_dim)``."""
+        rid, self.next_id = self.next_id, self.next_id + 1
+        self.requests[rid] = req
+        self.pending[rid] = layers
+        self.dirty = True
+        return rid
+
+    def remove(self, rid: int) -> None:
+        """Drop a request (finished or closed); its KV goes with the next rebuild."""
+        if self.requests.pop(rid, None) is not None:
+            self.pending.pop(rid, None)
+            self.dirty = True
+
+    def _own_kv(self, rid: int) -> list[tuple[Any, Any]]:
+        """A member's KV without padding: a view of its row of the batch cache."""
+        if rid in self.pending:
+            return self.pending.pop(rid)
+        row = self.members.index(rid)
+        pad = self.mask.shape[1] - self.lengths[row]
+        return [(ly.keys[row, :, pad:], ly.values[row, :, pad:]) for ly in self.cache.layers]
+
+    def _rebuild(self) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        members = [r for r, q in self.requests.items() if not q.done]
+        kv = [self._own_kv(r) for r in members]
+        lengths = [layers[0][0].shape[1] for layers in kv]
+        width = max(lengths, default=0)
+        cache = DynamicCache()
+        for i in range(len(kv[0]) if kv else 0):
+            k0 = kv[0][i][0]
+            shape = (len(kv), k0.shape[0], width, k0.shape[2])
+            keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
+            for row, (layers, n) in enumerate(zip(kv, lengths, strict=True)):
+                keys[row, :, width - n :] = layers[i][0]
+                values[row, :, width - n :] = layers[i][1]
+            cache.update(keys, values, i)
+        mask = torch.zeros((len(kv), width), dtype=torch.long, device=self.engine.device)
+        for row, n in enumerate(lengths):
+            mask[row, width - n :] = 1
+        self.members, self.lengths, self.cache, self.mask = members, lengths, cache, mask
+        self.dirty = False
+
+    def step(self) -> None:
+        """One forward of every member: a token queued for each; the ones that end
+        (EOS, ``max_tokens``) leave the batch."""
+        import torch
+
+        e = self.engine
+        if self.dirty:
+            self._rebuild()
+        if not self.members:
+            raise RuntimeError("transformers engine: a stream waits but no request is in flight")
+        reqs = [self.requests[r] for r in self.members]
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(reqs), 1))], dim=1)
+        with torch.inference_mode():
+            out = e.model(
+                e.tensor([[q.tok] for q in reqs]),
+                attention_mask=self.mask,
+                position_ids=e.tensor([[n] for n in self.lengths]),
+                use_cache=True,
+                **{e.cache_kw: self.cache},
+            )
+        self.forwards += 1
+        self.cache = _cache_of(out)
+        self.lengths = [n + 1 for n in self.lengths]
+        for row, q in enumerate(reqs):
+            s = e._pick(out.logits[row, -1], q.params, q.gen)
+            q.queue.append(s)
+            q.tok, q.left = s[0], q.left - 1
+            if q.left <= 0 or (q.tok in e.eos_ids and not q.params.ignore_eos):
+                q.done = self.dirty = True
+
+
+class _Steps:
+    """A request's tokens from the batch; ``close`` takes it out even when it was never
+    iterated (a generator's ``finally`` would not run then)."""
+
+    def __init__(self, batch: _Batch, rid: int) -> None:
+        self.batch = batch
+        self.rid = rid
+
+    def __iter__(self) -> _Steps:
+        return self
+
+    def __next__(self) -> Sampled:
+        req = self.batch.requests.get(self.rid)
+        if req is None:
+            raise StopIteration
+        while not req.queue:
+            if req.done:
+                self.close()
+                raise StopIteration
+            self.batch.step()
+        return req.queue.popleft()
+
+    def close(self) -> None:
+        self.batch.remove(self.rid)
 
 
 def kv_arrays(cache: Any) -> tuple[Any, Any]:
