@@ -49,6 +49,11 @@ def test_serve_keys(tiny_model):
             assert m["tok_per_s"] > 0 and m["ttft_p50_ms"] > 0, (server, level, m)
             assert m["ttft_p99_ms"] >= m["ttft_p50_ms"]
             assert m["itl_p50_ms"] >= 0
+            cpu = m["cpu_ms_per_token"]  # where each server's CPU went, per process
+            assert cpu["total"] > 0 and cpu["server"] > 0, (server, level, cpu)
+    for stage in ("omni:intake", "omni:generate", "omni:postproces"):  # 15 bytes: Linux's cut
+        assert stage in r["omni"]["c2"]["cpu_ms_per_token"], r["omni"]["c2"]
+    assert "omni:prefill" in r["omni_split"]["c2"]["cpu_ms_per_token"]
     for key in (
         "omni_vs_vllm_tok_per_s_c1",
         "omni_vs_vllm_tok_per_s_c2",

@@ -228,15 +228,60 @@ async def drive(url: str, concurrency: int, requests: int, max_tokens: int) -> d
     }
 
 
+def session_cpu(session: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of every live process of ``session`` (a
+    server started in a session of its own, with its workers), by pid, with its name
+    (``/proc/PID/comm``: omni's workers call themselves ``omni:STAGE``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on
+        if int(fields[3]) != session:
+            continue
+        out[int(entry)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_per_token(
+    before: dict[int, tuple[str, float]],
+    after: dict[int, tuple[str, float]],
+    leader: int,
+    tokens: int,
+) -> dict[str, float]:
+    """CPU milliseconds per output token spent by each process (summed by name; the
+    server's own process is ``server``) between two :func:`session_cpu` snapshots, and
+    their ``total``: where a server's CPU goes, on a machine where every process shares
+    the same cores."""
+    spent: dict[str, float] = {}
+    for pid, (name, cpu) in after.items():
+        key = "server" if pid == leader else name
+        spent[key] = spent.get(key, 0.0) + cpu - before.get(pid, (name, 0.0))[1]
+    out = {k: round(v * 1000 / max(tokens, 1), 3) for k, v in sorted(spent.items()) if v > 0}
+    out["total"] = round(sum(spent.values()) * 1000 / max(tokens, 1), 3)
+    return out
+
+
 def measure(
     server: Server, levels: list[int], per_level: int | None, max_tokens: int
-) -> dict[str, dict[str, float]]:
-    async def run() -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
+    async def run() -> dict[str, dict[str, Any]]:
         await drive(server.url, min(levels), min(levels), 4)  # warm up
-        out = {}
+        out: dict[str, dict[str, Any]] = {}
+        pid = server.proc.pid
         for c in levels:
             n = per_level or max(2 * c, 8)
-            out[f"c{c}"] = await drive(server.url, c, n, max_tokens)
+            before = session_cpu(pid)
+            out[f"c{c}"] = level = await drive(server.url, c, n, max_tokens)
+            after = session_cpu(pid)
+            level["cpu_ms_per_token"] = cpu_per_token(before, after, pid, int(level["tokens"]))
         return out
 
     return asyncio.run(run())
@@ -244,7 +289,7 @@ def measure(
 
 def run_server(
     name: str, cmd: list[str], env: dict[str, str], workdir: Path, args: argparse.Namespace
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     server = Server(name, cmd, env, workdir / f"{name}.log")
     try:
         server.wait_ready(args.ready_timeout)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -172,9 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     return serve(spec)
 
 
+def name_process(name: str) -> None:
+    """Show ``name`` as the process's name in ``ps``, ``top`` and ``/proc/PID/comm``
+    (Linux keeps its first 15 bytes), so a stage's worker can be told from the others."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
 def serve(spec: WorkerSpec) -> int:
     """Load the stage, report Ready (or LoadFailed) and run until shut down; the exit code."""
     sys.setswitchinterval(0.001)  # bound how long the I/O thread waits for the GIL
+    name_process(f"omni:{spec.stage}")
     t0 = time.monotonic()
     zctx = zmq.Context.instance()
     status = push_socket(zctx, Addresses(spec.socket_dir).status)
