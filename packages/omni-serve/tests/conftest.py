@@ -113,7 +113,7 @@ def ar_stages(model: str) -> list[dict[str, Any]]:
 
 
 def chained(name: str, stages: list[dict[str, Any]], **top: Any) -> dict[str, Any]:
-    """Stages in a chain; decode -> postprocess token by token, as configs/ar_chat.yaml."""
+    """Stages in a chain; decode -> postprocess token by token, as configs/ar_chat_split.yaml."""
     names = [s["name"] for s in stages]
     edges = [{"from": a, "to": b} for a, b in zip(names, names[1:], strict=False)]
     for e in edges:
