@@ -219,10 +219,7 @@ class Decode(_ModelStage):
         # would make each stream's first text wait one step longer than the last one's
         last_flush = time.monotonic()
         if tokens:  # prefill's first token: out before decode's first step
-            ev = self._segment(inp, tokens, logprobs, tops, params, detok, last=None)
-            ev.payload.update(counted)
-            counted = {}
-            yield ev
+            yield self._emit(inp, tokens, logprobs, tops, params, detok, counted)
             if detok is not None and detok.stopped is not None:
                 return
             tokens, logprobs, tops = [], [], []
@@ -242,17 +239,20 @@ class Decode(_ModelStage):
                 len(tokens) >= o.max_segment_tokens
                 or (now - last_flush) * 1000 >= o.min_flush_interval_ms
             ):
-                ev = self._segment(inp, tokens, logprobs, tops, params, detok, last=None)
-                ev.payload.update(counted)
-                counted = {}
-                yield ev
+                yield self._emit(inp, tokens, logprobs, tops, params, detok, counted)
                 if detok is not None and detok.stopped is not None:
                     return
                 tokens, logprobs, tops, last_flush = [], [], [], now
         last = self._finish(params, total, last_tok)
+        yield self._emit(inp, tokens, logprobs, tops, params, detok, counted, last)
+
+    def _emit(self, inp, tokens, logprobs, tops, params, detok, counted, last=None):  # type: ignore[no-untyped-def]
+        """A segment of the tokens so far; the first to go carries (and empties)
+        ``counted``, the prompt's length."""
         ev = self._segment(inp, tokens, logprobs, tops, params, detok, last=last)
         ev.payload.update(counted)
-        yield ev
+        counted.clear()
+        return ev
 
     def _finish(self, params: SamplingParams, total: int, last_tok: int | None) -> str:
         """Why generation ended: ``length`` when it reached ``max_tokens`` (the request's

@@ -152,6 +152,8 @@ class VllmBaseline:
             if not k.startswith("VLLM_") and k != "OMP_NUM_THREADS"
         }
         env["VLLM_LOGGING_LEVEL"] = "WARNING"  # its KV cache: kv_cache_memory_bytes
+        from omni_bench.serve import die_with_parent
+
         code = "from omni_bench.ar_vllm import baseline_main; baseline_main()"
         self.log = log
         with open(log, "wb") as f:
@@ -163,6 +165,7 @@ class VllmBaseline:
                 text=True,
                 env=env,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         self._read(READY)
 

@@ -97,6 +97,14 @@ def omni_config(model: str, layout: str = "fused") -> dict[str, Any]:
     }
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` of a server started in a session of its own: SIGTERM when the bench
+    dies (killed by a timeout, say), so that no server outlives the bench that started it."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,7 +120,12 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
-                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
 
     def tail(self, n: int = 3000) -> str:

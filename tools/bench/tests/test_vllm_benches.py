@@ -1,6 +1,10 @@
-"""``omni bench serve`` on a tiny model: vLLM's own OpenAI server, then ``omni serve``,
-each driven by the same streaming load at concurrency 1 and 2; the keys are there and
-both servers produced tokens (figures are not asserted: shared machines are noisy).
+"""The vLLM benches on a tiny model (the keys are there and every arm produced its
+tokens; figures are not asserted: shared machines are noisy):
+
+* ``omni bench serve``: vLLM's own OpenAI server, then ``omni serve``, each driven by the
+  same streaming load at concurrency 1 and 2;
+* ``omni bench ar --engine vllm``: vLLM's ``AsyncLLM`` in its own process against omni's
+  fused and split pipelines, and the KV handoff's time to first text.
 
 Skipped when vLLM is not installed, except under CI (env ``CI`` set), where that fails.
 """
@@ -62,3 +66,34 @@ def test_serve_keys(tiny_model):
     ):
         assert r[key] > 0, key
     assert isinstance(r["targets_met"], bool)
+
+
+def test_ar_vllm_keys(tiny_model):
+    model = tiny_model
+    # the bench's processes get this environment, less any VLLM_* of an in-process engine
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    args = ["--model", model, "--max-tokens", "6", "--rounds", "1", "--c1-requests", "1"]
+    args += ["--kv-cache-mib", "64"]  # eight engines at once: small caches
+    out = subprocess.run(
+        [*OMNI, "bench", "ar", "--engine", "vllm", *args, "--prompt-tokens", "200", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    for arm in ("vllm", "fused", "split"):
+        for key in ("tok_per_s_c1", "tok_per_s_c8", "ttft_ms_c1", "ttft_ms_c8"):
+            m = r[arm][key]
+            assert len(m["runs"]) == 1 and m["best"] > 0 and m["median"] > 0, (arm, key, m)
+    for label in ("omni", "split"):
+        for key in ("tok_per_s_c1", "tok_per_s_c8", "ttft_c1", "ttft_c8"):
+            assert r[f"{label}_vs_vllm_{key}"] > 0, (label, key)
+    kv = r["kv_handoff"]
+    assert 150 <= kv["prompt_tokens"] <= 200, kv
+    assert set(kv["ttft_ms"]) == {"split", "split_file", "fused_1t", "fused", "vllm"}
+    for key in ("split_over_fused_1t", "split_file_over_fused_1t", "split_over_vllm"):
+        assert kv[f"ttft_{key}"] > 0, key
+    assert "direct" not in r and "staged_tok_per_s_c8" not in r  # the in-house arm is gone
+    assert all(isinstance(v, bool) for v in r["targets_met"].values())
