@@ -5,10 +5,13 @@ Every error names the field, so a bad request ends with a message the caller can
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+MAX_SCHEMA_CHARS = 65536  # a json_schema's schema as JSON, at most
 MAX_STOP_STRINGS = 16  # a request's stop strings, at most
 MAX_STOP_CHARS = 1024  # characters in one stop string, at most
 MAX_TOP_LOGPROBS = 20  # alternatives per token, at most (OpenAI's limit)
@@ -27,6 +30,20 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: the k most likely alternatives of each token
     ignore_eos: bool = False
+    # OpenAI's: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
+    # {"name", "schema", "strict", "description"}}; checked by parse_request
+    response_format: dict[str, Any] | None = None
+
+    def structured(self) -> dict[str, Any] | None:
+        """What ``response_format`` asks of the sampler: ``{"json": schema}`` or
+        ``{"json_object": True}`` (the arguments of vLLM's ``StructuredOutputsParams``),
+        or None for plain text."""
+        fmt = self.response_format or {}
+        if fmt.get("type") == "json_object":
+            return {"json_object": True}
+        if fmt.get("type") == "json_schema":
+            return {"json": fmt["json_schema"]["schema"]}
+        return None
 
 
 class Sampled(tuple):  # type: ignore[type-arg]
@@ -121,7 +138,49 @@ def parse_request(
         raise RequestError(
             f"field 'stop': a stop string has at most {MAX_STOP_CHARS} characters, got {longest}"
         )
+    if params.response_format is not None:
+        check_response_format(params.response_format)
     return source, params
+
+
+def check_response_format(fmt: dict[str, Any]) -> None:
+    """OpenAI's ``response_format``, checked here so that a malformed one fails at intake,
+    naming the field, before any stage compiles a grammar from it."""
+    kind = fmt.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise RequestError(
+            f"field 'response_format.type': expected one of {list(RESPONSE_FORMATS)}, "
+            f"got {str(kind)[:40]!r}"
+        )
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    extra = sorted(set(fmt) - allowed)
+    if extra:
+        raise RequestError(f"field 'response_format.{extra[0]}': unknown for type {kind!r}")
+    if kind != "json_schema":
+        return
+    spec = fmt.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise RequestError(f"field {where!r}: expected an object with 'name' and 'schema'")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise RequestError(f"field '{where}.{extra[0]}': unknown field")
+    for key, types, name in (
+        ("name", str, "a string"),
+        ("description", str, "a string"),
+        ("strict", bool, "a boolean"),
+    ):
+        if key in spec and spec[key] is not None and not isinstance(spec[key], types):
+            raise RequestError(f"field '{where}.{key}': expected {name}")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        got = "nothing" if schema is None else type(schema).__name__
+        raise RequestError(f"field '{where}.schema': expected a JSON Schema object, got {got}")
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_CHARS:
+        raise RequestError(
+            f"field '{where}.schema': {size} characters of JSON, over {MAX_SCHEMA_CHARS}"
+        )
 
 
 _PART_FORMS = (

@@ -54,6 +54,10 @@ class _ModelStage(Stage):
     Options = ModelOptions
     images: ClassVar[bool] = False  # requests may carry image parts (the ar.mm_* stages)
     kv_role: ClassVar[str | None] = None  # the vLLM engine's KV connector role
+    # why this stage cannot sample under a response_format's grammar ("": it can, on vLLM)
+    unstructured: ClassVar[str] = (
+        "the prefill -> decode split restarts the grammar at decode's first token"
+    )
 
     def _engine(self, model: bool = True):  # type: ignore[no-untyped-def]
         """The stage's engine; ``model``: it will load the model, on the device and in
@@ -95,6 +99,23 @@ class _ModelStage(Stage):
                 source.insert(0, {"role": "system", "content": o.system_prompt})
         return source, params
 
+    def _sampling_params(self, inp: StageInput) -> tuple[Any, SamplingParams]:
+        """``_params`` in a stage that samples: a RequestError naming ``response_format``
+        where the request asks for structured output this stage cannot hold to. Only
+        ``ar.generate`` on vLLM samples every token of a request under one grammar."""
+        source, params = self._params(inp)
+        if params.structured() is None:
+            return source, params
+        why = self.unstructured
+        if not why and self.options.engine != "vllm":
+            why = f"this stage runs engine {self.options.engine!r}"
+        if why:
+            raise RequestError(
+                "field 'response_format': structured output needs the ar.generate stage "
+                f"on engine vllm ({why})"
+            )
+        return source, params
+
 
 class Intake(_ModelStage):
     """Request -> prompt token ids (one segment), or an error naming the bad field."""
@@ -133,8 +154,19 @@ class Prefill(_ModelStage):
         self.engine.load_model()
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        ok: list[StageInput] = []
+        params: list[SamplingParams] = []
+        for inp in batch:
+            try:
+                params.append(self._sampling_params(inp)[1])
+            except RequestError as e:
+                yield inp.fail(str(e))
+                continue
+            ok.append(inp)
+        if not ok:
+            return
+        batch = ok
         prompts = [inp.window.tokens for inp in batch]
-        params = [self._params(inp)[1] for inp in batch]
         results = self.engine.prefill_many(prompts, params)  # vLLM: one batch
         for inp, ids, p, res in zip(batch, prompts, params, results, strict=True):
             tok, lp, keys, values = res
@@ -172,7 +204,11 @@ class Decode(_ModelStage):
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         for inp in batch:
-            _, params = self._params(inp)
+            try:
+                _, params = self._sampling_params(inp)
+            except RequestError as e:
+                yield inp.fail(str(e))
+                continue
             w = inp.window
             arrays = w.arrays
             first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
@@ -294,14 +330,22 @@ class Generate(Decode):
     is for when the two sit on different devices or nodes."""
 
     kv_role = None
+    unstructured = ""
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         for inp in batch:
-            _, params = self._params(inp)
             ids = inp.window.tokens
             stream = getattr(self.engine, "stream", None)
-            if stream is not None:  # vLLM: the request enters the engine now
-                steps: Iterable[tuple[int, float]] = stream(ids, params)
+            try:
+                _, params = self._sampling_params(inp)
+                # vLLM: the request enters the engine now (a grammar it refuses: RequestError)
+                steps: Iterable[tuple[int, float]] | None = (
+                    stream(ids, params) if stream is not None else None
+                )
+            except RequestError as e:
+                yield inp.fail(str(e))
+                continue
+            if steps is not None:
                 so_far: list[tuple[int, float]] = []
             else:  # transformers: one prefill pass, then the decode loop
                 pre = self.engine.prefill(ids, params)

@@ -232,14 +232,14 @@ def _sampling(req: _TextBody, max_tokens: int | None, limit: int) -> dict[str, A
     if req.stop is not None:
         out["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
     fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        if fmt.type in ("json_object", "json_schema"):
-            raise bad_field(
-                "response_format",
-                f"type {fmt.type!r}: structured output is not supported by this engine "
-                "(only {'type': 'text'})",
-            )
-        raise bad_field("response_format", f"type {fmt.type[:40]!r}: expected 'text'")
+    if fmt is not None and fmt.type in ("json_object", "json_schema"):
+        # the pipeline checks the rest, and fails it (400) where no stage can honour it
+        out["response_format"] = fmt.model_dump()
+    elif fmt is not None and fmt.type != "text":
+        raise bad_field(
+            "response_format",
+            f"type {fmt.type[:40]!r}: expected 'text', 'json_object' or 'json_schema'",
+        )
     return out
 
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.models import quiet_offline
-from omni_ar.params import Sampled, SamplingParams
+from omni_ar.params import RequestError, Sampled, SamplingParams
 
 KV_CONNECTORS = ("shm", "file")
 INSTALL_HINT = (
@@ -165,7 +165,15 @@ class VllmEngine:
             from vllm import LLM
         except (ImportError, RuntimeError) as e:  # RuntimeError: a CPU-breaking torchvision
             raise RuntimeError(f"{INSTALL_HINT} (importing it failed: {e})") from None
-        args = {**self.settings, "kv_transfer_config": self._kv_transfer_config()}
+        args = {
+            **self.settings,
+            "kv_transfer_config": self._kv_transfer_config(),
+            # response_format's JSON without free whitespace: a grammar that allows any
+            # lets a model (a small one above all) pad until max_tokens. Engine-wide in
+            # vLLM, and only with a named backend (xgrammar: vLLM's usual pick under
+            # "auto", without its fallback to guidance); engine_args may override it.
+            "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+        }
         self.llm = LLM(model=self.model_dir, **{**args, **self.engine_args})
         self.engine = self.llm.llm_engine
         from transformers import AutoConfig, GenerationConfig
@@ -198,11 +206,12 @@ class VllmEngine:
     # -- streams ------------------------------------------------------------------------
     def _sampling(self, params: SamplingParams, max_tokens: int, kv_key: str | None) -> Any:
         from vllm import SamplingParams as VllmParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         from omni_ar.engines.kv_connector import PARAM
 
         extra = {"kv_transfer_params": {PARAM: kv_key}} if kv_key else None
+        structured = params.structured()
         return VllmParams(
             max_tokens=max_tokens,
             temperature=params.temperature,
@@ -213,12 +222,23 @@ class VllmEngine:
             detokenize=False,  # the postprocess stage detokenizes
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra,
+            structured_outputs=StructuredOutputsParams(**structured) if structured else None,
         )
 
     def _submit(self, ids: list[int], sp: Any) -> str:
+        """The request into the engine; a grammar vLLM's backend refuses is a RequestError
+        naming ``response_format`` (this request fails, the engine goes on)."""
+        from vllm.exceptions import VLLMClientError
+
         rid = uuid.uuid4().hex
         self._streams[rid] = _Stream(top=sp.logprobs or 0)
-        self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+        try:
+            self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+        except (ValueError, VLLMClientError) as e:
+            del self._streams[rid]
+            if sp.structured_outputs is None:
+                raise
+            raise RequestError(f"field 'response_format': vLLM refused it: {e}") from None
         return rid
 
     def _step(self) -> None:

@@ -57,6 +57,7 @@ class MMOptions(ModelOptions, kw_only=True):
 class _MMStage(_ModelStage):
     Options = MMOptions
     images = True
+    unstructured = "the multimodal stages run the transformers engine"
 
     def _engine(self, model: bool = True) -> VLMEngine:
         o = self.options
@@ -66,8 +67,9 @@ class _MMStage(_ModelStage):
         return VLMEngine(resolve_model(o.model), dtype=dtype, threads=o.threads, device=device)
 
     def _messages(self, inp: StageInput) -> tuple[list[dict[str, Any]] | None, Any]:
-        """(chat messages, or None for a plain prompt; sampling params)."""
-        source, params = self._params(inp)
+        """(chat messages, or None for a plain prompt; sampling params); a
+        ``response_format`` that asks for structured output fails (at intake already)."""
+        source, params = self._sampling_params(inp)
         return (source if isinstance(source, list) else None), params
 
 
