@@ -272,12 +272,13 @@ def cpu_per_token(
     """CPU milliseconds per output token spent by each process (summed by name; the
     server's own process is ``server``) between two :func:`session_cpu` snapshots, and
     their ``total``: where a server's CPU goes, on a machine where every process shares
-    the same cores."""
+    the same cores. A process that ran is listed even at 0 (the kernel counts CPU in
+    clock ticks, so a light stage can spend none in a short level)."""
     spent: dict[str, float] = {}
     for pid, (name, cpu) in after.items():
         key = "server" if pid == leader else name
         spent[key] = spent.get(key, 0.0) + cpu - before.get(pid, (name, 0.0))[1]
-    out = {k: round(v * 1000 / max(tokens, 1), 3) for k, v in sorted(spent.items()) if v > 0}
+    out = {k: round(v * 1000 / max(tokens, 1), 3) for k, v in sorted(spent.items())}
     out["total"] = round(sum(spent.values()) * 1000 / max(tokens, 1), 3)
     return out
 
