@@ -37,17 +37,24 @@ class RequestOutput:
     """A finished request, as ``Pipeline.generate`` returns it."""
 
     request_id: str
+    """The request's id."""
     finish_reason: str  # "completed" | "error" | "cancelled" | "timeout"
+    """``completed``, ``error``, ``cancelled`` or ``timeout``."""
     events: list[AnyEvent]  # every non-terminal event, in order
+    """Every non-terminal event, in order."""
     error: str | None = None
+    """The error's message, when the request failed."""
     metrics: dict[str, float] = field(default_factory=dict)
+    """The request's latencies."""
 
     @property
     def ok(self) -> bool:
+        """The request completed."""
         return self.finish_reason == "completed"
 
     @property
     def tokens(self) -> list[int]:
+        """The tokens of every segment, in order."""
         return [t for e in self.events if isinstance(e, Segment) and e.tokens for t in e.tokens]
 
     @property
@@ -56,6 +63,7 @@ class RequestOutput:
         return self.events[-1] if self.events else None
 
     def by_stage(self, stage: str) -> list[AnyEvent]:
+        """The events ``stage`` emitted."""
         return [e for e in self.events if e.stage == stage]
 
 

@@ -30,89 +30,167 @@ class _Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
+# Every field below carries an attribute docstring (the string under it): the docs site's
+# configuration reference is generated from these classes and those strings
+# (docs/hooks/config_reference.py), and a field without one fails the docs build.
+
+
 class WindowSpec(_Spec, kw_only=True):
+    """How an edge's stream is cut into the windows that trigger the consuming stage, per
+    request. A *unit* is a token of a token segment, one image event, else a row (axis 0)
+    of a segment's arrays of two or more dimensions, else the whole segment."""
+
     size: int = -1
+    """Units per window: -1, one window once the upstream stream ends; N >= 1, a window
+    every N new units (and the rest at the end)."""
     overlap: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Units of the previous window repeated at the start of the next one as left context
+    (needs ``size`` >= 1)."""
 
 
 class Defaults(_Spec, kw_only=True):
+    """Settings every stage and edge takes unless it sets its own."""
+
     window: WindowSpec = msgspec.field(default_factory=WindowSpec)
+    """The window of every edge that sets none."""
     max_inflight: PositiveInt = 1
+    """Requests a stage works on at once (1: one after another, in order of arrival)."""
     max_batch_size: PositiveInt = 1
-    queue_capacity: PositiveInt = 64  # work items a stage holds; also the socket watermark
+    """Work items handed to one ``process`` call: the first ready item, then up to N-1
+    more that are ready, without waiting for them."""
+    queue_capacity: PositiveInt = 64
+    """Work items a stage holds; also its sockets' watermark (backpressure)."""
 
 
 class MRS(_Spec, kw_only=True):
+    """The multi-process runtime."""
+
     enabled: bool = True
+    """``false``: every stage runs in the caller's process, one request after another,
+    through the same windows and encoding (the parity oracle)."""
     defaults: Defaults = msgspec.field(default_factory=Defaults)
+    """Settings every stage and edge takes unless it sets its own."""
 
 
 class Placement(_Spec, kw_only=True):
     """Where a stage's worker may run on a cluster backend (Ray): the resources its actor
     asks for. The local backend ignores it (``devices`` says which GPUs a worker sees)."""
 
-    # CPUs held in Ray's accounting; 0 (the default) lets stages share a node's CPUs, as
-    # the local backend's processes do: set it (or resources) to spread stages out
     num_cpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """CPUs held in Ray's accounting; 0 lets stages share a node's CPUs, as the local
+    backend's processes do: set it (or ``resources``) to spread stages out."""
     num_gpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    resources: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
-        default_factory=dict
-    )  # custom resources, e.g. {"node_b": 1} to land on the node that offers it
-    node_labels: dict[str, str] = msgspec.field(default_factory=dict)  # label selector
+    """GPUs the stage's actor asks Ray for; ``devices`` then indexes the GPUs Ray gave it."""
+    resources: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(default_factory=dict)
+    """Custom resources, e.g. ``{node_b: 1}`` to land on the node that offers ``node_b``."""
+    node_labels: dict[str, str] = msgspec.field(default_factory=dict)
+    """A node label selector (Ray's), e.g. ``{ray.io/accelerator-type: H100}``."""
 
 
 class BackendSpec(_Spec, kw_only=True):
-    """Where the stage workers run: ``local`` processes, or a ``ray`` cluster."""
+    """Where the stage workers run: ``local`` processes, or a ``ray`` cluster
+    (``omni run/serve/trace --backend`` overrides it)."""
 
     kind: Annotated[str, msgspec.Meta(pattern=NAME_RE)] = "local"
-    address: str | None = None  # ray: the cluster to join (None: RAY_ADDRESS or a new one)
-    namespace: str | None = None  # ray: the namespace of the pipeline's actors
+    """``local``: one process per stage on this machine; ``ray``: Ray actors (needs
+    ``omni-ray``); or another backend registered under ``omni.backends``."""
+    address: str | None = None
+    """ray: the cluster to join. ``null``: ``RAY_ADDRESS``, a cluster started with
+    ``ray start`` on this machine, else a new one here; ``"local"``: always a new one here."""
+    namespace: str | None = None
+    """ray: the namespace of the pipeline's actors."""
 
 
 class StageSpec(_Spec, kw_only=True):
+    """One stage: a worker process (or Ray actor) running a registered stage kind. Keys
+    left ``null`` take the value of ``mrs.defaults``."""
+
     name: Annotated[str, msgspec.Meta(pattern=NAME_RE)]
+    """The stage's name in this pipeline (letters, digits, ``_``, ``.``, ``-``); edges,
+    events, metrics and logs name it."""
     kind: str
+    """The registered stage kind, a name listed by ``omni stages`` (entry-point group
+    ``omni.stages``)."""
     devices: str | Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """The GPUs the worker sees (``CUDA_VISIBLE_DEVICES``, set before anything is
+    imported): ``"0"``, ``"1,2"``, a logical index into the parent's list, or ``"cpu"``
+    (none). Unset: the worker sees what its parent sees."""
     extra_env: dict[str, str] = msgspec.field(default_factory=dict)
+    """Environment variables set in the worker before anything is imported, e.g.
+    ``{OMP_NUM_THREADS: "1"}``."""
     max_inflight: PositiveInt | None = None
+    """Overrides ``mrs.defaults.max_inflight`` for this stage."""
     max_batch_size: PositiveInt | None = None
+    """Overrides ``mrs.defaults.max_batch_size`` for this stage."""
     queue_capacity: PositiveInt | None = None
-    # stream this stage's events to the caller (sinks do); "previews": only its previews
-    # (image events before the last), which then go to the caller and not downstream
+    """Overrides ``mrs.defaults.queue_capacity`` for this stage."""
     client_stream: bool | Literal["previews"] | None = None
-    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3  # then the stage is dead
-    restart_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5  # doubles per restart
-    restart_window_s: PositiveFloat = 600.0  # max_restarts counts restarts within this
-    # a stage busy on one step (or silent) this long is hung: killed and restarted
+    """``true``: this stage's events go to the caller too (a sink's always do);
+    ``"previews"``: only its previews (image events before the last), which then go to the
+    caller and not downstream. ``null``: only if the stage is a sink."""
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    """Restarts allowed within ``restart_window_s``; one more crash and the stage is dead."""
+    restart_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5
+    """Wait before a restart, doubling with each restart within the window (at most 10 s)."""
+    restart_window_s: PositiveFloat = 600.0
+    """The window ``max_restarts`` counts restarts in."""
     stall_timeout_s: PositiveFloat | None = 300.0
+    """A stage silent (no heartbeat) or busy on one step this long is hung: its requests
+    end with ``stage_hung`` and it is killed and restarted. ``null``: never."""
     placement: Placement = msgspec.field(default_factory=Placement)
+    """Ray backend only: what the stage's actor asks Ray for."""
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The stage's own options, validated against the stage class's ``Options`` struct
+    when the config is loaded."""
 
 
 class EdgeSpec(_Spec, kw_only=True):
+    """A data edge: the ``from`` stage's events flow to the ``to`` stage."""
+
     source: str = msgspec.field(name="from")
+    """The producing stage's name."""
     target: str = msgspec.field(name="to")
+    """The consuming stage's name."""
     window: WindowSpec | None = None
-    capacity: PositiveInt | None = (
-        None  # frames in flight on this edge (default: target's queue_capacity)
-    )
+    """How the consuming stage's windows are cut on this edge (``null``:
+    ``mrs.defaults.window``)."""
+    capacity: PositiveInt | None = None
+    """Frames in flight on this edge (``null``: the target's ``queue_capacity``)."""
 
 
 class PipelineConfig(_Spec, kw_only=True):
+    """A pipeline: stages (one worker each) and the edges between them, a DAG. Top-level
+    keys starting with ``x-`` are ignored (a place for YAML anchors)."""
+
     name: str = "pipeline"
+    """The pipeline's name (``omni serve`` serves it as the model name by default)."""
     mrs: MRS = msgspec.field(default_factory=MRS)
+    """The multi-process runtime: on or off, and the defaults of every stage and edge."""
     backend: BackendSpec = msgspec.field(default_factory=BackendSpec)
+    """Where the workers run."""
     stages: Annotated[list[StageSpec], msgspec.Meta(min_length=1)]
+    """The stages, at least one."""
     edges: list[EdgeSpec] = msgspec.field(default_factory=list)
+    """The data edges; fan-out and fan-in are allowed, cycles are not."""
     shm_threshold_bytes: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_SHM_THRESHOLD
+    """Arrays at or above this size travel through shared memory; smaller ones inline."""
     shm_pool_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 1 << 30
+    """Each producing stage's shared-memory arena (sparse: it costs only what is written)."""
     ready_timeout_s: PositiveFloat = 120.0
+    """Limit for every worker to load and report ready, per pipeline start."""
     heartbeat_interval_s: PositiveFloat = 0.5
+    """How often each worker reports its liveness and progress."""
     request_timeout_s: PositiveFloat | None = None
-    # open requests past which submit raises OverloadedError (HTTP 429); None: no cap
+    """The default per-request timeout (``null``: none); a request's own ``timeout_s``
+    overrides it."""
     max_queued_requests: PositiveInt | None = 4096
-    trace: bool = False  # record every trigger and emitted event (omni trace)
-    source_file: str = ""  # set by the loader; not read from YAML
+    """Open requests past which ``submit`` raises ``OverloadedError`` (HTTP 429);
+    ``null``: no cap."""
+    trace: bool = False
+    """Record a span per trigger and a mark per emitted event, for ``pipe.trace()`` and
+    ``omni trace``."""
+    source_file: str = ""
+    """Set by the loader (the file read); not a YAML key."""
 
     def with_backend(self, kind: str | None, address: str | None) -> PipelineConfig:
         """This config with ``kind`` / ``address`` (those not None) over ``backend:``."""

@@ -52,18 +52,27 @@ class Event(msgspec.Struct, tag_field="event_type", kw_only=True, dict=True):
     """
 
     request_id: str
+    """The request this event belongs to."""
     sequence: int = 0
+    """Its place in the request's stream (stamped by the runtime)."""
     ts: float = msgspec.field(default_factory=time.time)
+    """When it was made, in seconds since the epoch."""
     stage: str = ""
+    """The name of the stage that emitted it (stamped by the runtime)."""
     payload: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The stage's own data, e.g. ``{"text": delta}``: what msgpack encodes, with string
+    keys."""
     device_handles: dict[str, Handle] = msgspec.field(default_factory=dict)
+    """Where the event's arrays travel (set by the runtime); read ``arrays`` instead."""
 
     @property
     def event_type(self) -> str:
+        """``segment``, ``image``, ``completed``, ``error`` or ``cancelled``."""
         return type(self).__struct_config__.tag  # type: ignore[return-value]
 
     @property
     def terminal(self) -> bool:
+        """True for the one event that ends a request (completed, error, cancelled)."""
         return False
 
 
@@ -71,11 +80,17 @@ class Segment(Event, tag="segment", kw_only=True):
     """A run of output units (AR tokens, or rows of arrays along axis 0)."""
 
     tokens: list[int] | None = None
+    """The token ids of the segment's units (AR stages); ``None`` for arrays or payload
+    only."""
     logprobs: list[float] | None = None
+    """One logprob per token, where the stage computes them."""
     is_last: bool = False
+    """The emitting stage's last segment for this request."""
     # The original request travels with the first event of a request on each edge, so a
     # downstream stage knows the request's parameters without a second channel.
     request: dict[str, Any] | None = None
+    """The original request, with a request's first event on each edge (set by the
+    runtime)."""
 
 
 class SegmentRun(msgspec.Struct, tag="segment_run", tag_field="event_type", kw_only=True, gc=False):
@@ -166,17 +181,24 @@ class ImageProgress(Event, tag="image", kw_only=True):
     """A diffusion preview (``is_last=False``) or the final image (``is_last=True``)."""
 
     step: int = 0
+    """The denoising step the image shows."""
     is_last: bool = False
+    """``False``: a preview, which may be dropped or replaced by a newer one under
+    backpressure; ``True``: the final image."""
     request: dict[str, Any] | None = None
+    """The original request, with a request's first event on each edge (set by the
+    runtime)."""
 
 
 class Completed(Event, tag="completed", kw_only=True):
     """The emitting stage is done with the request; on an edge it also closes the stream."""
 
     request: dict[str, Any] | None = None
+    """The original request, when this is the request's first event on an edge."""
 
     @property
     def terminal(self) -> bool:
+        """True: a request's ``completed`` event ends it."""
         return True
 
 
@@ -184,10 +206,15 @@ class Error(Event, tag="error", kw_only=True):
     """The request failed at ``stage``; ends that request only."""
 
     message: str = ""
+    """What went wrong, naming the stage."""
     code: str = "stage_error"
+    """A stable code: ``stage_error`` (the stage failed the request), ``stage_died``,
+    ``stage_hung``, ``bad_message``, ``bad_output``, ``runtime_failed``, ... (see the failure
+    model)."""
 
     @property
     def terminal(self) -> bool:
+        """True: an ``error`` event ends its request."""
         return True
 
 
@@ -195,13 +222,16 @@ class Cancelled(Event, tag="cancelled", kw_only=True):
     """The request was cancelled (``reason='cancelled'``) or ran out of time (``'timeout'``)."""
 
     reason: Literal["cancelled", "timeout"] = "cancelled"
+    """``cancelled`` (``Pipeline.cancel``) or ``timeout`` (the request's deadline passed)."""
 
     @property
     def terminal(self) -> bool:
+        """True: a ``cancelled`` event ends its request."""
         return True
 
 
 AnyEvent = Segment | ImageProgress | Completed | Error | Cancelled
+"""Any event of a request's stream, as a caller receives it."""
 
 
 def is_droppable(ev: Event) -> bool:

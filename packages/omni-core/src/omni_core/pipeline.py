@@ -42,9 +42,13 @@ def make_launcher(cfg: PipelineConfig) -> Launcher:
 class Pipeline:
     """Run requests through a pipeline of stages.
 
-    >>> with Pipeline("configs/demo.yaml") as pipe:
-    ...     for event in pipe.stream({"prompt": "hi"}):
-    ...         print(event.event_type, event.tokens)
+    ``config`` is a YAML file's path, a parsed config, or the config as a dict. The
+    workers start with :meth:`start` or on entering the ``with`` block, and stop with
+    :meth:`close` or on leaving it::
+
+        with Pipeline("configs/demo.yaml") as pipe:
+            for event in pipe.stream({"n": 16}):
+                print(event.event_type, event.stage, event.sequence)
     """
 
     def __init__(
@@ -69,6 +73,11 @@ class Pipeline:
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> Pipeline:
+        """Start every worker and wait until each has loaded its stage and is ready.
+
+        Raises ``StageStartError`` when one does not come up (its load failed, it
+        crashed, or ``ready_timeout_s`` passed).
+        """
         if not self._started:
             _handle_sigterm()
             self.backend.start()
@@ -145,6 +154,7 @@ class Pipeline:
 
     @property
     def healthy(self) -> bool:
+        """Every stage is ready and the runtime has not failed."""
         return self.failure is None and all(s.get("healthy", True) for s in self.health().values())
 
     def metrics(self) -> dict[str, Any]:

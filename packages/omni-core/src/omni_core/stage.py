@@ -21,20 +21,30 @@ import msgspec
 from omni_core.events import Error, ImageProgress, Segment
 from omni_core.windows import Window
 
-StageEvent = Segment | ImageProgress | Error  # what Stage.process yields (or lists of them)
+StageEvent = Segment | ImageProgress | Error
+"""What :meth:`Stage.process` yields (or lists of them), made with
+:meth:`StageInput.segment`, :meth:`StageInput.image` and :meth:`StageInput.fail`."""
 
 
 @dataclass
 class StageContext:
     """Facts about the place a stage runs in, handed to its constructor."""
 
-    name: str  # the stage's name in the pipeline
-    kind: str  # its registered kind
+    name: str
+    """The stage's name in the pipeline."""
+    kind: str
+    """Its registered kind."""
     options: dict[str, Any]
-    devices: str | None = None  # CUDA_VISIBLE_DEVICES as set for this worker
+    """The ``options:`` of its config, as written (``Stage.options`` is the validated
+    form)."""
+    devices: str | None = None
+    """``CUDA_VISIBLE_DEVICES`` as set for this worker (``None``: inherited)."""
     upstream: tuple[str, ...] = ()
+    """The names of the stages that feed it."""
     downstream: tuple[str, ...] = ()
+    """The names of the stages it feeds."""
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("omni.stage"))
+    """A logger for the stage."""
 
 
 def _with_arrays(ev: Any, arrays: dict[str, Any] | None) -> Any:
@@ -49,10 +59,17 @@ class StageInput:
     """One trigger of a stage for one request: the request itself and a window per edge."""
 
     request_id: str
+    """The request's id."""
     request: dict[str, Any]
-    windows: dict[str, Window]  # by upstream stage name; empty for a source stage
-    first: bool  # the first trigger for this request at this stage
-    last: bool  # no more triggers will follow for this request
+    """The request as submitted (its parameters: ``prompt``, ``max_tokens``, ...)."""
+    windows: dict[str, Window]
+    """This trigger's window of each inbound edge, by upstream stage name; empty for a
+    source stage."""
+    first: bool
+    """The first trigger for this request at this stage."""
+    last: bool
+    """No more triggers will follow for this request: the stage's last event for it
+    should have ``is_last=True``."""
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -121,7 +138,11 @@ class Stage:
     """
 
     Options: ClassVar[type[msgspec.Struct] | None] = None
-    idempotent: ClassVar[bool] = False  # lost work may be replayed after a restart
+    """The ``msgspec.Struct`` the stage's ``options:`` are validated against (``None``:
+    ``self.options`` is the dict as written)."""
+    idempotent: ClassVar[bool] = False
+    """``True``: requests this stage loses in a crash are replayed after its restart
+    instead of failed; only where running a request again gives the same events."""
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx

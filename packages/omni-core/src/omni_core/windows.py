@@ -29,13 +29,21 @@ class Piece(msgspec.Struct, gc=False):
     """
 
     sequence: int
+    """The upstream event's sequence number (the same in every window that cuts it)."""
     tokens: list[int] | None
+    """Its token ids (of a cut event: those in this window)."""
     arrays: dict[str, Any]
+    """Its arrays: numpy arrays, torch tensors or bytes."""
     payload: dict[str, Any]
+    """Its payload (of a cut event: the whole payload, in each window)."""
     handles: list[ShmHandle] = []  # to release once dropped
+    """The shared-memory slots to release once the piece is dropped (the runtime's)."""
     step: int | None = None
+    """An image event's step (``None`` for a segment)."""
     logprobs: list[float] | None = None
+    """Its tokens' logprobs, when the producer sent them."""
     units: int = -1  # counted once, at construction (-1: count them)
+    """How many units it holds (counted once, at construction; -1: count them)."""
 
     def __post_init__(self) -> None:
         if self.units < 0:
@@ -118,13 +126,20 @@ class RunPiece(msgspec.Struct, gc=False):
 class Window:
     """What a downstream stage sees of one upstream edge for one trigger."""
 
-    edge: str  # upstream stage name
-    index: int  # 0, 1, ... per (edge, request)
-    start: int  # unit index of the first new unit
-    overlap: int  # context units prepended before ``start``
-    parts: list[Piece | RunPiece]  # as stitched; read ``pieces`` (or the accessors below)
+    edge: str
+    """The upstream stage's name."""
+    index: int
+    """0, 1, ... per (edge, request)."""
+    start: int
+    """The unit index (in the edge's stream) of the window's first new unit."""
+    overlap: int
+    """Context units repeated from the previous window, before ``start``."""
+    parts: list[Piece | RunPiece]
+    """The pieces as stitched; read :attr:`pieces` or the accessors below."""
     is_last: bool
-    release: list[ShmHandle] = field(default_factory=list)  # slots no later window needs
+    """The edge's stream ended with this window."""
+    release: list[ShmHandle] = field(default_factory=list)
+    """Shared-memory slots no later window needs (the runtime's)."""
 
     @cached_property
     def pieces(self) -> list[Piece]:
@@ -151,14 +166,17 @@ class Window:
 
     @property
     def tokens(self) -> list[int]:
+        """Every token of the window, the overlap's context first."""
         return [t for ts in self._per_event("tokens", "tokens") if ts is not None for t in ts]
 
     @property
     def new_tokens(self) -> list[int]:
+        """The window's tokens without the overlap's context."""
         return self.tokens[self.overlap :]
 
     @property
     def logprobs(self) -> list[float]:
+        """The logprobs of the window's tokens, where the producer sent them."""
         lps = self._per_event("logprobs", "logprobs")
         return [x for xs in lps if xs is not None for x in xs]
 
@@ -169,6 +187,7 @@ class Window:
 
     @property
     def units(self) -> int:
+        """How many units the window holds, the overlap's included."""
         return sum(p.units for p in self.parts)
 
     @property
