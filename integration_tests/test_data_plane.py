@@ -8,8 +8,8 @@ import textwrap
 
 from omni_core import Pipeline
 from omni_core.shm import list_segments
-from omni_core.testing.configs import chain
-from omni_core.testing.faults import wait_for
+from omni_testing.configs import chain
+from omni_testing.faults import wait_for
 
 FAST = {"heartbeat_interval_s": 0.05}
 
@@ -50,7 +50,7 @@ _CALLER = textwrap.dedent(
     """
     import os, sys
     from omni_core import Pipeline
-    from omni_core.testing.configs import chain
+    from omni_testing.configs import chain
     cfg = chain(("src", "synthetic.array_source", {"nbytes": 1 << 20, "count": 2}),
                 ("sink", "synthetic.array_sink", {}))
     with Pipeline(cfg) as pipe:

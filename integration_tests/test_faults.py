@@ -13,8 +13,8 @@ import pytest
 from omni_core import Pipeline
 from omni_core.errors import StageDeadError
 from omni_core.shm import list_segments
-from omni_core.testing.configs import chain
-from omni_core.testing.faults import wait_for
+from omni_testing.configs import chain
+from omni_testing.faults import wait_for
 
 FAST = {"heartbeat_interval_s": 0.05}
 
@@ -239,7 +239,7 @@ def test_sigterm_of_the_caller_leaves_nothing_behind(tmp_path):
             """
             import os, sys, time
             from omni_core import Pipeline
-            from omni_core.testing.configs import chain
+            from omni_testing.configs import chain
             cfg = chain(("src", "synthetic.array_source", {"nbytes": 1 << 20, "count": 1000}),
                         ("sink", "synthetic.array_sink", {}))
             with Pipeline(cfg) as pipe:

@@ -12,7 +12,7 @@ pytestmark = [
 ]
 
 from omni_core import Pipeline  # noqa: E402
-from omni_core.testing.configs import chain  # noqa: E402
+from omni_testing.configs import chain  # noqa: E402
 
 
 def dit(devices):

@@ -8,7 +8,7 @@ import pytest
 from omni_core import Pipeline
 from omni_core.errors import StageStartError
 from omni_core.shm import list_segments
-from omni_core.testing.configs import chain
+from omni_testing.configs import chain
 
 
 def test_stages_overlap_across_requests(no_leaked_segments):

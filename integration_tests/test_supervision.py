@@ -15,8 +15,8 @@ from omni_core import Pipeline
 from omni_core.errors import OverloadedError, RuntimeFailedError
 from omni_core.events import Completed, Segment
 from omni_core.serial import encode_frame
-from omni_core.testing.configs import chain
-from omni_core.testing.faults import kill_stage, wait_for, wait_ready
+from omni_testing.configs import chain
+from omni_testing.faults import kill_stage, wait_for, wait_ready
 
 FAST = {"heartbeat_interval_s": 0.05}
 

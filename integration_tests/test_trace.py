@@ -7,7 +7,7 @@ import time
 
 import pytest
 from omni_core import Pipeline
-from omni_core.testing.configs import chain
+from omni_testing.configs import chain
 
 
 def test_trace_records_every_trigger_and_shows_stage_overlap():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from omni_core import Pipeline
 from omni_core.collector import collect
-from omni_core.testing.faults import kill_stage, wait_ready
+from omni_testing.faults import kill_stage, wait_ready
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [

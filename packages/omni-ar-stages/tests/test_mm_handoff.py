@@ -16,8 +16,8 @@ from omni_ar.multimodal.testing import build_tiny_llava, synthetic_image
 from omni_ar.params import RequestError, parse_request
 from omni_core import Pipeline, StageInput
 from omni_core.stage import StageContext
-from omni_core.testing.faults import kill_stage, wait_ready
 from omni_core.windows import Piece, Window
+from omni_testing.faults import kill_stage, wait_ready
 from PIL import Image
 
 

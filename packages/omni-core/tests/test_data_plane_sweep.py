@@ -5,13 +5,13 @@ import tempfile
 
 import pytest
 from omni_core import transport
-from omni_core.testing.faults import child_reporting
 from omni_core.transport import (
     OWNER_LOCK,
     make_socket_dir,
     remove_socket_dir,
     sweep_socket_dirs,
 )
+from omni_testing.faults import child_reporting
 
 # a process that makes a socket directory in ``argv[1]`` and lives until its stdin closes
 _OWNER = """

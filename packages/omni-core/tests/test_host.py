@@ -6,8 +6,8 @@ from omni_core.config import parse_config
 from omni_core.events import Segment, SegmentRun, Submit
 from omni_core.host import RequestFailed, StageHost, stage_context
 from omni_core.serial import ArrayCodec
-from omni_core.testing.configs import chain
-from omni_core.testing.stages import Count
+from omni_testing.configs import chain
+from omni_testing.stages import Count
 
 
 def make_host(size):

@@ -26,7 +26,7 @@ from omni_core.registry import (
     load_stage_class,
 )
 from omni_core.stage import Stage
-from omni_core.testing.stages import TokenMap, TokenSource
+from omni_testing.stages import TokenMap, TokenSource
 
 CORE_KINDS = {
     "synthetic.source",
@@ -47,12 +47,12 @@ def test_core_kinds_are_registered() -> None:
     assert names == sorted(names)
 
 
-def test_core_entries_name_their_distribution() -> None:
+def test_synthetic_entries_name_their_distribution() -> None:
     claims = {c[0].name: c for c in default_registry().entries()}
     for kind in CORE_KINDS:
         (entry,) = claims[kind]
-        assert entry.distribution == "omni-core"
-        assert entry.value.startswith("omni_core.testing.stages:")
+        assert entry.distribution == "omni-testing"
+        assert entry.value.startswith("omni_testing.stages:")
         assert entry.version
 
 
@@ -320,18 +320,18 @@ def test_duplicate_name_names_both_distributions(plugin_site: Path) -> None:
         plugin_site,
     )
     assert len(out["claims"]) == 1
-    assert sorted(out["claims"][0]) == ["omni-core", "omni-plugin-dup"]
+    assert sorted(out["claims"][0]) == ["omni-plugin-dup", "omni-testing"]
     message = out["load"]["error"]
     assert message.startswith(
         "stage kind 'synthetic.source' is registered by more than one distribution: "
     )
-    assert "'omni_core.testing.stages:TokenSource' from omni-core " in message
+    assert "'omni_testing.stages:TokenSource' from omni-testing " in message
     assert "synthetic.source = 'omni_plugin_dup:Source' from omni-plugin-dup 0.1.0" in message
     # a conflict on one name leaves the others usable
-    assert out["other"] == {"ok": "omni_core.testing.stages:TokenMap"}
+    assert out["other"] == {"ok": "omni_testing.stages:TokenMap"}
     # and a config using the contested kind says where and why
     assert out["config"].startswith("p.yaml: stages[0].kind: stage kind 'synthetic.source' is ")
-    assert "omni-core" in out["config"]
+    assert "omni-testing" in out["config"]
     assert "omni-plugin-dup" in out["config"]
 
 
@@ -405,9 +405,9 @@ def test_omni_stages_cli_lists_plugins(plugin_site: Path) -> None:
     assert rows["thirdparty.echo", "omni-plugin-good"]["value"] == "omni_plugin_good:Echo"
     assert rows["thirdparty.echo", "omni-plugin-good"]["conflict"] is False
     assert rows["thirdparty.broken", "omni-plugin-broken"]["version"] == "0.1.0"
-    assert rows["synthetic.source", "omni-core"]["conflict"] is True
+    assert rows["synthetic.source", "omni-testing"]["conflict"] is True
     assert rows["synthetic.source", "omni-plugin-dup"]["conflict"] is True
-    assert rows["synthetic.map", "omni-core"]["conflict"] is False
+    assert rows["synthetic.map", "omni-testing"]["conflict"] is False
 
     r = run_python(["-m", "omni_core.cli", "stages"], plugin_site)
     assert r.returncode == 1, r.stderr  # a conflict makes `omni stages` fail
@@ -420,3 +420,18 @@ def test_omni_stages_cli_lists_plugins(plugin_site: Path) -> None:
     assert len(dup) == 2
     assert all("CONFLICT" in line for line in dup)
     assert any("omni-plugin-dup" in line for line in dup)
+
+
+def test_production_distributions_register_no_test_stage() -> None:
+    """A user's install lists real stages only: the synthetic stages, fault injectors and
+    the stand-in encoder are omni-testing's."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    for name in ("omni-core", "omni-ar-stages", "omni-dit-stages", "omni-serve", "omni-ray"):
+        try:
+            eps = distribution(name).entry_points
+        except PackageNotFoundError:
+            continue
+        stages = [ep.name for ep in eps if ep.group == "omni.stages"]
+        assert not [s for s in stages if s.startswith("synthetic.") or "hash" in s], name
+        assert not [ep.value for ep in eps if "testing" in ep.value.split(":")[0]], name

@@ -17,7 +17,7 @@ from omni_core.shm import (
     list_segments,
     sweep_stale,
 )
-from omni_core.testing.faults import child_reporting
+from omni_testing.faults import child_reporting
 
 
 @pytest.fixture

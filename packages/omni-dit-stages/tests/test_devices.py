@@ -17,8 +17,9 @@ from omni_core.devices import DeviceError, Placement
 from omni_core.errors import StageStartError
 from omni_core.stage import StageContext
 from omni_dit.stages import Sample, VaeDecode
-from omni_dit.testing import dit_config, hash_conditioning, stock_image, stock_pipeline
+from omni_dit.testing import dit_config, stock_image, stock_pipeline
 from omni_dit.text_encode import TextEncode
+from omni_testing.encoders import hash_conditioning
 
 GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not GPU, reason="torch sees no GPU")

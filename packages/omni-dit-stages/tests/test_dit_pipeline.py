@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 from omni_core import Pipeline
-from omni_dit.testing import dit_config, hash_conditioning, stock_pipeline
+from omni_dit.testing import dit_config, stock_pipeline
 from omni_dit.testing import stock_image as reference
+from omni_testing.encoders import hash_conditioning
 from PIL import Image
 
 REQUESTS = [

@@ -193,8 +193,8 @@ def test_a_thread_that_cannot_go_on_is_reported(monkeypatch, zctx, caplog):
 def test_a_garbage_frame_through_a_real_gateway_costs_no_later_request(cluster):
     import ray
     from omni_core import Pipeline
-    from omni_core.testing.configs import chain
     from omni_ray.testing import on
+    from omni_testing.configs import chain
 
     cfg = chain(
         ("src", "synthetic.source", {"segment": 2}, on("node_a")),

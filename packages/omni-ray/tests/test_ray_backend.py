@@ -8,8 +8,8 @@ import time
 import pytest
 from omni_core import Pipeline
 from omni_core.shm import list_segments
-from omni_core.testing.configs import chain
 from omni_ray.testing import add_node, on
+from omni_testing.configs import chain
 
 DAG = chain(
     ("src", "synthetic.source", {"segment": 3}, on("node_a")),

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from omni_core.testing.configs import chain
+from omni_testing.configs import chain
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import OMNI, start_server, stop_server

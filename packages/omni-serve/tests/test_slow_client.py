@@ -4,8 +4,8 @@ only a few events ahead of it, the rest coalesce in each request's inbox."""
 import asyncio
 
 from omni_core import Pipeline
-from omni_core.testing.configs import chain
 from omni_serve.sse import MERGE_WINDOW, merged
+from omni_testing.configs import chain
 
 
 def test_a_slow_reader_of_a_merged_stream_gets_coalesced_events():

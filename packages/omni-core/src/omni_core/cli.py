@@ -1,4 +1,5 @@
-"""The ``omni`` command: ``omni stages``, ``omni run``, ``omni trace``, ``omni bench``, and
+"""The ``omni`` command: ``omni stages``, ``omni run``, ``omni trace``, ``omni bench``,
+``omni models`` (:mod:`omni_core.named_models`), and
 the subcommands plug-ins register under the entry-point group ``omni.commands`` (``omni
 serve`` from omni-serve)."""
 
@@ -129,6 +130,7 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
     request = _request_from_args(args)
     tty = sys.stderr.isatty() and not args.json
     counts: dict[str, int] = {}
+    seen: dict[str, StageSeen] = {}
     out_dir = Path(args.out) if args.out else None
     written: list[Path] = []
     t0 = time.monotonic()
@@ -142,8 +144,10 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
             )
         for _i in range(args.repeat):
             streaming_text = False
+            submitted = time.monotonic()
             for ev in pipe.stream(request, timeout_s=args.timeout):
                 counts[ev.stage] = counts.get(ev.stage, 0) + 1
+                seen.setdefault(ev.stage, StageSeen()).add(ev, time.monotonic() - submitted)
                 if out_dir is not None and ev.event_type == "image":
                     tag = ev.request_id[:8]
                     files = save_image_event(ev, out_dir, tag)
@@ -183,7 +187,50 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
             )
             if written:
                 print(f"{len(written)} image file(s) in {out_dir}/", file=sys.stderr)
+            # the workers' counters come with their heartbeats: wait for one more round
+            time.sleep(min(cfg.heartbeat_interval_s * 1.5, 2.0))
+            print(run_summary(cfg, seen, pipe.metrics()), file=sys.stderr)
     return status
+
+
+class StageSeen:
+    """What one stage sent the caller during ``omni run``: events, tokens, denoising
+    steps, and when (seconds after the request was submitted; over ``--repeat``, the
+    latest request's)."""
+
+    def __init__(self) -> None:
+        self.events = self.tokens = self.steps = 0
+        self.first = self.last = 0.0
+
+    def add(self, ev: Any, at: float) -> None:
+        if not self.events or at < self.first:
+            self.first = at
+        self.events += 1
+        self.last = max(self.last, at)
+        self.tokens += len(getattr(ev, "tokens", None) or ())
+        step = getattr(ev, "step", None)
+        if isinstance(step, int):
+            self.steps = max(self.steps, step)
+
+
+def run_summary(cfg: Any, seen: dict[str, StageSeen], metrics: dict[str, Any]) -> str:
+    """Per stage, in the config's order: what it emitted and how long it waited on its
+    downstream (backpressure), from the workers' metrics; what the caller saw of it."""
+    stages = metrics.get("stages", {})
+    lines = [
+        f"{'stage':<14}{'emitted':>8}{'to you':>8}{'tokens':>8}{'steps':>7}"
+        f"{'first':>9}{'last':>9}{'blocked':>9}{'errors':>8}"
+    ]
+    for spec in cfg.stages:
+        m, s = stages.get(spec.name, {}), seen.get(spec.name)
+        first = f"{s.first:.2f}s" if s else "-"
+        last = f"{s.last:.2f}s" if s else "-"
+        lines.append(
+            f"{spec.name:<14}{m.get('emitted', 0):>8}{s.events if s else 0:>8}"
+            f"{s.tokens if s else 0:>8}{s.steps if s else 0:>7}{first:>9}{last:>9}"
+            f"{m.get('blocked_s', 0.0):>8.2f}s{m.get('errors', 0):>8}"
+        )
+    return "\n".join(lines)
 
 
 def _event_json(ev: Any) -> dict[str, Any]:
@@ -275,7 +322,7 @@ def _cmd_plugin(name: str, rest: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni", description="omni pipeline runtime")
     sub = parser.add_subparsers(dest="command", required=True)
-    builtin = {"stages", "run", "trace", "bench"}
+    builtin = {"stages", "run", "trace", "bench", "models"}
     plugins: dict[str, str] = {}  # name -> help
     for claims in command_registry().entries():
         if claims[0].name not in builtin:
@@ -318,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         # the plug-in parses its own arguments (``omni NAME --help`` is its help)
         sub.add_parser(name, help=about, add_help=False)
 
+    # `omni models list|pull NAME` parses its own arguments
+    sub.add_parser("models", help="named models: list them, pull one", add_help=False)
+
     # no -h of its own: `omni bench NAME --help` is the benchmark's help
     p = sub.add_parser("bench", help="run a benchmark (prints one JSON object)", add_help=False)
     p.add_argument("name", nargs="?", help="benchmark name; none lists them")
@@ -325,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return _cmd_bench(args, rest)
+    if args.command == "models":
+        from omni_core.named_models import main as models_main
+
+        return models_main(rest)
     if args.command in plugins:
         return _cmd_plugin(args.command, rest)
     if rest:

@@ -1,5 +1,6 @@
 """Entry-point registries: stage kinds (``omni.stages``), benchmarks (``omni.benchmarks``),
-extra ``omni`` subcommands (``omni.commands``) and execution backends (``omni.backends``).
+extra ``omni`` subcommands (``omni.commands``), execution backends (``omni.backends``)
+and the families' named models (``omni.models``).
 
 The index is built lazily from installed distributions' metadata; nothing is imported
 until a name is asked for. Two distributions registering one name is an error that names
@@ -18,6 +19,7 @@ STAGES_GROUP = "omni.stages"
 BENCHMARKS_GROUP = "omni.benchmarks"
 COMMANDS_GROUP = "omni.commands"
 BACKENDS_GROUP = "omni.backends"
+MODELS_GROUP = "omni.models"
 
 
 class RegistryError(LookupError):
@@ -122,6 +124,13 @@ def backend_registry() -> Registry:
     """Execution backends besides ``local``: each entry point is a
     :class:`~omni_core.launcher.Launcher` class taking the pipeline config."""
     return Registry(BACKENDS_GROUP, "backend")
+
+
+@functools.cache
+def model_registry() -> Registry:
+    """Named models by family: each entry point is a function returning that family's
+    :class:`~omni_core.named_models.NamedModel` list."""
+    return Registry(MODELS_GROUP, "model family")
 
 
 def load_stage_class(kind: str) -> type:

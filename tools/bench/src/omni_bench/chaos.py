@@ -42,7 +42,7 @@ from omni_core.events import Segment
 from omni_core.serial import encode_frame
 from omni_core.shm import list_segments
 from omni_core.supervisor import LATE_HEARTBEATS, MIN_LATE_S
-from omni_core.testing.configs import chain
+from omni_testing.configs import chain
 
 from omni_bench.report import emit
 from omni_bench.soak import rss_bytes

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 from omni_core import Pipeline
-from omni_core.testing.configs import chain
+from omni_testing.configs import chain
 
 from omni_bench.report import emit
 

@@ -14,7 +14,7 @@ import argparse
 import time
 
 from omni_core import Pipeline
-from omni_core.testing.configs import chain
+from omni_testing.configs import chain
 
 from omni_bench.report import emit
 

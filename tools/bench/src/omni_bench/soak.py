@@ -36,7 +36,7 @@ from typing import Any
 
 from omni_core import Pipeline
 from omni_core.shm import list_segments
-from omni_core.testing.configs import chain
+from omni_testing.configs import chain
 
 from omni_bench.report import emit
 

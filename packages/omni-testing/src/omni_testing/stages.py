@@ -17,7 +17,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-
 from omni_core.stage import Stage, StageEvent, StageInput
 
 
