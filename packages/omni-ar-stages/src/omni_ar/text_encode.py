@@ -43,12 +43,7 @@ class TextEncode(Stage):
     def load(self) -> None:
         o = self.options
         p = place(self.ctx.name, self.ctx.devices, o.dtype)
-        model = resolve_model(o.model)
-        self.engine = load_engine("transformers", model, p.dtype, o.threads, p.device)
-        tok = self.engine.load_tokenizer()
-        self.engine.load_model()
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self.pad_id = int(pad if pad is not None else 0)
+        self.encoder = TextEncoder(o.model, p.dtype, o.threads, p.device, o.max_tokens, o.layer)
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
@@ -70,20 +65,49 @@ class TextEncode(Stage):
                 negative = image.get("negative_prompt")
                 if isinstance(negative, str) and negative:
                     texts.append(negative)
-            ids, lengths = zip(*(self._ids(t) for t in texts), strict=True)
-            hidden = self.engine.hidden_states(list(ids), self.options.layer)
             arrays = {}
-            for prefix, h, n in zip(("", "negative_"), hidden, lengths, strict=False):
-                arrays[f"{prefix}prompt_embeds"] = np.ascontiguousarray(h)
-                arrays[f"{prefix}pooled"] = h[:n].mean(axis=0)
+            encoded = self.encoder.encode(texts)
+            for prefix, (embeds, pooled, _) in zip(("", "negative_"), encoded, strict=False):
+                arrays[f"{prefix}prompt_embeds"], arrays[f"{prefix}pooled"] = embeds, pooled
             yield inp.segment(
                 arrays=arrays,
-                payload={"encoded_text": text, "prompt_tokens": lengths[0]},
+                payload={"encoded_text": text, "prompt_tokens": encoded[0][2]},
                 is_last=True,
             )
 
+
+class TextEncoder:
+    """A language model as a text encoder: what ``ar.text_encode`` emits for a text, also
+    for tools that need the same conditioning outside a pipeline (training a model on it)."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        threads: int | None = None,
+        device: str = "cpu",
+        max_tokens: int = 64,
+        layer: int = -1,
+    ) -> None:
+        self.engine = load_engine("transformers", resolve_model(model), dtype, threads, device)
+        tok = self.engine.load_tokenizer()
+        self.engine.load_model()
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_id = int(pad if pad is not None else 0)
+        self.max_tokens, self.layer = max_tokens, layer
+
+    def encode(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """Per text: ``prompt_embeds`` ``(max_tokens, hidden)``, ``pooled`` ``(hidden,)``
+        and how many of the tokens are the text's own (the rest are padding)."""
+        ids, lengths = zip(*(self._ids(t) for t in texts), strict=True)
+        hidden = self.engine.hidden_states(list(ids), self.layer)
+        return [
+            (np.ascontiguousarray(h), h[:n].mean(axis=0), n)
+            for h, n in zip(hidden, lengths, strict=True)
+        ]
+
     def _ids(self, text: str) -> tuple[list[int], int]:
         """Token ids padded or cut to ``max_tokens``, and how many are real."""
-        ids = self.engine.encode(text)[: self.options.max_tokens]
+        ids = self.engine.encode(text)[: self.max_tokens]
         n = max(1, len(ids))
-        return ids + [self.pad_id] * (self.options.max_tokens - len(ids)), n
+        return ids + [self.pad_id] * (self.max_tokens - len(ids)), n

@@ -8,7 +8,9 @@
   Hugging Face cache by diffusers' own ``DiffusionPipeline.download`` (so ``variant``,
   ``HF_HUB_OFFLINE``, ``HF_HOME``/``HF_HUB_CACHE`` and ``HF_TOKEN`` work as with
   ``from_pretrained``); with ``HF_HUB_OFFLINE=1`` only what is cached is used;
-* an embedded model by name (:data:`EMBEDDED`), built once into omni's cache.
+* an embedded model by name (:data:`EMBEDDED`): ``tiny-sd3-shapes``, trained here and
+  shipped in this package (it draws the scenes of :mod:`omni_dit.shapes`), or one of the
+  random-weight ones, built once into omni's cache.
 
 Every part is then loaded from the resolved directory with ``local_files_only``.
 """
@@ -17,17 +19,22 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omni_core.model_cache import build_once, quiet_hub
+from omni_core.model_cache import build_once, cache_dir, quiet_hub
+from omni_core.named_models import NamedModel
 
 from omni_dit import embedded
 
 TINY = "tiny-sd3"
+# trained by tools/train-shapes/train.py, shipped as a diffusers directory in this package
+SHAPES = "tiny-sd3-shapes"
+SHAPES_DIR = Path(__file__).parent / "weights" / SHAPES
 # the complete embedded checkpoints by name (tiny-sd3 is built per conditioning width)
 _COMPLETE = {"tiny-sd3-full": embedded.build_tiny_sd3_full, "tiny-flux": embedded.build_tiny_flux}
-EMBEDDED = (TINY, *_COMPLETE)
+EMBEDDED = (SHAPES, TINY, *_COMPLETE)
 
 
 class ModelError(RuntimeError):
@@ -42,6 +49,8 @@ def resolve_model(model: str, conditioning_width: int = 576, variant: str | None
         raise ModelError("option 'model': expected a directory, a Hugging Face id or a name")
     if os.path.isdir(model):
         path = Path(model)
+    elif model == SHAPES:
+        path = SHAPES_DIR
     elif model == TINY:
         return build_once(
             f"{TINY}-c{conditioning_width}",
@@ -67,6 +76,56 @@ def resolve_model(model: str, conditioning_width: int = 576, variant: str | None
             f"model {model!r}: not a diffusers pipeline directory (missing {', '.join(missing)})"
         )
     return path
+
+
+def named_models() -> list[NamedModel]:
+    """This family's named models (entry point ``omni-dit-stages`` of ``omni.models``)."""
+
+    def ready(name: str) -> Callable[[], Path | None]:
+        return lambda: (
+            cache_dir() / name if (cache_dir() / name / "model_index.json").exists() else None
+        )
+
+    def build(model: str) -> Callable[[Callable[[str], None]], Path]:
+        def pull(step: Callable[[str], None]) -> Path:
+            step("building it with seeded random weights (offline)")
+            return resolve_model(model)
+
+        return pull
+
+    def shipped(step: Callable[[str], None]) -> Path:
+        return SHAPES_DIR
+
+    return [
+        NamedModel(
+            SHAPES,
+            "omni-dit-stages",
+            "SD3 layout trained here: a coloured circle, square or triangle on a coloured "
+            "background, 64 px, conditioned by SmolLM2 (the main job's)",
+            lambda: SHAPES_DIR if (SHAPES_DIR / "model_index.json").exists() else None,
+            shipped,
+            "shipped in the package",
+        ),
+        NamedModel(
+            TINY,
+            "omni-dit-stages",
+            "SD3 layout, random weights, no text encoders (576-wide conditioning; parity tests)",
+            ready(f"{TINY}-c576"),
+            build(TINY),
+            "build offline",
+        ),
+        *(
+            NamedModel(
+                name,
+                "omni-dit-stages",
+                f"a complete {layout} checkpoint with random weights (tests, benchmarks)",
+                ready(name),
+                build(name),
+                "build offline",
+            )
+            for name, layout in (("tiny-sd3-full", "SD3.5"), ("tiny-flux", "FLUX.1"))
+        ),
+    ]
 
 
 def _looks_like_hub_id(model: str) -> bool:

@@ -2,8 +2,12 @@
 
 The map (latent channels + 1 bias -> 3) is fitted once per VAE by least squares between
 random latents and their VAE decodes pooled to latent resolution, and cached, so the
-sampler never holds the VAE. A preview shows the model's current estimate of the clean
-image (for flow matching, ``x0 = x_t - sigma * v``) at 1/8 of the image size.
+sampler never holds the VAE. A checkpoint may ship its own map beside
+``model_index.json``, fitted on its real latents: ``preview_rgb.npz`` with a linear map
+(``linear``) or a per-pixel MLP (``w1``, ``b1``, ``w2``, ``b2``: latent -> SiLU hidden ->
+RGB), for latent spaces no linear map reads well (the embedded ``tiny-sd3-shapes``). A
+preview shows the model's current estimate of the clean image (for flow matching,
+``x0 = x_t - sigma * v``) at latent size.
 """
 
 from __future__ import annotations
@@ -36,8 +40,17 @@ def fit_projection(vae: Any, samples: int = 8, size: int = 8, seed: int = 0) -> 
     return torch.linalg.lstsq(x, y).solution.numpy().astype(np.float32)
 
 
-def cached_projection(model_dir: Path, load_vae: Any) -> np.ndarray:
-    """The fitted map of the VAE in ``model_dir``, fitted on first use (``load_vae()``)."""
+Projection = np.ndarray | dict[str, np.ndarray]
+
+
+def cached_projection(model_dir: Path, load_vae: Any) -> Projection:
+    """The checkpoint's own map, or the fitted map of the VAE in ``model_dir``, fitted on
+    first use (``load_vae()``)."""
+    shipped = model_dir / "preview_rgb.npz"
+    if shipped.is_file():
+        with np.load(shipped) as z:
+            maps = {k: z[k].astype(np.float32) for k in z.files}
+        return maps.get("linear", maps)
     weights = sorted((model_dir / "vae").glob("*"))
     key = hashlib.sha1(
         "|".join(
@@ -51,10 +64,16 @@ def cached_projection(model_dir: Path, load_vae: Any) -> np.ndarray:
     return np.load(build_once(f"preview-{key}", fit, "rgb.npy") / "rgb.npy")
 
 
-def project(x0: Any, projection: np.ndarray) -> np.ndarray:
+def project(x0: Any, projection: Projection) -> np.ndarray:
     """``uint8 (height, width, 3)`` from one latent ``(channels, height, width)``."""
     lat = np.asarray(x0, dtype=np.float32)
     c, h, w = lat.shape
-    rgb = projection[:-1].T @ lat.reshape(c, h * w) + projection[-1][:, None]  # (3, h*w)
+    z = lat.reshape(c, h * w)
+    if isinstance(projection, dict):  # a per-pixel MLP
+        hidden = projection["w1"].T @ z + projection["b1"][:, None]
+        hidden = hidden / (1.0 + np.exp(-hidden))  # SiLU
+        rgb = projection["w2"].T @ hidden + projection["b2"][:, None]
+    else:
+        rgb = projection[:-1].T @ z + projection[-1][:, None]  # (3, h*w)
     rgb = (np.clip(rgb, -1.0, 1.0) + 1.0) * 127.5
     return np.ascontiguousarray(rgb.round().astype(np.uint8).T.reshape(h, w, 3))

@@ -25,6 +25,14 @@ timed) and the same image settings, and both end in encoded JPEG bytes.
   Flux: embedded guidance 3.5); the stock runs (1 thread, one per core) and the staged
   run alternate for ``--rounds``, best of each.
 
+* quality (``--arms quality``): the picture oracle of ``omni_dit.shapes`` on the
+  held-out scenes of the embedded ``tiny-sd3-shapes`` (combinations of shape and colours
+  it never saw in training), through ``configs/dit_image.yaml`` as shipped
+  (``quality_colour_rate``, ``quality_shape_rate``) and through the main job,
+  ``configs/mixed_ar_dit.yaml``, where SmolLM2 rewrites each caption first
+  (``mixed_quality_colour_rate``, ``mixed_quality_shape_rate``); ``--quality-scenes``
+  takes the first n.
+
 On a GPU (``--device auto``, the default, takes one where torch sees it) both arms run
 there in the same dtype (``--dtype``, default the device's: bfloat16 on a GPU): the stock
 pipelines are moved with ``.to(device, dtype)``, the stages placed by their ``devices``.
@@ -116,7 +124,8 @@ def stock(
     model: str, width: int, reqs: list[dict[str, Any]], threads: int, device: str, dtype: str
 ) -> float:
     import torch
-    from omni_dit.testing import hash_conditioning, stock_image, stock_pipeline
+    from omni_dit.testing import stock_image, stock_pipeline
+    from omni_testing.encoders import hash_conditioning
 
     kind = getattr(torch, dtype)
     pipe = stock_pipeline(model, width).to(device, kind)
@@ -203,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="staged runs with/without previews")
     ap.add_argument("--full-model", default="tiny-sd3-full", help="complete SD3 checkpoint")
     ap.add_argument("--second-model", default="tiny-flux", help="complete Flux checkpoint")
-    ap.add_argument("--arms", default="embeds,full,second", help="any of embeds, full, second, hop")
+    ap.add_argument(
+        "--arms",
+        default="embeds,full,second,quality",
+        help="any of embeds, full, second, hop, quality",
+    )
+    ap.add_argument("--quality-scenes", type=int, default=24, help="held-out scenes judged")
     ap.add_argument(
         "--device", default="auto", help="auto (a GPU where torch sees one), cuda or cpu"
     )
@@ -240,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         res["second_arch"] = second
         res["second_arch_vs_stock"] = second["vs_stock"]
+    if "quality" in arms:
+        res.update(quality_arm(args.quality_scenes))
     res["settings"] = {
         "device": args.device,
         "dtype": args.dtype,
@@ -253,6 +269,22 @@ def main(argv: list[str] | None = None) -> int:
     }
     emit(res, args.json)
     return 0
+
+
+def quality_arm(scenes: int) -> dict[str, Any]:
+    """The picture oracle's rates on the held-out scenes, through the two shipped
+    pipelines that paint with ``tiny-sd3-shapes``, as a user runs them."""
+    from omni_core import load_config
+    from omni_dit.shapes import HELD_OUT, score
+
+    res: dict[str, Any] = {}
+    for prefix, config in (("", "dit_image.yaml"), ("mixed_", "mixed_ar_dit.yaml")):
+        with Pipeline(load_config(CONFIGS / config)) as pipe:
+            r = score(pipe, HELD_OUT[:scenes])
+        res[f"{prefix}quality_colour_rate"] = r["colour_rate"]
+        res[f"{prefix}quality_shape_rate"] = r["shape_rate"]
+        res[f"{prefix}quality_pictures"] = r["pictures"]
+    return res
 
 
 def hop_arm(args: argparse.Namespace) -> dict[str, Any]:
