@@ -46,7 +46,7 @@ def test_options_are_checked_when_the_config_loads():
     assert msgspec.convert({"words": ["fox"]}, RedactOptions).replacement == "***"
     config = {
         "stages": [
-            {"name": "a", "kind": "synthetic.source"},
+            {"name": "a", "kind": "ar.intake", "options": {"model": "smollm2"}},
             {"name": "r", "kind": "example.redact", "options": {"words": ["two words"]}},
         ],
         "edges": [{"from": "a", "to": "r"}],
