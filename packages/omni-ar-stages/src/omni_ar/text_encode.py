@@ -44,6 +44,7 @@ class TextEncode(Stage):
         o = self.options
         p = place(self.ctx.name, self.ctx.devices, o.dtype)
         self.encoder = TextEncoder(o.model, p.dtype, o.threads, p.device, o.max_tokens, o.layer)
+        self.engine = self.encoder.engine  # as every model stage has one
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
