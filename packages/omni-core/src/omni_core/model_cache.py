@@ -40,12 +40,19 @@ def quiet_offline() -> None:
     quiet_hub()
 
 
+def cached(name: str, marker: str) -> Path | None:
+    """The cached directory ``name`` if it is built (``marker``, a file inside it, is
+    there), else None."""
+    target = cache_dir() / name
+    return target if (target / marker).exists() else None
+
+
 def build_once(name: str, build: Callable[[Path], None], marker: str) -> Path:
     """The cached directory ``name``, made by ``build(tmp_dir)`` if ``marker`` (a file
     inside it) is missing; concurrent callers build it once."""
+    if (done := cached(name, marker)) is not None:
+        return done
     target = cache_dir() / name
-    if (target / marker).exists():
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait for it

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omni_core.model_cache import build_once, cache_dir, quiet_hub
+from omni_core.model_cache import build_once, cached, quiet_hub
 from omni_core.named_models import NamedModel
 
 from omni_dit import embedded
@@ -53,7 +53,7 @@ def resolve_model(model: str, conditioning_width: int = 576, variant: str | None
         path = SHAPES_DIR
     elif model == TINY:
         return build_once(
-            f"{TINY}-c{conditioning_width}",
+            _tiny_dir(conditioning_width),
             lambda target: embedded.build_tiny_sd3(target, conditioning_width),
             "model_index.json",
         )
@@ -78,13 +78,16 @@ def resolve_model(model: str, conditioning_width: int = 576, variant: str | None
     return path
 
 
+def _tiny_dir(conditioning_width: int) -> str:
+    """The cache directory of ``tiny-sd3`` built for one conditioning width."""
+    return f"{TINY}-c{conditioning_width}"
+
+
 def named_models() -> list[NamedModel]:
     """This family's named models (entry point ``omni-dit-stages`` of ``omni.models``)."""
 
     def ready(name: str) -> Callable[[], Path | None]:
-        return lambda: (
-            cache_dir() / name if (cache_dir() / name / "model_index.json").exists() else None
-        )
+        return lambda: cached(name, "model_index.json")
 
     def build(model: str) -> Callable[[Callable[[str], None]], Path]:
         def pull(step: Callable[[str], None]) -> Path:
@@ -110,7 +113,7 @@ def named_models() -> list[NamedModel]:
             TINY,
             "omni-dit-stages",
             "SD3 layout, random weights, no text encoders (576-wide conditioning; parity tests)",
-            ready(f"{TINY}-c576"),
+            ready(_tiny_dir(576)),
             build(TINY),
             "build offline",
         ),
