@@ -69,6 +69,7 @@ def venv():
                 *pip,
                 "torch==2.13.0",  # the CPU build the workspace pins; never a bare "torch"
                 "packages/omni-core",
+                "packages/omni-hf",  # the families' Hugging Face helpers, from its folder
                 "packages/omni-ar-stages[transformers,smollm2]",
                 str(EXAMPLE),  # from its own folder, as a third party would
                 "pytest",

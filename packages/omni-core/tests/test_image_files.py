@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from omni_core.image_files import png_bytes, save_image_event
+from omni_core.media import MEDIA_TYPE, extension, media_type_of, subtype
 
 
 def _decode_png(data: bytes) -> np.ndarray:
@@ -39,7 +40,10 @@ def test_save_image_event_writes_previews_and_encoded_images(tmp_path):
         stage="sample", step=3, payload={}, arrays={"preview": np.zeros((2, 3, 3), np.uint8)}
     )
     final = SimpleNamespace(
-        stage="encode", step=9, payload={"format": "jpeg"}, arrays={"image": b"\xff\xd8jpeg"}
+        stage="encode",
+        step=9,
+        payload={MEDIA_TYPE: "image/jpeg"},
+        arrays={"image": b"\xff\xd8jpeg"},
     )
     other = SimpleNamespace(stage="x", step=1, payload={}, arrays={"h": np.zeros(4)})
     (p,) = save_image_event(preview, tmp_path, "r1")
@@ -51,3 +55,41 @@ def test_save_image_event_writes_previews_and_encoded_images(tmp_path):
         3,
     )
     assert f.name == "r1.jpg" and f.read_bytes() == b"\xff\xd8jpeg"
+
+
+def test_encoded_bytes_are_named_by_media_type_only(tmp_path):
+    """The core reads the ``media_type`` contract, never a family's own keys."""
+    webp = SimpleNamespace(
+        stage="enc", step=1, payload={"media_type": "image/WEBP"}, arrays={"image": b"RIFF"}
+    )
+    wav = SimpleNamespace(
+        stage="enc", step=1, payload={"media_type": "audio/wav"}, arrays={"audio": b"RIFF"}
+    )
+    family_key = SimpleNamespace(
+        stage="enc", step=1, payload={"format": "jpeg"}, arrays={"image": b"\xff\xd8"}
+    )
+    assert [p.name for p in save_image_event(webp, tmp_path, "a")] == ["a.webp"]
+    assert [p.name for p in save_image_event(wav, tmp_path, "b")] == ["b.wav"]
+    assert save_image_event(family_key, tmp_path, "c") == []
+
+
+@pytest.mark.parametrize(
+    ("media_type", "ext", "sub"),
+    [
+        ("image/jpeg", "jpg", "jpeg"),
+        ("image/png", "png", "png"),
+        ("image/webp", "webp", "webp"),
+        ("Image/JPEG; q=1", "jpg", "jpeg"),
+        ("application/x-omni-unknown", "bin", "x-omni-unknown"),
+    ],
+)
+def test_media_type_maps_to_extension_and_format(media_type, ext, sub):
+    assert extension(media_type) == ext
+    assert subtype(media_type) == sub
+
+
+def test_media_type_of_payloads():
+    assert media_type_of({"media_type": "image/PNG"}) == "image/png"
+    assert media_type_of({"media_type": "png"}) is None  # not a MIME type
+    assert media_type_of({"format": "png"}) is None
+    assert media_type_of(None) is None and media_type_of("text") is None

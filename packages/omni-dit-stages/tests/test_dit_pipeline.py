@@ -112,7 +112,7 @@ def test_previews_every_k_steps_in_order_then_final_image(pipe):
     # vae streams to the caller on a path of its own: only its place among others varies
     assert [e.stage for e in out.events if e.stage != "vae"] == ["sample"] * 3 + ["encode"]
     final = out.by_stage("encode")[0]
-    assert final.is_last and final.step == 7 and final.payload["mime"] == "image/jpeg"
+    assert final.is_last and final.step == 7 and final.payload["media_type"] == "image/jpeg"
     assert Image.open(io.BytesIO(final.arrays["image"])).size == (64, 64)
 
 

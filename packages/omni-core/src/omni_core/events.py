@@ -313,6 +313,10 @@ class StageStats(msgspec.Struct, kw_only=True):
 
     received: int = 0  # data events taken in (enqueued)
     dequeued: int = 0  # work items the stage took
+    # how long the work items the stage took had waited in its queue (received by the
+    # I/O thread -> taken by the stage thread): in all, and the longest one
+    queued_s: float = 0.0
+    queued_max_s: float = 0.0
     emitted: int = 0  # events sent out
     window_triggers: int = 0
     queue_depth: int = 0  # work items waiting

@@ -1,5 +1,6 @@
-"""Image events to files, for ``omni run --out``: encoded images as they are, raw RGB
-previews as PNG (written here with zlib, so the core needs no imaging library)."""
+"""Image events to files, for ``omni run --out``: encoded bytes as they are, named by the
+``media_type`` payload key (:mod:`omni_core.media`, the core's contract), raw RGB previews
+as PNG (written here with zlib, so the core needs no imaging library)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-EXTENSIONS = {"jpeg": "jpg", "webp": "webp", "png": "png"}
+from omni_core.media import extension, media_type_of
 
 
 def png_bytes(rgb: np.ndarray) -> bytes:
@@ -34,14 +35,15 @@ def png_bytes(rgb: np.ndarray) -> bytes:
 
 
 def save_image_event(ev: Any, out_dir: Path, tag: str) -> list[Path]:
-    """Write the images an event carries: ``bytes`` with a ``format`` in the payload as
-    that format, ``uint8 (h, w, 3)`` arrays as PNG. Returns the files written."""
+    """Write the images an event carries: ``bytes`` as they are when the payload names
+    their ``media_type`` (the extension follows it: ``image/jpeg`` -> ``.jpg``), ``uint8
+    (h, w, 3)`` arrays as PNG. Returns the files written."""
     written = []
-    payload = ev.payload if isinstance(ev.payload, dict) else {}
+    media_type = media_type_of(ev.payload)
     step = getattr(ev, "step", None)
     for key, value in getattr(ev, "arrays", {}).items():
-        if isinstance(value, bytes) and payload.get("format") in EXTENSIONS:
-            name, data = f"{tag}.{EXTENSIONS[payload['format']]}", value
+        if isinstance(value, bytes) and media_type is not None:
+            name, data = f"{tag}.{extension(media_type)}", value
         elif isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 3:
             name, data = f"{tag}-{ev.stage}-{key}-step{step:03d}.png", png_bytes(value)
         else:

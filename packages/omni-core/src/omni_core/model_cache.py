@@ -2,7 +2,9 @@
 
 Several workers of one pipeline may start at the same time and all ask for the same
 model: one builds it (under a file lock) into a temporary directory that is renamed into
-place, the others wait and then load the finished directory. Nothing here downloads.
+place, the others wait and then load the finished directory. Nothing here downloads, and
+nothing here knows a model format or hub (the Hugging Face helpers the families share are
+``omni_hf``'s, in the ``omni-hf`` distribution).
 """
 
 from __future__ import annotations
@@ -21,23 +23,6 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "omni"
     )
     return Path(root) / "models"
-
-
-def quiet_hub() -> None:
-    """Hugging Face libraries in a worker: no progress bars or warnings in its log. Call
-    before importing them."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-
-
-def quiet_offline() -> None:
-    """:func:`quiet_hub`, and never a network call for weights (for stages that load only
-    local or embedded models)."""
-    if "HF_HUB_OFFLINE" not in os.environ:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        os.environ["OMNI_SET_HF_HUB_OFFLINE"] = "1"  # so a later hub error can say who
-    quiet_hub()
 
 
 def cached(name: str, marker: str) -> Path | None:

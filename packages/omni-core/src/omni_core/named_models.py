@@ -4,7 +4,9 @@ it is on disk, and one command that makes it ready.
 A family registers a function under the entry-point group ``omni.models`` that returns
 its :class:`NamedModel` list. ``omni models list`` shows them all (ready or not, where,
 how big); ``omni models pull NAME`` fetches or builds one once (the only step that may
-use the network: nothing is fetched when a pipeline runs).
+use the network: nothing is fetched when a pipeline runs), showing its progress: timed
+lines for its steps, a bar for a loop of known length (:class:`~omni_core.progress.Reporter`;
+plain lines when the output is not a terminal).
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni_core.progress import Reporter
 from omni_core.registry import RegistryError, model_registry
 
 
@@ -26,7 +28,9 @@ class NamedModel:
     family: str  # the distribution that runs it
     about: str
     locate: Callable[[], Path | None]  # where it is when ready, else None
-    pull: Callable[[Callable[[str], None]], Path]  # make it ready; reports steps
+    # make it ready, reporting to the Reporter: ``report("what")`` for a step,
+    # ``report.bar("what", total)`` for a loop of known length
+    pull: Callable[[Reporter], Path]
     pulls: str  # what a pull does, in a few words
 
 
@@ -91,20 +95,17 @@ def _pull(name: str) -> int:
         print(f"omni models pull: unknown model {name!r}; known: {known}", file=sys.stderr)
         return 2
     m = models[name]
-    t0 = time.monotonic()
-
-    def step(what: str) -> None:
-        print(f"[{time.monotonic() - t0:6.1f}s] {name}: {what}", flush=True)
+    report = Reporter(name)  # on stdout: a bar on a terminal, timed lines otherwise
 
     if (path := m.locate()) is not None:
-        step(f"ready at {path}")
+        report(f"ready at {path}")
         return 0
     try:
-        path = m.pull(step)
+        path = m.pull(report)
     except Exception as e:  # noqa: BLE001 - a failed pull says what and why, then exits 1
         print(f"omni models pull {name}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    step(f"ready at {path} ({_human(size_of(path))})")
+    report(f"ready at {path} ({_human(size_of(path))})")
     return 0
 
 

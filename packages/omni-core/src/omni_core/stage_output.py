@@ -35,6 +35,7 @@ class WorkItem:
     inp: StageInput
     release: list[ShmHandle] = field(default_factory=list)  # after processing
     droppable_outputs: int = 0
+    queued_at: float = 0.0  # time.monotonic() when it entered a worker's queue
 
 
 @dataclass

@@ -23,8 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omni_core.model_cache import build_once, cached, quiet_hub
+from omni_core.model_cache import build_once, cached
 from omni_core.named_models import NamedModel
+from omni_core.progress import Reporter
+from omni_hf import hub_failure, hub_offline, looks_like_hub_id, quiet_hub
 
 from omni_dit import embedded
 
@@ -59,7 +61,7 @@ def resolve_model(model: str, conditioning_width: int = 576, variant: str | None
         )
     elif model in _COMPLETE:
         return build_once(model, _COMPLETE[model], "model_index.json")
-    elif _looks_like_hub_id(model):
+    elif looks_like_hub_id(model):
         path = _download(model, variant)
     else:
         raise ModelError(
@@ -89,14 +91,14 @@ def named_models() -> list[NamedModel]:
     def ready(name: str) -> Callable[[], Path | None]:
         return lambda: cached(name, "model_index.json")
 
-    def build(model: str) -> Callable[[Callable[[str], None]], Path]:
-        def pull(step: Callable[[str], None]) -> Path:
-            step("building it with seeded random weights (offline)")
+    def build(model: str) -> Callable[[Reporter], Path]:
+        def pull(report: Reporter) -> Path:
+            report("building it with seeded random weights (offline)")
             return resolve_model(model)
 
         return pull
 
-    def shipped(step: Callable[[str], None]) -> Path:
+    def shipped(report: Reporter) -> Path:
         return SHAPES_DIR
 
     return [
@@ -131,40 +133,16 @@ def named_models() -> list[NamedModel]:
     ]
 
 
-def _looks_like_hub_id(model: str) -> bool:
-    parts = model.split("/")
-    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
-
-
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
 def _download(model: str, variant: str | None) -> Path:
     """The cached snapshot of hub id ``model``, fetched first unless offline."""
     from diffusers import DiffusionPipeline
 
-    offline = hub_offline()
     try:
-        return Path(DiffusionPipeline.download(model, variant=variant, local_files_only=offline))
-    except Exception as e:  # noqa: BLE001 - hub errors come in many types; name the model
-        cache = (
-            os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        return Path(
+            DiffusionPipeline.download(model, variant=variant, local_files_only=hub_offline())
         )
-        if offline:
-            who = (
-                " (set by omni's AR stages loaded in this process: fetch it first, or run "
-                "with mrs.enabled: true)"
-                if os.environ.get("OMNI_SET_HF_HUB_OFFLINE")
-                else ""
-            )
-            why = f"not usable from the Hugging Face cache and HF_HUB_OFFLINE is set{who}"
-        else:
-            why = "download failed"
-        raise ModelError(
-            f"model {model!r} (no local directory of that name; taken as a Hugging Face id, "
-            f"cache {cache}): {why}: {type(e).__name__}: {e}"
-        ) from None
+    except Exception as e:  # noqa: BLE001 - hub errors come in many types; name the model
+        raise ModelError(hub_failure(model, e)) from None
 
 
 def model_index(path: Path) -> dict[str, Any]:

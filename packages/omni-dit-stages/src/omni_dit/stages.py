@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 from omni_core import Stage, StageEvent, StageInput
 from omni_core.devices import Placement, place
+from omni_core.media import MEDIA_TYPE
 
 from omni_dit import models
 from omni_dit.architectures import Architecture, architecture
@@ -401,8 +402,7 @@ class Encode(Stage):
                 params.steps,
                 arrays={"image": buf.getvalue()},
                 payload={
-                    "format": fmt,
-                    "mime": MIME[fmt],
+                    MEDIA_TYPE: MIME[fmt],  # the core's contract: what the bytes are
                     "width": pixels.shape[1],
                     "height": pixels.shape[0],
                 },

@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a Llava-style model directory")
     ap.add_argument("--requests", type=int, default=5)
     args = ap.parse_args(argv)
-    from omni_ar.models import quiet_offline
     from omni_ar.multimodal.testing import build_tiny_llava, synthetic_image
+    from omni_hf import quiet_offline
 
     quiet_offline()
 

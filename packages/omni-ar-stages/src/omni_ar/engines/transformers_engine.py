@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 from omni_core.devices import default_dtype
+from omni_hf import quiet_offline
 
-from omni_ar.models import quiet_offline
 from omni_ar.params import Sampled, SamplingParams
 
 

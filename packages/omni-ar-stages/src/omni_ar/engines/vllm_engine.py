@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from omni_hf import quiet_offline
 
 from omni_ar.engines.transformers_engine import TransformersEngine
-from omni_ar.models import quiet_offline
 from omni_ar.params import RequestError, Sampled, SamplingParams
 
 KV_CONNECTORS = ("shm", "file")

@@ -8,6 +8,7 @@ on its producers through the sockets.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ class WorkQueue:
     def intake(self) -> None:
         """(I/O thread.) Turn stashed messages into work items while there is room."""
         w, host, stash = self.w, self.w.host, self.stash
+        now = time.monotonic()  # one clock read per intake: the items' queue entry
         with w.work:
             while stash and len(self.ready) < self.capacity:
                 msg = stash.popleft()
@@ -62,6 +64,8 @@ class WorkQueue:
                     host.releasable.extend(h for h in own if isinstance(h, ShmHandle))
                     self.fail(msg.request_id, why)
                     continue
+                for item in items:
+                    item.queued_at = now
                 self.ready.extend(items)
             if self.ready and self.idle_stage:
                 w.work.notify()
@@ -107,7 +111,14 @@ class WorkQueue:
                 continue
             batch.append(item)
             rids.add(rid)
-        self.w.stats.dequeued += len(batch)
+        if batch:
+            stats, now = self.w.stats, time.monotonic()
+            stats.dequeued += len(batch)
+            for item in batch:
+                waited = now - item.queued_at
+                stats.queued_s += waited
+                if waited > stats.queued_max_s:
+                    stats.queued_max_s = waited
         if batch and (self.stash or len(ready) + len(batch) >= self.capacity):
             # the I/O thread stopped taking in while the queue was full: room again now
             self.w.waker.kick()

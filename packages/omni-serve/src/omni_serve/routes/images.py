@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from omni_core.events import AnyEvent, ImageProgress
 from omni_core.image_files import png_bytes
+from omni_core.media import media_type_of, subtype
 
 from omni_serve.auth import require_api_key
 from omni_serve.body import check_values, read_json
@@ -44,9 +45,10 @@ def final_of(ev: AnyEvent) -> dict[str, Any] | None:
     payload = ev.payload if isinstance(ev.payload, dict) else {}
     if not isinstance(data, bytes):
         return None
+    media_type = media_type_of(payload)  # the core's contract for encoded bytes
     return {
         "b64_json": base64.b64encode(data).decode(),
-        "output_format": payload.get("format", "png"),
+        "output_format": subtype(media_type) if media_type else "png",
         "size": f"{payload.get('width', 0)}x{payload.get('height', 0)}",
     }
 
