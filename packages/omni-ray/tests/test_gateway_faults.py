@@ -33,7 +33,7 @@ class Recorder:
         self.by_endpoint: dict[str, list[bytes]] = {}
         self.fail_next: set[str] = set()  # endpoints whose next delivery raises
 
-    def __call__(self, node: str, endpoint: str, frames: list[bytes]) -> bool:
+    def __call__(self, node: str, endpoint: str, frames: list[bytes], refs=None) -> bool:
         if endpoint in self.fail_next:
             self.fail_next.discard(endpoint)
             raise RuntimeError(f"synthetic delivery failure to {endpoint}")

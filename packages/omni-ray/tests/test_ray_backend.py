@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import ray
 from omni_core import Pipeline
 from omni_core.shm import list_segments
 from omni_ray.testing import add_node, on
@@ -91,6 +92,12 @@ def test_backpressure_and_order_hold_across_nodes(cluster):
     )
     with Pipeline(cfg, backend="ray") as pipe:
         outs = pipe.generate([{"count": 20_000, "nbytes": 1024, "chunk": 64}] * 2)
+        gateways = pipe.backend.launcher.gateways.values()
+        infos = ray.get([gw.info.remote() for gw in gateways], timeout=30)
+    # the events went over the burst's node's channel to count's, batched (not one call
+    # or one write per event)
+    sent = sum(i["channel_frames"] for i in infos)
+    assert 0 < sent < 40_000 / 8
     for out in outs:
         assert out.ok, out.error  # a lost or reordered event fails the request
         assert out.events[-1].payload["count"] == 20_000

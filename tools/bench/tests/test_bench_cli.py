@@ -101,3 +101,10 @@ def test_ipc_through_ray_keys():
         for key in ("events_per_s_1k", "gbps_1m", "gbps_64m"):
             assert r[path][key] > 0, (path, key)
     assert r["ray_call_gbps_64m_cross_node"] > 0 and r["mpqueue_events_per_s_1k"] > 0
+    # the 64 MB arrays crossed through the object store; none is left there
+    assert r["ray_objects_left"] == 0 and r["ray_object_bytes_left"] == 0
+    assert set(r["targets_met"]) == {
+        "ray_cross_node.gbps_64m >= 0.9 x ray_call_gbps_64m_cross_node",
+        "ray_cross_node_vs_local.events_per_s_1k >= 0.5",
+        "ray_objects_left == 0",
+    }

@@ -29,7 +29,9 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 SHM_DIR = "/dev/shm"
 PREFIX = "omni-"
@@ -38,6 +40,11 @@ ALIGN = 64
 SEGMENT_NAME = re.compile(r"omni-(\d+)-([0-9A-Za-z]+)-(.+)-(\d+)")
 
 log = logging.getLogger("omni.shm")
+
+# Segments that are not files here: a name prefix -> what returns such a segment's bytes (a
+# read-only buffer). A backend that carries arrays its own way registers one (omni-ray:
+# objects in Ray's object store); :meth:`SegmentReader.buffer` asks it, never caching.
+EXTERNAL_SEGMENTS: dict[str, Callable[[str], Any]] = {}
 
 
 class ShmPoolExhausted(RuntimeError):
@@ -358,9 +365,12 @@ class SegmentReader:
         self.directory = directory
         self._maps: dict[str, mmap.mmap] = {}
 
-    def buffer(self, name: str) -> mmap.mmap:
+    def buffer(self, name: str) -> Any:
         buf = self._maps.get(name)
         if buf is None:
+            for prefix, resolve in EXTERNAL_SEGMENTS.items():
+                if name.startswith(prefix):
+                    return resolve(name)  # read once (not cached): its reader lends it
             buf = self._maps[name] = map_segment(name, self.directory, readonly=True)
         return buf
 

@@ -1,10 +1,11 @@
 """A gateway's frames that cannot go on as they are.
 
 A frame bound for another node has its shared-memory arrays copied into it (a node cannot
-map another's memory) and their slots released; a frame, or one message of it, that
-cannot be handled (it does not decode, its arrays cannot be read) is dropped: its slots go
-back to their producers and its requests end with an error (code ``gateway_error``), so
-nothing waits for it. The rest of a frame always goes on.
+map another's memory), or, from :data:`~omni_ray.objects.OBJECT_THRESHOLD` bytes, put
+into Ray's object store (see :mod:`omni_ray.objects`), and their slots released; a frame,
+or one message of it, that cannot be handled (it does not decode, its arrays cannot be
+read) is dropped: its slots go back to their producers and its requests end with an error
+(code ``gateway_error``), so nothing waits for it. The rest of a frame always goes on.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import threading
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 from omni_core.events import Error, InlineArray, ShmHandle
 from omni_core.serial import decode_data_frame, encode_frame, releases, salvage_frame
 from omni_core.shm import SegmentReader
 from omni_core.transport import RESULTS, Addresses, push_socket
 
+from omni_ray.objects import OBJECT_THRESHOLD, segment_name
 from omni_ray.routes import owner_of, reader_of
 
 log = logging.getLogger("omni.ray.gateway")
@@ -35,9 +38,17 @@ class FrameGuard:
     ``outs``: that thread's sockets to producers and the client)."""
 
     def __init__(
-        self, node_id: str, addr: Addresses, zctx: zmq.Context, reader: SegmentReader
+        self,
+        node_id: str,
+        addr: Addresses,
+        zctx: zmq.Context,
+        reader: SegmentReader,
+        pipeline_id: str = "",
+        object_threshold: int | None = OBJECT_THRESHOLD,
     ) -> None:
         self.node_id = node_id
+        self.pipeline_id = pipeline_id
+        self.object_threshold = object_threshold  # None: arrays always ride in the frame
         self.addr = addr
         self.zctx = zctx
         self.reader = reader
@@ -46,12 +57,14 @@ class FrameGuard:
 
     def inline_all(
         self, endpoint: str, frames: list[bytes], outs: dict[str, zmq.Socket]
-    ) -> list[bytes]:
-        """``frames`` ready for another node; one that cannot be made so is dropped."""
+    ) -> tuple[list[bytes], list[Any]]:
+        """``frames`` ready for another node, and the references to the objects their
+        large arrays went into; a frame that cannot be made so is dropped."""
         out: list[bytes] = []
+        refs: list[Any] = []
         for f in frames:
             try:
-                f = self.inline(f, endpoint, outs)
+                f = self.inline(f, endpoint, outs, refs)
             except zmq.ZMQError:
                 raise
             except Exception as e:
@@ -64,7 +77,7 @@ class FrameGuard:
                 continue
             if f is not None:
                 out.append(f)
-        return out
+        return out, refs
 
     def out(self, outs: dict[str, zmq.Socket], endpoint: str) -> zmq.Socket:
         """This thread's socket to ``endpoint`` on this node (a producer's ``.ctl``, or
@@ -134,8 +147,15 @@ class FrameGuard:
             )
         return msgs, [(b.request_id, b.stage or "", f"undecodable message: {b.error}") for b in bad]
 
-    def inline(self, frame: bytes, endpoint: str, outs: dict[str, zmq.Socket]) -> bytes | None:
-        """Copy the shared-memory arrays of ``frame`` into it; release their slots.
+    def inline(
+        self,
+        frame: bytes,
+        endpoint: str,
+        outs: dict[str, zmq.Socket],
+        refs: list[Any] | None = None,
+    ) -> bytes | None:
+        """Copy the shared-memory arrays of ``frame`` into it, or put the large ones into
+        the object store (their references appended to ``refs``); release their slots.
 
         A message that does not decode, or whose arrays cannot be read, is left out: its
         slots are released and its request fails; the rest of the frame goes on (None:
@@ -154,7 +174,8 @@ class FrameGuard:
             shm = [h for h in handles.values() if isinstance(h, ShmHandle)]
             freed.extend(shm)  # read now, or never: the slots go back either way
             try:
-                copied = {key: self.copy(h) for key, h in handles.items()}
+                mine: list[Any] | None = [] if refs is not None else None
+                copied = {key: self.copy(h, mine) for key, h in handles.items()}
             except Exception as e:
                 log.exception(
                     "gateway %s: %s: cannot read the arrays of a message of request %s; "
@@ -168,6 +189,8 @@ class FrameGuard:
                 continue
             handles.update(copied)
             kept.append(m)
+            if refs is not None and mine:
+                refs.extend(mine)
         if not lost and not freed:
             return frame
         out = encode_frame(kept) if kept else None  # before any release: this may raise
@@ -178,18 +201,28 @@ class FrameGuard:
             self.fail_requests(lost, endpoint, outs)
         return out
 
-    def copy(self, h: Any) -> Any:
-        """An array handle as an :class:`InlineArray` (a copy of its slot's bytes)."""
+    def copy(self, h: Any, refs: list[Any] | None = None) -> Any:
+        """An array handle as an :class:`InlineArray` (a copy of its slot's bytes), or,
+        from ``object_threshold`` bytes (when ``refs`` is given), as a handle of an object
+        in Ray's object store (its reference appended to ``refs``)."""
         if not isinstance(h, ShmHandle):
             return h
         buf = self.reader.buffer(h.segment)
-        data = buf[h.offset : h.offset + h.nbytes]  # a copy (mmap slice)
-        if len(data) != h.nbytes:
+        if h.offset + h.nbytes > len(buf):
             raise ValueError(
                 f"handle of {h.nbytes} bytes at offset {h.offset} lies beyond segment "
                 f"{h.segment} ({len(buf)} bytes)"
             )
-        return InlineArray(data, h.dtype, h.shape, h.torch)
+        limit = self.object_threshold
+        if refs is not None and limit is not None and h.nbytes >= limit:
+            import ray
+
+            view = np.frombuffer(buf, np.uint8, count=h.nbytes, offset=h.offset)
+            ref = ray.put(view)  # one copy, into this node's object store
+            refs.append(ref)
+            name = segment_name(self.pipeline_id, ref.hex())
+            return ShmHandle(name, 0, h.nbytes, h.dtype, h.shape, h.producer, 0, h.torch)
+        return InlineArray(buf[h.offset : h.offset + h.nbytes], h.dtype, h.shape, h.torch)
 
 
 def _handles(m: Any) -> dict[str, Any]:

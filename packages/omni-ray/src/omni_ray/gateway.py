@@ -8,15 +8,25 @@ each frame, in order, to where the endpoint lives now:
 
 * a stage on this node: into the stage's own socket (its ``bind_dir``); the frame is
   passed as is, so arrays stay in this node's shared memory (handles, no copy);
-* anywhere else: a Ray actor call on that node's gateway (Ray carries the frame, through
-  its object store when large). Arrays that sit in this node's shared memory are first
-  copied into the frame (a node cannot map another's memory) and their slots released.
+* anywhere else: over that node's gateway's *channel* for the endpoint, a zmq TCP socket
+  it binds on its node's IP next to the endpoint's ipc socket (so what arrives there is
+  forwarded by the same thread, in order): frames go as their senders batched them, many
+  events per write, no Ray call per frame; one connection per (node pair, endpoint), so
+  a full consumer stalls only its own senders. The orchestrator's endpoints (it binds
+  them itself), and every endpoint without channels (``channel_ip=None``), take a Ray
+  actor call on that node's gateway instead (Ray carries the frames, through its object
+  store when large; stop-and-wait per endpoint, frames batched). Arrays that sit in this
+  node's shared memory are first copied into the frame (a node cannot map another's
+  memory) and their slots released; large ones are put into Ray's object store instead,
+  the frame carries their handles and a Ray call (before the frame) their references,
+  which the receiving gateway holds for the reader until its release comes back (see
+  :mod:`omni_ray.objects`).
 
 Senders never learn where a stage runs, so a stage restarted on another node needs only a
-route change. Forwarding is stop-and-wait per (gateway, endpoint) with frames batched, so
-order per sender is kept and a full consumer pushes back through the sockets to its
-producers. The gateway also creates and unlinks the shared-memory segments of the stages
-on its node: they outlive a crashed worker, as with the local orchestrator.
+route change. Order per sender is kept, and a full consumer pushes back through the
+sockets (and channels) to its producers. The gateway also creates and unlinks the
+shared-memory segments of the stages on its node: they outlive a crashed worker, as with
+the local orchestrator.
 
 A forwarding thread never dies silently. A frame or message it cannot handle (one that
 does not decode, an array whose slot cannot be read, a delivery that fails unexpectedly)
@@ -48,7 +58,13 @@ from omni_core.transport import (
 )
 
 from omni_ray.frames import GATEWAY_ERROR, FrameGuard
-from omni_ray.routes import DRIVER, gateway_name, owner_of
+from omni_ray.objects import HeldObjects, take_releases
+from omni_ray.routes import DRIVER, gateway_name, owner_of, reader_of
+
+try:  # where other nodes' gateways reach this one's channels
+    from ray.util import get_node_ip_address
+except ImportError:  # pragma: no cover - ray is a dependency
+    get_node_ip_address = None
 
 log = logging.getLogger("omni.ray.gateway")
 
@@ -65,7 +81,23 @@ __all__ = ["GATEWAY_ERROR", "NodeGateway", "gateway_name"]
 class NodeGateway:
     """Run as a Ray actor (threaded), pinned to its node. See the module docstring."""
 
-    def __init__(self, pipeline_id: str, node_id: str, head_node: str, stages: list[str]) -> None:
+    def __init__(
+        self,
+        pipeline_id: str,
+        node_id: str,
+        head_node: str,
+        stages: list[str],
+        channel_ip: str | None = "auto",
+    ) -> None:
+        """``channel_ip``: the address this node's channels bind (``"auto"``: the node's
+        IP as Ray knows it; None: no channels, every frame goes by Ray actor calls)."""
+        if channel_ip == "auto":
+            channel_ip = get_node_ip_address() if get_node_ip_address else None
+        self.channel_ip = channel_ip
+        self.channels: dict[str, str] = {}  # endpoint -> its channel's TCP address
+        self.peers: dict[str, dict[str, str]] = {}  # other node -> its channels
+        self._tls = threading.local()  # a forwarding thread's sockets to other channels
+        self.channel_frames = 0  # frames sent over channels
         self.pipeline_id = pipeline_id
         self.node_id = node_id
         self.socket_dir = make_socket_dir()
@@ -84,7 +116,8 @@ class NodeGateway:
         self.local: dict[str, tuple[threading.Lock, zmq.Socket]] = {}  # delivery sockets
         self.stop = False
         self.failures: dict[str, str] = {}  # endpoint -> why its thread stopped for good
-        self.frames = FrameGuard(node_id, self.addr, self.zctx, self.reader)
+        self.frames = FrameGuard(node_id, self.addr, self.zctx, self.reader, pipeline_id)
+        self.held = HeldObjects()  # objects lent to readers on this node, until released
         names = Addresses.names(stages)
         if node_id == head_node:  # the orchestrator binds its own endpoints here
             names = [n for n in names if owner_of(n) != DRIVER]
@@ -106,6 +139,9 @@ class NodeGateway:
             "bind_dir": self.bind_dir,
             "failures": failures,
             "dropped": dropped,
+            "objects_held": len(self.held),
+            "channel_frames": self.channel_frames,
+            "objects_released": self.held.released,
         }
 
     def failure(self) -> dict[str, str] | None:
@@ -125,13 +161,30 @@ class NodeGateway:
             "error": "; ".join(f"{ep}: {why}" for ep, why in sorted(failures.items())),
         }
 
+    def channel_addresses(self, timeout_s: float = 10.0) -> dict[str, str]:
+        """Where other nodes' gateways send this node's endpoints' frames (TCP), once
+        every forwarding thread has bound its channel."""
+        end = time.monotonic() + timeout_s
+        while self.channel_ip is not None and time.monotonic() < end:
+            with self.lock:
+                if len(self.channels) + len(self.failures) >= len(self.threads):
+                    break
+            time.sleep(0.01)
+        with self.lock:
+            return dict(self.channels)
+
     def set_routes(self, routes: dict[str, tuple[str | None, int]]) -> None:
         """``{stage: (node or None while it is not placed, version)}``; newer wins."""
+        gone: list[str] = []
         with self.lock:
             for stage, (node, version) in routes.items():
                 if version > self.versions.get(stage, -1):
+                    if self.routes.get(stage) == self.node_id:
+                        gone.append(stage)  # its life here ended (or it moved)
                     self.routes[stage] = node
                     self.versions[stage] = version
+        for stage in gone:  # what that life was lent, or was to be, it will not release
+            self.held.forget_reader(stage)
 
     def create_segment(self, stage: str, size: int) -> str:
         return self.segments.create(stage, size)
@@ -145,21 +198,90 @@ class NodeGateway:
         self.stop = True
         for t in self.threads:
             t.join(timeout=2)
+        self.held.clear()
         self.segments.unlink_all()
         self.zctx.destroy(linger=0)
         remove_socket_dir(self.socket_dir)
 
     # ------------------------------------------------------------------ data path
-    def deliver(self, endpoint: str, frames: list[Any]) -> bool:
-        """Frames from another node's gateway for ``endpoint``; False: it is not here (any
-        more), the sender asks for the route again."""
+    def deliver(self, endpoint: str, frames: list[Any], refs: list[Any] | None = None) -> bool:
+        """Frames from another node's gateway for ``endpoint``, with the references to the
+        objects their large arrays are in (held here until the reader releases them);
+        False: it is not here (any more), the sender asks for the route again."""
         if self._route(endpoint) != self.node_id:
             return False
+        if refs:
+            self.held.hold(reader_of(endpoint) or "", refs)
         lock, sock = self._local_socket(endpoint)
         with lock:
             for f in frames:
                 if not self._send(sock, f):
                     return False
+        return True
+
+    def hold(self, endpoint: str, refs: list[Any]) -> bool:
+        """Hold ``refs`` for the reader of ``endpoint`` (their frames follow over its
+        channel); False: it is not here (any more)."""
+        if self._route(endpoint) != self.node_id:
+            return False
+        self.held.hold(reader_of(endpoint) or "", refs)
+        return True
+
+    def lend(self, keys: list[str]) -> list[Any]:
+        """A reader on this node asks for the references of objects it was sent (in
+        a list: each is passed in-band, so the reader borrows it); None: not held here."""
+        return self.held.lend(keys)
+
+    def _gateway(self, node: str) -> Any:
+        import ray
+
+        with self.lock:
+            gw = self.gateways.get(node)
+        if gw is None:
+            gw = ray.get_actor(gateway_name(self.pipeline_id, node))
+            with self.lock:
+                self.gateways[node] = gw
+        return gw
+
+    def _channel(self, node: str, gw: Any, endpoint: str) -> str | None:
+        """``node``'s channel for ``endpoint`` (None: frames for it go by actor calls)."""
+        if owner_of(endpoint) == DRIVER or self.channel_ip is None:
+            return None  # the orchestrator binds its own endpoints: no channel there
+        with self.lock:
+            peer = self.peers.get(node)
+        if peer is None:
+            import ray
+
+            peer = ray.get(gw.channel_addresses.remote(), timeout=60)
+            with self.lock:
+                self.peers[node] = peer
+        return peer.get(endpoint)
+
+    def _send_channel(self, node: str, endpoint: str, address: str, frames: list[bytes]) -> bool:
+        """Send ``frames`` over a channel, in order, each leaving the list once sent; a
+        full channel waits (backpressure). False: the endpoint's route left ``node``
+        while waiting (what the channel still queued was for a life that ended: dropped
+        with it) or the gateway stops."""
+        socks = self._tls.__dict__.setdefault("socks", {})
+        sock = socks.get(address)
+        if sock is None:
+            sock = socks[address] = push_socket(self.zctx, address, HWM)
+        while frames:
+            frame = frames[0]
+            while True:
+                if self.stop:
+                    return False
+                try:
+                    sock.send(frame, zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY)
+                    break
+                except zmq.Again:
+                    if self._route(endpoint) != node:
+                        del socks[address]
+                        sock.close(linger=0)
+                        return False
+                    sock.poll(100, zmq.POLLOUT)
+            del frames[0]
+            self.channel_frames += 1
         return True
 
     def _route(self, endpoint: str) -> str | None:
@@ -193,9 +315,14 @@ class NodeGateway:
         a broken socket ends the thread, loudly (see :meth:`failure`)."""
         socks: list[zmq.Socket] = []
         outs: dict[str, zmq.Socket] = {}  # releases to producers, errors to the client
+        control = endpoint.endswith(".ctl")  # the releases of lent objects end here
         try:
             pull = pull_socket(self.zctx, self.addr.endpoint(endpoint), HWM)
             socks.append(pull)
+            if self.channel_ip is not None:  # frames from other nodes' gateways, in too
+                pull.bind(f"tcp://{self.channel_ip}:*")
+                with self.lock:
+                    self.channels[endpoint] = pull.getsockopt_string(zmq.LAST_ENDPOINT)
             local = push_socket(self.zctx, self.inner.endpoint(endpoint), HWM)
             socks.append(local)
             while not self.stop:
@@ -210,6 +337,8 @@ class NodeGateway:
                         break
                     size += len(pending[-1])
                 try:
+                    if control:
+                        pending = [f for f in (take_releases(f, self.held) for f in pending) if f]
                     self._pass_on(endpoint, pending, local, outs)
                 except zmq.ZMQError:
                     raise  # a socket of this thread is broken: it cannot go on
@@ -235,7 +364,8 @@ class NodeGateway:
                 with self.lock:  # after the log: whoever sees the failure finds the log
                     self.failures[endpoint] = f"{type(e).__name__}: {e}"
         finally:
-            for s in (*socks, *outs.values()):
+            channels = getattr(self._tls, "socks", {})
+            for s in (*socks, *outs.values(), *channels.values()):
                 with contextlib.suppress(Exception):
                     s.close(linger=0)
 
@@ -245,6 +375,7 @@ class NodeGateway:
         """Forward ``pending`` in order; each frame leaves the list once it is passed on
         (or dropped), so the caller knows what is left should this raise."""
         inlined = False
+        refs: list[Any] = []
         while pending and not self.stop:
             target = self._route(endpoint)
             if target == self.node_id and owner_of(endpoint) != DRIVER:
@@ -254,31 +385,45 @@ class NodeGateway:
                     del pending[0]
                 return
             if target is None:  # the stage is (re)starting: wait for its place
+                # what these frames carry was for its earlier life (whose requests
+                # failed with it): their objects are not kept waiting in the store
+                refs.clear()
                 time.sleep(RETRY_S)
                 continue
             if not inlined:
-                pending[:] = self.frames.inline_all(endpoint, pending, outs)
+                pending[:], refs = self.frames.inline_all(endpoint, pending, outs)
                 inlined = True
                 if not pending:
                     return
-            if self._deliver_remote(target, endpoint, pending):
+            if self._deliver_remote(target, endpoint, pending, refs):
                 pending.clear()
                 return
             time.sleep(RETRY_S)
 
-    def _deliver_remote(self, node: str, endpoint: str, frames: list[bytes]) -> bool:
+    def _deliver_remote(
+        self, node: str, endpoint: str, frames: list[bytes], refs: list[Any] | None = None
+    ) -> bool:
+        """Pass ``frames`` to ``node``'s gateway: over its channel for ``endpoint`` (frames
+        leave the list as they are sent, so on False only the unsent are left), else by an
+        actor call. ``refs`` go in a list: nested, so the receiving gateway borrows them
+        (in-band), and this one, their owner, may drop its own once the call returned."""
         import ray
 
-        gw = self.gateways.get(node)
         try:
-            if gw is None:
-                gw = self.gateways[node] = ray.get_actor(gateway_name(self.pipeline_id, node))
+            gw = self._gateway(node)
+            channel = self._channel(node, gw, endpoint)
+            if channel is not None:
+                if refs and not ray.get(gw.hold.remote(endpoint, refs)):
+                    return False  # not there any more: ask the route again
+                return self._send_channel(node, endpoint, channel, frames)
             # large frames as numpy arrays: Ray moves those without pickling copies, and
             # the receiver hands the object store's view straight to zmq
             wire = [np.frombuffer(f, np.uint8) if len(f) >= _ZERO_COPY else f for f in frames]
-            return bool(ray.get(gw.deliver.remote(endpoint, wire)))
+            return bool(ray.get(gw.deliver.remote(endpoint, wire, refs or [])))
         except (ValueError, ray.exceptions.RayError) as e:  # no such gateway, or it died
-            self.gateways.pop(node, None)
+            with self.lock:
+                self.gateways.pop(node, None)
+                self.peers.pop(node, None)
             log.warning(
                 "gateway %s: cannot deliver %s to node %s: %s",
                 self.node_id[:8],

@@ -26,6 +26,7 @@ from omni_core.shm import SHM_DIR, list_segments
 from omni_core.worker import WorkerSpec
 
 from omni_ray.gateway import NodeGateway
+from omni_ray.objects import install_reader, uninstall_reader
 from omni_ray.routes import gateway_name
 from omni_ray.stage_actor import StageActor
 
@@ -107,6 +108,10 @@ class RayLauncher(Launcher):
                 configure_logging=False,
             )
         self.pipeline_id = uuid.uuid4().hex[:10]
+        # frames between nodes over the gateways' TCP channels ("auto": each node's IP);
+        # OMNI_RAY_CHANNELS=0 sends every frame by Ray actor calls instead (nodes that
+        # cannot reach each other's ports)
+        self.channel_ip = None if os.environ.get("OMNI_RAY_CHANNELS") == "0" else "auto"
         self.head_node = ray.get_runtime_context().get_node_id()
         self.stages = [s.name for s in cfg.stages]
         self.gateways: dict[str, Any] = {}  # node id -> gateway actor
@@ -123,6 +128,7 @@ class RayLauncher(Launcher):
             self._shutdown_ray()
             raise
         self.socket_dir = info["socket_dir"]
+        install_reader(self.pipeline_id, head)  # the caller's arrays from other nodes
         self._scan_nodes()
 
     # ------------------------------------------------------------------ gateways
@@ -138,7 +144,7 @@ class RayLauncher(Launcher):
                 max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             )
-            .remote(self.pipeline_id, node, self.head_node, self.stages)
+            .remote(self.pipeline_id, node, self.head_node, self.stages, self.channel_ip)
         )
         if self.routes:
             gw.set_routes.remote(dict(self.routes))
@@ -283,6 +289,7 @@ class RayLauncher(Launcher):
     def close(self) -> None:
         import ray
 
+        uninstall_reader(self.pipeline_id)
         closing = [gw.close.remote() for gw in self.gateways.values()]
         with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
             ray.get(closing, timeout=10)

