@@ -83,11 +83,11 @@ def test_ar_vllm_keys(tiny_model):
     )
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    for arm in ("vllm", "fused", "split"):
+    for arm in ("vllm", "fused", "split", "split_turns"):
         for key in ("tok_per_s_c1", "tok_per_s_c8", "ttft_ms_c1", "ttft_ms_c8"):
             m = r[arm][key]
             assert len(m["runs"]) == 1 and m["best"] > 0 and m["median"] > 0, (arm, key, m)
-    for label in ("omni", "split"):
+    for label in ("omni", "split", "split_turns"):
         for key in ("tok_per_s_c1", "tok_per_s_c8", "ttft_c1", "ttft_c8"):
             assert r[f"{label}_vs_vllm_{key}"] > 0, (label, key)
     kv = r["kv_handoff"]

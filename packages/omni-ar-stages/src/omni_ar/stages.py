@@ -43,8 +43,8 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # vLLM on a GPU: the share of its memory the engine may take (weights + KV cache)
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     threads: int | None = None  # torch threads in this worker
-    # vLLM on the CPU: engines naming the same turn compute one step at a time, each on
-    # all of its threads (a split pipeline's prefill and decode on one machine's cores)
+    # on the CPU: engines naming the same turn compute one forward at a time, each on all
+    # of its threads (a split pipeline's prefill and decode on one machine's cores)
     cpu_turns: str | None = None
     max_prompt_tokens: int = 2048
     max_tokens_limit: int = 4096
@@ -77,7 +77,7 @@ class _ModelStage(Stage):
             kv_connector=o.kv_connector,
             engine_args=o.engine_args,
             gpu_memory_utilization=o.gpu_memory_utilization,
-            **({"cpu_turns": o.cpu_turns} if o.cpu_turns else {}),
+            cpu_turns=o.cpu_turns,
         )
 
     def _placement(self) -> tuple[str, str]:

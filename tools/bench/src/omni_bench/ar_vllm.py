@@ -11,6 +11,8 @@ round after round (``--rounds``, the order rotating), so the machine's swings hi
 * ``fused``: intake -> ``ar.generate`` (one engine, every core) -> postprocess.
 * ``split``: intake -> prefill -> decode -> postprocess, one thread per engine, the
   prompt's KV crossing through the data-plane connector (``shm``).
+* ``split_turns``: the same, both engines on every core, computing in turns
+  (``cpu_turns``, :mod:`omni_ar.engines.cpu_turns`).
 
 (the layouts of :func:`omni_bench.serve.omni_config`). Concurrency 1 (``--c1-requests``
 one after another) and 8 (8 at once): output tokens per second and time to first text
@@ -51,7 +53,7 @@ from typing import Any
 from omni_bench.ar import PROMPTS
 
 READY, RESULT = "OMNI-BENCH-READY", "OMNI-BENCH-RESULT "
-ARMS = ("fused", "fused_1t", "split", "split_file")  # omni's
+ARMS = ("fused", "fused_1t", "split", "split_turns", "split_file")  # omni's
 Stream = Callable[[int], AsyncIterator[tuple[int, bool]]]  # i -> (new tokens, has text)
 
 
@@ -205,7 +207,10 @@ def pipeline_configs(
     and variants, every engine with a KV cache of ``kv_bytes``."""
     from omni_bench.serve import omni_config
 
-    cfgs = {name: omni_config(model, name.split("_")[0]) for name in ARMS}
+    cfgs = {
+        name: omni_config(model, name if name == "split_turns" else name.split("_")[0])
+        for name in ARMS
+    }
     gen = cfgs["fused_1t"]["stages"][1]
     gen["options"]["threads"], gen["extra_env"] = 1, {"OMP_NUM_THREADS": "1"}
     for st in cfgs["split_file"]["stages"][1:3]:  # prefill, decode
@@ -288,7 +293,7 @@ def bench_vllm(model: str, args: argparse.Namespace) -> dict[str, Any]:
     n, n_long = args.max_tokens, args.prompt_tokens
     texts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     ids = [encode(tok, t) for t in texts]
-    main_arms = ["vllm", "fused", "split"]
+    main_arms = ["vllm", "fused", "split", "split_turns"]
     long_arms = ["split", "split_file", "fused_1t", "fused", "vllm"] if n_long else []
     if n_long and args.before_src:
         long_arms.insert(1, "split_before")
@@ -317,7 +322,7 @@ def bench_vllm(model: str, args: argparse.Namespace) -> dict[str, Any]:
             main: dict[str, dict[str, list[float]]] = {a: {} for a in main_arms}
             handoff: dict[str, list[float]] = {a: [] for a in long_arms}
             for r in range(args.rounds):
-                order = main_arms[r % 3 :] + main_arms[: r % 3]
+                order = main_arms[r % len(main_arms) :] + main_arms[: r % len(main_arms)]
                 for arm in order:
                     for level, k in (("c1", args.c1_requests), ("c8", 8)):
                         m = run(arm, k, n, 1 if level == "c1" else 8)
@@ -345,7 +350,7 @@ def bench_vllm(model: str, args: argparse.Namespace) -> dict[str, Any]:
     targets: dict[str, bool] = {}
     for level in ("c1", "c8"):
         v = res["vllm"]
-        for name, label in (("fused", "omni"), ("split", "split")):
+        for name, label in (("fused", "omni"), ("split", "split"), ("split_turns", "split_turns")):
             o = res[name]
             tps = ratio(o[f"tok_per_s_{level}"]["median"], v[f"tok_per_s_{level}"]["median"])
             ttft = ratio(o[f"ttft_ms_{level}"]["median"], v[f"ttft_ms_{level}"]["median"])

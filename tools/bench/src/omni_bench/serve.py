@@ -44,7 +44,8 @@ def omni_config(model: str, layout: str = "fused") -> dict[str, Any]:
     """The generated pipeline. ``fused``: intake -> ar.generate (one vLLM engine, prefill
     and decode with its own scheduler, 32 in flight, every core) -> postprocess. ``split``:
     intake -> vLLM prefill (8 per engine step) -> decode (32 in flight) -> postprocess,
-    one thread each (the two share the cores)."""
+    one thread each (the two share the cores). ``split_turns``: the same, both engines on
+    every core, taking turns (``cpu_turns``)."""
     common = {"model": model, "chat": True, "engine": "vllm"}
     edges_in = [{"from": "intake", "to": layout == "fused" and "generate" or "prefill"}]
     if layout == "fused":
@@ -64,6 +65,11 @@ def omni_config(model: str, layout: str = "fused") -> dict[str, Any]:
         # prefill and decode would share one GPU (no devices key): under half of it each
         worker = {**common, "threads": 1, "kv_connector": "shm", "gpu_memory_utilization": 0.4}
         env = {"OMP_NUM_THREADS": "1"}
+        if layout == "split_turns":
+            cores = str(len(os.sched_getaffinity(0)))
+            turn = "omni-bench"  # one lock file, whatever the run
+            worker = {**worker, "threads": int(cores), "cpu_turns": turn}
+            env = {"OMP_NUM_THREADS": cores}
         middle = [
             {
                 "name": "prefill",
@@ -350,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--layouts",
         default="fused,split",
-        help="generated omni pipelines, the first compared with vLLM: fused (ar.generate), split",
+        help="generated omni pipelines, the first compared with vLLM: fused (ar.generate), "
+        "split, split_turns",
     )
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds per server start")
     args = ap.parse_args(argv)
@@ -401,10 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         "omni": omni,
         **{f"omni_{layout}": r for layout, r in runs.items() if layout != layouts[0]},
     }
-    if "split" in runs and layouts[0] != "split":
+    for split in ("split", "split_turns"):
+        if split not in runs or layouts[0] == split:
+            continue
         for c in args.levels:
-            f, sp = omni[f"c{c}"]["tok_per_s"], runs["split"][f"c{c}"]["tok_per_s"]
-            res[f"split_vs_fused_tok_per_s_c{c}"] = round(sp / f, 3) if f else math.nan
+            f, sp = omni[f"c{c}"]["tok_per_s"], runs[split][f"c{c}"]["tok_per_s"]
+            res[f"{split}_vs_fused_tok_per_s_c{c}"] = round(sp / f, 3) if f else math.nan
     targets: dict[str, bool] = {}
     for c in args.levels:
         o, v = omni[f"c{c}"], vllm[f"c{c}"]

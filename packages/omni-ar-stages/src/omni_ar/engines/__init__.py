@@ -14,21 +14,27 @@ def load_engine(
     dtype: str = "float32",
     threads: int | None = None,
     device: str = "cpu",
+    cpu_turns: str | None = None,
     **vllm_options: Any,
 ) -> Any:
     """An engine by name, for a model on ``device`` (``"cpu"`` or ``"cuda:0"``, see
     :func:`omni_core.devices.place`) in ``dtype`` (``"auto"``: float32 on the CPU; on a
     GPU bfloat16 or float16 for transformers, vLLM's own choice for vLLM); a missing
-    engine is a clear error. ``vllm_options`` (``kv_role``, ``kv_connector``,
+    engine is a clear error. ``cpu_turns``: engines naming the same turn compute in turns
+    on the CPU (:mod:`omni_ar.engines.cpu_turns`). ``vllm_options`` (``kv_role``, ``kv_connector``,
     ``engine_args``, ``gpu_memory_utilization``) configure the vLLM engine only."""
     if name == "transformers":
         from omni_ar.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(model, dtype=dtype, threads=threads, device=device)
+        return TransformersEngine(
+            model, dtype=dtype, threads=threads, device=device, cpu_turns=cpu_turns
+        )
     if name == "vllm":
         from omni_ar.engines.vllm_engine import INSTALL_HINT, VllmEngine
 
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError(INSTALL_HINT)
-        return VllmEngine(model, dtype=dtype, threads=threads, device=device, **vllm_options)
+        return VllmEngine(
+            model, dtype=dtype, threads=threads, device=device, cpu_turns=cpu_turns, **vllm_options
+        )
     raise RuntimeError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")

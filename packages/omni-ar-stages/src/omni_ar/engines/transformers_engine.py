@@ -28,6 +28,7 @@ import numpy as np
 from omni_core.devices import default_dtype
 from omni_hf import quiet_offline
 
+from omni_ar.engines.cpu_turns import cpu_turn
 from omni_ar.params import Sampled, SamplingParams
 
 
@@ -38,7 +39,10 @@ class TransformersEngine:
         dtype: str = "float32",
         threads: int | None = None,
         device: str = "cpu",
+        cpu_turns: str | None = None,
     ) -> None:
+        """``cpu_turns``: on the CPU, each forward holds this turn
+        (:mod:`omni_ar.engines.cpu_turns`)."""
         quiet_offline()
         self.model_dir = model
         self.device = device  # "cpu" or "cuda:0" (omni_core.devices.place)
@@ -47,6 +51,7 @@ class TransformersEngine:
         self.model: Any = None
         self.tokenizer: Any = None
         self.batch = _Batch(self)
+        self.turn = cpu_turn(cpu_turns, device)
 
     def load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -145,7 +150,7 @@ class TransformersEngine:
         whose ``top`` holds the first token's alternatives."""
         import torch
 
-        with torch.inference_mode():
+        with self.turn, torch.inference_mode():
             out = self.model(self.tensor([ids]), use_cache=True)
         first = self._pick(out.logits[0, -1], params, self.generator(params))
         keys, values = kv_arrays(_cache_of(out))
@@ -221,7 +226,7 @@ class TransformersEngine:
         float32 on the CPU whatever the model's device and dtype."""
         import torch
 
-        with torch.inference_mode():
+        with self.turn, torch.inference_mode():
             out = self.model(self.tensor(ids), output_hidden_states=True)
         return out.hidden_states[layer].to("cpu").float().numpy()
 
@@ -316,7 +321,7 @@ class _Batch:
             raise RuntimeError("transformers engine: a stream waits but no request is in flight")
         reqs = [self.requests[r] for r in self.members]
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(reqs), 1))], dim=1)
-        with torch.inference_mode():
+        with e.turn, torch.inference_mode():
             out = e.model(
                 e.tensor([[q.tok] for q in reqs]),
                 attention_mask=self.mask,

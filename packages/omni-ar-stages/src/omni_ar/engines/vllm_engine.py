@@ -34,14 +34,13 @@ import tempfile
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from omni_hf import quiet_offline
 
-from omni_ar.engines.cpu_turns import CpuTurn
+from omni_ar.engines.cpu_turns import cpu_turn
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.params import RequestError, Sampled, SamplingParams
 
@@ -163,7 +162,7 @@ class VllmEngine:
         self.tokenizer: Any = None
         self.llm: Any = None
         self._streams: dict[str, _Stream] = {}
-        self.turn = CpuTurn(cpu_turns) if cpu_turns and device == "cpu" else nullcontext()
+        self.turn = cpu_turn(cpu_turns, device)
 
     def load_model(self) -> None:
         try:
