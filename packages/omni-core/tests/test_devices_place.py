@@ -6,7 +6,9 @@ import types
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip(
+    "torch", reason="needs torch, which omni-core does not bring (runs in the workspace)"
+)
 
 from omni_core.devices import DeviceError, default_dtype, place  # noqa: E402
 from omni_core.events import StageStats  # noqa: E402

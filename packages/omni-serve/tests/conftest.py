@@ -90,7 +90,9 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_dit(tmp_path_factory: pytest.TempPathFactory) -> str:
-    pytest.importorskip("diffusers")
+    pytest.importorskip(
+        "diffusers", reason="needs the DiT family (omni-dit-stages); runs in the workspace"
+    )
     from omni_dit import embedded
 
     path = tmp_path_factory.mktemp("tiny-sd3")

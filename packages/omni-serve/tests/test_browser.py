@@ -10,7 +10,9 @@ import subprocess
 
 import pytest
 
-pytest.importorskip("diffusers")
+pytest.importorskip(
+    "diffusers", reason="needs the DiT family (omni-dit-stages); runs in the workspace"
+)
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402

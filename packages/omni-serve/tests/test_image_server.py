@@ -10,7 +10,9 @@ import httpx
 import openai
 import pytest
 
-pytest.importorskip("diffusers")
+pytest.importorskip(
+    "diffusers", reason="needs the DiT family (omni-dit-stages); runs in the workspace"
+)
 from PIL import Image  # noqa: E402
 
 
