@@ -8,7 +8,7 @@ pytest.importorskip("ray", reason="ray is not installed")
 pytest.importorskip("transformers", reason="the transformers engine extra is not installed")
 
 from omni_core import Pipeline  # noqa: E402
-from omni_ray.testing import on, simulated_cluster  # noqa: E402
+from omni_ray.testing import simulated_cluster, split_ar_config  # noqa: E402
 
 PROMPTS = [
     {"prompt": "the quick brown fox", "max_tokens": 20},
@@ -24,28 +24,6 @@ def tiny_model(tmp_path_factory):
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def ar_config(model):
-    opts = {"model": model, "threads": 1}
-    return {
-        "stages": [
-            {"name": "intake", "kind": "ar.intake", "options": {"model": model}, **on("node_a")},
-            {"name": "prefill", "kind": "ar.prefill", "options": opts, **on("node_a")},
-            {"name": "decode", "kind": "ar.decode", "options": opts, **on("node_b")},
-            {
-                "name": "postprocess",
-                "kind": "ar.postprocess",
-                "options": {"model": model},
-                **on("node_b"),
-            },
-        ],
-        "edges": [
-            {"from": "intake", "to": "prefill"},
-            {"from": "prefill", "to": "decode"},
-            {"from": "decode", "to": "postprocess", "window": {"size": 4}},
-        ],
-    }
-
-
 def text_and_tokens(out):
     assert out.ok, out.error
     segs = out.by_stage("postprocess")
@@ -53,7 +31,7 @@ def text_and_tokens(out):
 
 
 def test_tiny_ar_pipeline_over_two_nodes_equals_the_local_backend(tiny_model):
-    cfg = ar_config(tiny_model)
+    cfg = split_ar_config(tiny_model)
     with Pipeline(cfg, backend="local") as pipe:
         local = [text_and_tokens(o) for o in pipe.generate(PROMPTS)]
     with simulated_cluster(nodes=2), Pipeline(cfg, backend="ray") as pipe:

@@ -22,7 +22,7 @@ pytest.importorskip("transformers", reason="the transformers engine extra is not
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from omni_ray.testing import add_node, on, simulated_cluster  # noqa: E402
+from omni_ray.testing import add_node, simulated_cluster, split_ar_config  # noqa: E402
 
 OMNI = "import sys; from omni_core.cli import main; sys.exit(main())"
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
@@ -36,28 +36,10 @@ def tiny_model(tmp_path_factory):
 
 
 def chat_config(model: str) -> dict:
-    opts = {"model": model, "threads": 1}
-    back = {"restart_backoff_s": 0.2}
     return {
         "name": "tiny_chat",
         "heartbeat_interval_s": 0.1,
-        "stages": [
-            {"name": "intake", "kind": "ar.intake", "options": {"model": model}, **on("node_a")},
-            {"name": "prefill", "kind": "ar.prefill", "options": opts, **on("node_a")},
-            {"name": "decode", "kind": "ar.decode", "options": opts, **on("node_c"), **back},
-            {
-                "name": "postprocess",
-                "kind": "ar.postprocess",
-                "options": {"model": model},
-                **on("node_c"),
-                **back,
-            },
-        ],
-        "edges": [
-            {"from": "intake", "to": "prefill"},
-            {"from": "prefill", "to": "decode"},
-            {"from": "decode", "to": "postprocess", "window": {"size": 1}},
-        ],
+        **split_ar_config(model, far="node_c", window=1, restart_backoff_s=0.2),
     }
 
 

@@ -72,19 +72,25 @@ def test_large_arrays_cross_nodes_through_the_object_store_and_none_is_left(clus
     assert where["arrays"] == where["sink_a"] != where["sink_b"] == where["to_caller"]
 
 
-def test_a_reader_that_dies_holding_objects_leaves_none_behind(cluster):
-    cfg = chain(
+def slow_reader_config(node: str) -> dict:
+    """A burst of large arrays on ``node_a`` into a slow reader on ``node``, which holds
+    them in its queue (a window of 1, a queue of 64)."""
+    return chain(
         ("burst", "synthetic.burst", {}, on("node_a")),
         (
             "slow",
             "synthetic.sleep",
             {"hold_s": 0.3},
-            {**on("node_b"), "restart_backoff_s": 0.2, "queue_capacity": 64},
+            {**on(node), "restart_backoff_s": 0.2, "queue_capacity": 64},
         ),
         edges=[{"from": "burst", "to": "slow", "window": {"size": 1}}],
         shm_pool_bytes=64 << 20,
         heartbeat_interval_s=0.1,
     )
+
+
+def test_a_reader_that_dies_holding_objects_leaves_none_behind(cluster):
+    cfg = slow_reader_config("node_b")
     with Pipeline(cfg, backend="ray") as pipe:
         handle = pipe.submit({"count": 24, "nbytes": NBYTES})
         end = time.monotonic() + 60
@@ -143,18 +149,7 @@ def test_a_release_of_an_object_ends_at_the_readers_gateway_and_the_rest_goes_on
 
 def test_a_reader_node_that_goes_away_leaves_no_object_behind(cluster):
     node_c = add_node(cluster, "node_c")
-    cfg = chain(
-        ("burst", "synthetic.burst", {}, on("node_a")),
-        (
-            "slow",
-            "synthetic.sleep",
-            {"hold_s": 0.3},
-            {**on("node_c"), "restart_backoff_s": 0.2, "queue_capacity": 64},
-        ),
-        edges=[{"from": "burst", "to": "slow", "window": {"size": 1}}],
-        shm_pool_bytes=64 << 20,
-        heartbeat_interval_s=0.1,
-    )
+    cfg = slow_reader_config("node_c")
     with Pipeline(cfg, backend="ray") as pipe:
         handle = pipe.submit({"count": 24, "nbytes": NBYTES})
         end = time.monotonic() + 60

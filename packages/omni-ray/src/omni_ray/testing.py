@@ -81,3 +81,31 @@ def wait_object_store_empty(timeout_s: float = 20.0, address: str | None = None)
         if usage["objects"] == 0 or time.monotonic() > end:
             return usage
         time.sleep(0.2)
+
+
+def split_ar_config(
+    model: str, far: str = "node_b", window: int = 4, **far_stage: Any
+) -> dict[str, Any]:
+    """The tiny AR pipeline (omni-ar-stages' kinds) split over the simulated nodes:
+    intake -> prefill on ``node_a``, decode -> postprocess on ``far`` (with the stage keys
+    ``far_stage``), ``window`` between decode and postprocess."""
+    opts = {"model": model, "threads": 1}
+    far_keys = {**on(far), **far_stage}
+    return {
+        "stages": [
+            {"name": "intake", "kind": "ar.intake", "options": {"model": model}, **on("node_a")},
+            {"name": "prefill", "kind": "ar.prefill", "options": opts, **on("node_a")},
+            {"name": "decode", "kind": "ar.decode", "options": opts, **far_keys},
+            {
+                "name": "postprocess",
+                "kind": "ar.postprocess",
+                "options": {"model": model},
+                **far_keys,
+            },
+        ],
+        "edges": [
+            {"from": "intake", "to": "prefill"},
+            {"from": "prefill", "to": "decode"},
+            {"from": "decode", "to": "postprocess", "window": {"size": window}},
+        ],
+    }
