@@ -28,7 +28,7 @@ def _hold(name: str, steps: int, log: str) -> None:
 def test_turns_exclude_each_other(tmp_path):
     name = f"test-{uuid.uuid4().hex[:8]}"
     log = str(tmp_path / "log")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_hold, args=(name, 20, log)) for _ in range(3)]
     for p in procs:
         p.start()
@@ -52,7 +52,7 @@ def _hold_forever(name: str, ready) -> None:  # type: ignore[no-untyped-def]
 
 def test_a_dead_holder_frees_the_turn():
     name = f"test-{uuid.uuid4().hex[:8]}"
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")
     ready = ctx.Event()
     p = ctx.Process(target=_hold_forever, args=(name, ready))
     p.start()
@@ -96,7 +96,7 @@ def test_an_engine_computes_only_in_its_turn(tiny_model):
         "the quick brown fox", params
     )
     assert turned.turn.held_s > 0 and turned.turn.waited_s < 5
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")
     ready = ctx.Event()
     holder = ctx.Process(target=_hold_for, args=(name, ready, 1.5))
     holder.start()
