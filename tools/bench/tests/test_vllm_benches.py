@@ -68,6 +68,7 @@ def test_serve_keys(tiny_model):
     assert isinstance(r["targets_met"], bool)
 
 
+@pytest.mark.timeout(900)  # ten engines start (vLLM's and omni's four layouts)
 def test_ar_vllm_keys(tiny_model):
     model = tiny_model
     # the bench's processes get this environment, less any VLLM_* of an in-process engine
