@@ -273,7 +273,10 @@ def run_combination(
         r.summary = "no tests" if tests is None else "tests not run (--no-tests)"
         return r
     log = logs / f"{c.name}-tests.log"
-    test_env = {**env, "PYTHONPATH": str(HERE), "OMNI_STANDALONE_REPO": str(REPO)}
+    # Without ``CI``: a test that CI insists on (vLLM, the packaged model) and that this
+    # family alone cannot run skips here, so it is not deselected and runs in the workspace.
+    test_env = {k: v for k, v in env.items() if k != "CI"}
+    test_env |= {"PYTHONPATH": str(HERE), "OMNI_STANDALONE_REPO": str(REPO)}
     if args.passed:
         test_env["OMNI_STANDALONE_PASSED"] = str(args.passed.resolve())
     argv = [py, "-P", "-m", "pytest", "-p", "no:cacheprovider", "-p", "standalone_guard"]
