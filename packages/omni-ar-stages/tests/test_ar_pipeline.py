@@ -239,3 +239,24 @@ def test_the_fused_generate_stage_equals_the_model_and_the_split_pipeline(tiny_m
     with Pipeline(cfg) as pipe:
         outs = pipe.generate(PROMPTS)
     check_outputs(outs, tok, expected)
+
+
+def test_conditional_disaggregation_prefills_short_prompts_in_decode(tiny_model, reference):
+    """``local_prefill_max_tokens``: prompts up to it pass prefill without a forward and
+    decode prefills them itself; longer ones hand their KV over; all equal the model."""
+    tok, expected = reference
+    cfg = ar_config(tiny_model, decode={"max_inflight": 4})
+    prefill = cfg["stages"][1]
+    prefill["client_stream"] = True  # its events reach the caller: which way each went
+    short = len(tok(PROMPTS[0]["prompt"])["input_ids"])
+    prefill["options"] = {**prefill["options"], "local_prefill_max_tokens": short}
+    with Pipeline(cfg) as pipe:
+        outs = pipe.generate(PROMPTS)
+    check_outputs(outs, tok, expected)
+    local = []
+    for out in outs:
+        (ev,) = out.by_stage("prefill")
+        local.append(bool(ev.payload.get("local_prefill")))
+        assert len(ev.tokens) == (0 if local[-1] else 1)
+        assert ev.payload["prompt_tokens"] == len(ev.payload["prompt_ids"])
+    assert local[0] and not all(local), local  # both ways taken

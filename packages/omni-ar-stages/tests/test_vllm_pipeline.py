@@ -98,9 +98,10 @@ def reference(vllm_model):
     return AutoTokenizer.from_pretrained(vllm_model), expected
 
 
-def vllm_config(model, enabled=True, post_window=-1, connector="shm", max_inflight=1):
+def vllm_config(model, enabled=True, post_window=-1, connector="shm", max_inflight=1, local=0):
     opts = {"model": model, "engine": "vllm", "kv_connector": connector}
     engine = {**opts, "engine_args": ENGINE_ARGS}
+    prefill = {**engine, "local_prefill_max_tokens": local}
     return {
         "mrs": {"enabled": enabled},
         "ready_timeout_s": 300,
@@ -111,7 +112,8 @@ def vllm_config(model, enabled=True, post_window=-1, connector="shm", max_inflig
                 "name": "prefill",
                 "kind": "ar.prefill",
                 "max_batch_size": max_inflight,  # prefills batched in one engine step
-                "options": engine,
+                "client_stream": True,  # its events reach the caller: which way each went
+                "options": prefill,
             },
             {
                 "name": "decode",
@@ -144,18 +146,33 @@ def check(outs, reference):
 
 
 @pytest.mark.parametrize(
-    "enabled,post_window,connector,max_inflight",
-    [(True, -1, "shm", 4), (True, 3, "file", 1), (False, 1, "shm", 1)],
-    ids=["procs-window-all-shm-batched", "procs-window-3-file", "inline-window-1-shm"],
+    "enabled,post_window,connector,max_inflight,local",
+    [
+        (True, -1, "shm", 4, 0),
+        (True, 3, "file", 1, 0),
+        (False, 1, "shm", 1, 0),
+        (True, 1, "shm", 4, BLOCK),
+    ],
+    ids=[
+        "procs-window-all-shm-batched",
+        "procs-window-3-file",
+        "inline-window-1-shm",
+        "procs-short-prompts-prefilled-by-decode",
+    ],
 )
 def test_staged_vllm_equals_llm_generate(
-    vllm_model, reference, enabled, post_window, connector, max_inflight, tmp_path
+    vllm_model, reference, enabled, post_window, connector, max_inflight, local, tmp_path
 ):
-    cfg = vllm_config(vllm_model, enabled, post_window, connector, max_inflight)
+    """``local``: ``local_prefill_max_tokens``, prompts up to it prefilled by decode's
+    engine (in the same batch as the KV handed over for the longer ones)."""
+    cfg = vllm_config(vllm_model, enabled, post_window, connector, max_inflight, local)
     for stage in cfg["stages"][1:3]:  # the file connector's files go with the test
         stage["extra_env"] = {"OMNI_VLLM_KV_DIR": str(tmp_path)}
     with Pipeline(cfg) as pipe:
-        check(pipe.generate(PROMPTS), reference)
+        outs = pipe.generate(PROMPTS)
+        check(outs, reference)
+        ways = {len(o.by_stage("prefill")[0].tokens) for o in outs if enabled}
+        assert ways == ({0, 1} if local else {1} if enabled else set())
         if max_inflight > 1:  # cancel mid-decode, with others decoding in the same batch
             long = {"prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True}
             h = pipe.submit(long)

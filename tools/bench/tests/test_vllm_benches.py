@@ -37,6 +37,7 @@ def test_serve_keys(tiny_model):
     # the servers get this environment, less any VLLM_* of an in-process engine
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     args = ["--model", tiny_model, "--concurrency", "1,2", "--requests-per-level", "4"]
+    args += ["--layouts", "fused,split_local"]  # split_local: decode prefills these prompts
     out = subprocess.run(
         [*OMNI, "bench", "serve", *args, "--max-tokens", "12", "--ready-timeout", "240", "--json"],
         capture_output=True,
@@ -46,7 +47,7 @@ def test_serve_keys(tiny_model):
     )
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    for server in ("vllm", "omni", "omni_split"):  # omni: the fused ar.generate layout
+    for server in ("vllm", "omni", "omni_split_local"):  # omni: the fused ar.generate layout
         for level in ("c1", "c2"):
             m = r[server][level]
             assert m["tokens"] == 4 * 12, (server, level, m)  # ignore_eos: every token
@@ -57,14 +58,15 @@ def test_serve_keys(tiny_model):
             assert cpu["total"] > 0 and cpu["server"] > 0, (server, level, cpu)
     for stage in ("omni:intake", "omni:generate", "omni:postproces"):  # 15 bytes: Linux's cut
         assert stage in r["omni"]["c2"]["cpu_ms_per_token"], r["omni"]["c2"]
-    assert "omni:prefill" in r["omni_split"]["c2"]["cpu_ms_per_token"]
+    assert "omni:prefill" in r["omni_split_local"]["c2"]["cpu_ms_per_token"]
     for key in (
         "omni_vs_vllm_tok_per_s_c1",
         "omni_vs_vllm_tok_per_s_c2",
         "omni_vs_vllm_ttft_p50_c1",
-        "split_vs_fused_tok_per_s_c1",
+        "split_local_vs_fused_tok_per_s_c1",
     ):
         assert r[key] > 0, key
+    assert "split_local_tok_per_s_c2 >= 0.8 x fused" in r["targets"]
     assert isinstance(r["targets_met"], bool)
 
 

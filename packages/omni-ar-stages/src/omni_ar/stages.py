@@ -148,9 +148,20 @@ class Intake(_ModelStage):
             yield inp.segment(ids, is_last=True)
 
 
-class Prefill(_ModelStage):
-    """Prompt ids -> the first token, with the prompt's KV cache as arrays."""
+class PrefillOptions(ModelOptions, kw_only=True):
+    # conditional disaggregation: a prompt of at most this many tokens is not prefilled
+    # here but passed on, and the decode engine prefills it in its own steps, beside the
+    # requests it is decoding (no KV crosses); 0: every prompt is prefilled here
+    local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
+
+class Prefill(_ModelStage):
+    """Prompt ids -> the first token, with the prompt's KV cache as arrays; or, for a
+    prompt of at most ``local_prefill_max_tokens``, the prompt alone, for decode to
+    prefill (a short prompt costs little to compute where it is decoded, and moving its
+    KV between two engines on one device costs more than it saves)."""
+
+    Options = PrefillOptions
     kv_role = "kv_producer"
 
     def load(self) -> None:
@@ -158,18 +169,25 @@ class Prefill(_ModelStage):
         self.engine.load_model()
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
-        ok: list[StageInput] = []
+        local = self.options.local_prefill_max_tokens
+        here: list[StageInput] = []
         params: list[SamplingParams] = []
         for inp in batch:
             try:
-                params.append(self._sampling_params(inp)[1])
+                p = self._sampling_params(inp)[1]
             except RequestError as e:
                 yield inp.fail(str(e))
                 continue
-            ok.append(inp)
-        if not ok:
+            ids = inp.window.tokens
+            if len(ids) <= local:  # no first token, no KV: decode prefills it
+                payload = {"prompt_tokens": len(ids), "prompt_ids": ids, LOCAL_PREFILL: True}
+                yield inp.segment([], payload=payload, is_last=True)
+                continue
+            here.append(inp)
+            params.append(p)
+        if not here:
             return
-        batch = ok
+        batch = here
         prompts = [inp.window.tokens for inp in batch]
         results = self.engine.prefill_many(prompts, params)  # vLLM: one batch
         for inp, ids, p, res in zip(batch, prompts, params, results, strict=True):
@@ -214,10 +232,13 @@ class Decode(_ModelStage):
                 yield inp.fail(str(e))
                 continue
             w = inp.window
+            prompt = w.payloads[0].get("prompt_ids")
+            if w.payloads[0].get(LOCAL_PREFILL):  # prefill passed it on: prefilled here
+                yield from self._generate(inp, prompt, params)
+                continue
             arrays = w.arrays
             first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
             first_top = [tuple(a) for a in w.payloads[0].get(TOP_IDS, [[]])[0]]
-            prompt = w.payloads[0].get("prompt_ids")
             steps = self.engine.decode(first, arrays["keys"], arrays["values"], params, prompt)
             n_prompt = w.payloads[0].get("prompt_tokens")
             try:
@@ -230,6 +251,35 @@ class Decode(_ModelStage):
                 close = getattr(steps, "close", None)
                 if close is not None:
                     close()
+
+    def _generate(
+        self, inp: StageInput, ids: list[int], params: SamplingParams
+    ) -> Iterator[StageEvent | None]:
+        """Prefill and decode ``ids`` in this stage's engine, streamed in segments. With
+        vLLM the request joins the engine's steps with every other one in flight."""
+        stream = getattr(self.engine, "stream", None)
+        try:
+            # vLLM: the request enters the engine now (a grammar it refuses: RequestError)
+            steps: Iterable[tuple[int, float]] | None = (
+                stream(ids, params) if stream is not None else None
+            )
+        except RequestError as e:
+            yield inp.fail(str(e))
+            return
+        if steps is not None:
+            so_far: list[tuple[int, float]] = []
+        else:  # transformers: one prefill pass, then the decode loop
+            pre = self.engine.prefill(ids, params)
+            first, lp, keys, values = pre
+            so_far = [Sampled((first, lp), pre.top)]
+            steps = self.engine.decode(first, keys, values, params, ids)
+        try:
+            yield None  # the requests that arrived with this one join the same steps
+            yield from self._stream(inp, params, so_far, steps, len(ids))
+        finally:
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()
 
     def _stream(
         self,
@@ -338,31 +388,12 @@ class Generate(Decode):
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         for inp in batch:
-            ids = inp.window.tokens
-            stream = getattr(self.engine, "stream", None)
             try:
                 _, params = self._sampling_params(inp)
-                # vLLM: the request enters the engine now (a grammar it refuses: RequestError)
-                steps: Iterable[tuple[int, float]] | None = (
-                    stream(ids, params) if stream is not None else None
-                )
             except RequestError as e:
                 yield inp.fail(str(e))
                 continue
-            if steps is not None:
-                so_far: list[tuple[int, float]] = []
-            else:  # transformers: one prefill pass, then the decode loop
-                pre = self.engine.prefill(ids, params)
-                first, lp, keys, values = pre
-                so_far = [Sampled((first, lp), pre.top)]
-                steps = self.engine.decode(first, keys, values, params, ids)
-            try:
-                yield None  # the requests that arrived with this one join the same steps
-                yield from self._stream(inp, params, so_far, steps, len(ids))
-            finally:
-                close = getattr(steps, "close", None)
-                if close is not None:
-                    close()
+            yield from self._generate(inp, inp.window.tokens, params)
 
 
 class Postprocess(_ModelStage):
@@ -439,6 +470,7 @@ class Postprocess(_ModelStage):
 
 
 TOP_IDS = "top_ids"  # decode -> postprocess: per token, its alternatives' [id, logprob]
+LOCAL_PREFILL = "local_prefill"  # prefill -> decode: the prompt alone, decode prefills it
 
 
 class _Alternatives:
