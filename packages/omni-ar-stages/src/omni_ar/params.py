@@ -22,14 +22,17 @@ class RequestError(ValueError):
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    max_tokens: int = 16
+    """How a request samples: its fields as OpenAI's completions name them, checked by
+    :func:`parse_request`."""
+
+    max_tokens: int = 16  # tokens to generate at most (the first one included)
     temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = msgspec.field(default_factory=list)
-    logprobs: bool = False
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this mass
+    seed: int | None = None  # with temperature > 0: the same seed, the same tokens
+    stop: list[str] = msgspec.field(default_factory=list)  # the text ends before any of these
+    logprobs: bool = False  # each token's logprob with its text
     top_logprobs: int = 0  # with logprobs: the k most likely alternatives of each token
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # generate max_tokens even past the end-of-sequence token
     # OpenAI's: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
     # {"name", "schema", "strict", "description"}}; checked by parse_request
     response_format: dict[str, Any] | None = None

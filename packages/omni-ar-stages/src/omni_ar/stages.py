@@ -33,8 +33,10 @@ from omni_ar.params import RequestError, Sampled, SamplingParams, parse_request
 
 
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The options every AR stage takes (``options:`` of a stage in the YAML)."""
+
     model: str  # a Hugging Face model directory, or a named model ("smollm2")
-    engine: Literal["transformers", "vllm"] = "transformers"
+    engine: Literal["transformers", "vllm"] = "transformers"  # what runs the model
     kv_connector: Literal["shm", "file"] = "shm"  # vLLM: how prefill's KV reaches decode
     engine_args: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM: extra args
     # the model's dtype; auto: float32 on a CPU, bfloat16 (else float16) on a GPU, and
@@ -46,8 +48,8 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # on the CPU: engines naming the same turn compute one forward at a time, each on all
     # of its threads (a split pipeline's prefill and decode on one machine's cores)
     cpu_turns: str | None = None
-    max_prompt_tokens: int = 2048
-    max_tokens_limit: int = 4096
+    max_prompt_tokens: int = 2048  # intake refuses longer prompts
+    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     default_max_tokens: int = 16  # for requests that do not say
     chat: bool = False  # a plain "prompt" goes through the chat template as a user turn
     system_prompt: str | None = None  # with chat: a system turn before a plain prompt
@@ -149,6 +151,8 @@ class Intake(_ModelStage):
 
 
 class PrefillOptions(ModelOptions, kw_only=True):
+    """``ar.prefill``'s options: :class:`ModelOptions` and the local-prefill threshold."""
+
     # conditional disaggregation: a prompt of at most this many tokens is not prefilled
     # here but passed on, and the decode engine prefills it in its own steps, beside the
     # requests it is decoding (no KV crosses); 0: every prompt is prefilled here
@@ -205,8 +209,11 @@ class Prefill(_ModelStage):
 
 
 class DecodeOptions(ModelOptions, kw_only=True):
-    max_segment_tokens: int = 8
-    min_flush_interval_ms: float = 50.0
+    """``ar.decode``'s and ``ar.generate``'s options: :class:`ModelOptions` and how
+    tokens are flushed downstream."""
+
+    max_segment_tokens: int = 8  # a segment goes out once it holds this many tokens
+    min_flush_interval_ms: float = 50.0  # ... or once this long passed since the last one
     # detokenize in the decode loop itself (no postprocess stage): the baseline that
     # `omni bench ar` compares the separate postprocess process against
     inline_detokenize: bool = False

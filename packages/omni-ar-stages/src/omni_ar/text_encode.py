@@ -30,14 +30,20 @@ from omni_ar.models import resolve_model
 
 
 class TextEncodeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``ar.text_encode``'s options."""
+
     model: str  # a Hugging Face model directory, or a named model ("smollm2")
+    # auto: float32 on a CPU, bfloat16 (else float16) on a GPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    threads: int | None = None
+    threads: int | None = None  # torch threads in this worker
     max_tokens: int = 64  # every prompt is padded or cut to this many tokens
     layer: int = -1  # which hidden layer conditions the image (-1: the last)
 
 
 class TextEncode(Stage):
+    """Text -> ``prompt_embeds`` and ``pooled`` (and their negative-prompt twins), one
+    segment per request (see the module's description)."""
+
     Options = TextEncodeOptions
 
     def load(self) -> None:

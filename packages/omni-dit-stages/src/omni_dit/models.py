@@ -166,6 +166,7 @@ def read_config(path: Path, part: str) -> dict[str, Any]:
 
 
 def torch_dtype(name: str) -> Any:
+    """The torch dtype named ``float32``, ``bfloat16`` or ``float16`` (else ValueError)."""
     import torch
 
     try:
@@ -199,12 +200,15 @@ def load_part(
 def load_vae(
     path: Path, dtype: str = "float32", variant: str | None = None, device: str = "cpu"
 ) -> Any:
+    """The checkpoint's VAE (``AutoencoderKL``), as :func:`load_part` loads a part."""
     from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
     return load_part(AutoencoderKL, path, "vae", dtype, variant, device)
 
 
 def load_scheduler(path: Path) -> Any:
+    """The checkpoint's flow-matching scheduler (``FlowMatchEulerDiscreteScheduler``)
+    from its ``scheduler`` config."""
     from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
         FlowMatchEulerDiscreteScheduler,
     )

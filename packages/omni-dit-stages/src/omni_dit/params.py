@@ -20,20 +20,24 @@ class ImageRequestError(ValueError):
 
 
 class ImageParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    width: int = 256
-    height: int = 256
-    steps: int = 12
+    """A request's ``image`` fields, as :func:`parse_image_request` validates them (a
+    field a request leaves out: the plan stage's ``image_defaults``, else the default
+    here)."""
+
+    width: int = 256  # pixels, a multiple of the architecture's (Architecture.multiple)
+    height: int = 256  # pixels; the same rule as width
+    steps: int = 12  # denoising steps
     # SD3: > 1 is classifier-free guidance against the negative prompt; Flux: the
     # embedded guidance. None: the architecture's default (SD3 1.0: none; Flux 3.5, as
     # its pipeline)
     guidance: float | None = None
     # Flux: > 1 with a negative prompt is classifier-free guidance against it
     true_cfg_scale: float = 1.0
-    seed: int = 0
-    format: Literal["jpeg", "webp", "png"] = "jpeg"
+    seed: int = 0  # the initial noise's seed: the same seed, the same image
+    format: Literal["jpeg", "webp", "png"] = "jpeg"  # the encode stage's output
     quality: int = 90  # JPEG / WEBP quality, 1..100
     preview_every: int = 0  # a preview every k steps; 0: none
-    negative_prompt: str = ""
+    negative_prompt: str = ""  # what guidance steers away from (with guidance on)
 
 
 def parse_image_request(

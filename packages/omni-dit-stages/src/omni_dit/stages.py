@@ -43,6 +43,9 @@ from omni_dit.preview import cached_projection, project
 
 
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The options of ``dit.sample`` and ``dit.vae`` (a stage's ``options:`` in YAML),
+    and the base of ``dit.plan``'s."""
+
     model: str  # a diffusers pipeline directory, a Hugging Face id, or an embedded model
     variant: str | None = None  # weights variant, as diffusers takes it ("fp16")
     # the models' dtype: auto (float32 on a CPU, bfloat16 or float16 on a GPU), float32,
@@ -53,8 +56,11 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class PlanOptions(ModelOptions, kw_only=True):
+    """The options of ``dit.plan``: the model's, and the limits and defaults of a
+    request's ``image`` fields."""
+
     max_pixels: int = 1024 * 1024  # width x height limit of a request
-    max_steps: int = 100
+    max_steps: int = 100  # the most steps a request may ask for
     image_defaults: dict[str, Any] = {}  # image fields for requests that leave them out
 
 

@@ -29,16 +29,23 @@ from omni_dit.stages import check_image_defaults, placement
 
 
 class TextEncodeOptions(TextOptions, forbid_unknown_fields=True, kw_only=True):
+    """The options of ``dit.text_encode``: the checkpoint, and how prompts are encoded
+    (:class:`~omni_dit.architectures.base.TextOptions`)."""
+
     model: str  # a diffusers pipeline directory, a Hugging Face id, or an embedded model
-    variant: str | None = None
+    variant: str | None = None  # weights variant, as diffusers takes it ("fp16")
     dtype: str = "auto"  # auto: float32 on a CPU, bfloat16 or float16 on a GPU
-    threads: int | None = None
+    threads: int | None = None  # torch threads in this worker
     # the plan stage's image_defaults: whether a request is guided decides whether its
     # negative prompt is encoded
     image_defaults: dict[str, Any] = {}
 
 
 class TextEncode(Stage):
+    """``dit.text_encode``: a request's prompt (or the upstream stage's text) -> its
+    conditioning arrays, through the checkpoint's own text encoders (see the module
+    docstring above)."""
+
     Options = TextEncodeOptions
 
     def load(self) -> None:

@@ -41,6 +41,7 @@ def seconds(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line of ``omni serve`` (``omni serve --help`` prints it)."""
     p = argparse.ArgumentParser(
         prog="omni serve",
         description="Serve a pipeline over an OpenAI-compatible HTTP API, with a web page "
@@ -137,6 +138,9 @@ def settings_of(args: argparse.Namespace, model_name: str) -> ServeSettings:
 
 
 def main(argv: list[str]) -> int:
+    """``omni serve`` with ``argv`` (the words after ``serve``): load the config, start
+    the pipeline, bind the socket, serve until interrupted; the exit status (2: a config,
+    setting or address that cannot work, said on stderr)."""
     args = parser().parse_args(argv)
     configure_logging(args.log_level or os.environ.get("OMNI_LOG_LEVEL") or "INFO", args.log_format)
     # the workers inherit the format (they configure logging from the environment)

@@ -28,19 +28,29 @@ class ServeSettings:
     """The server's settings; ``ServeSettings(...)`` refuses ones that cannot work."""
 
     model_name: str
-    api_key: str | None = None  # every endpoint but /health (and the page) needs it
-    # the cap of a request's timeout: a body's timeout_s may lower it, never raise it
-    # (None: the pipeline config's request_timeout_s)
+    """The model name the OpenAI endpoints answer to and ``/v1/models`` lists."""
+    api_key: str | None = None
+    """Every endpoint but ``/health`` (and the page) needs it as ``Authorization:
+    Bearer KEY``; None: no key."""
     request_timeout_s: float | None = None
-    max_body_bytes: int = MAX_BODY_BYTES  # also the limit of a fetched remote image
+    """The cap of a request's timeout: a body's ``timeout_s`` may lower it, never raise
+    it (None: the pipeline config's ``request_timeout_s``)."""
+    max_body_bytes: int = MAX_BODY_BYTES
+    """The largest request body, and the limit of a fetched remote image."""
     max_tokens: int = 4096
+    """The largest ``max_tokens`` a text request may ask for."""
     max_image_pixels: int = 1024 * 1024
+    """The largest image (width x height) an image request may ask for (``size``)."""
     max_images: int = 4
-    # Host header names answered (any port); None: every Host (see omni_serve.middleware)
+    """The most images one image request may ask for (``n``)."""
     allowed_hosts: tuple[str, ...] | None = None
-    cors_origins: tuple[str, ...] = ()  # origins a browser may call from (none: no CORS)
-    # chat image parts with http(s) URLs: fetched by the server (off: only data URLs)
+    """``Host`` header names answered (any port); None: every ``Host`` (see
+    ``omni_serve.middleware``)."""
+    cors_origins: tuple[str, ...] = ()
+    """Origins a browser may call from (none: no CORS headers at all)."""
     allow_remote_images: bool = False
+    """Chat image parts with http(s) URLs are fetched by the server (off: only data
+    URLs)."""
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():

@@ -33,6 +33,9 @@ from omni_ar.params import Sampled, SamplingParams
 
 
 class TransformersEngine:
+    """A causal LM on Hugging Face transformers: prefill, and a decode loop that batches
+    every stream open on the engine into one forward per step."""
+
     def __init__(
         self,
         model: str,
@@ -54,12 +57,14 @@ class TransformersEngine:
         self.turn = cpu_turn(cpu_turns, device)
 
     def load_tokenizer(self) -> Any:
+        """The model's tokenizer (and its chat template), kept as ``self.tokenizer``."""
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         return self.tokenizer
 
     def load_model(self) -> None:
+        """The model's weights, in the engine's dtype, on its device."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -89,6 +94,7 @@ class TransformersEngine:
 
     # -- tokens ---------------------------------------------------------------------
     def encode(self, source: str | list[dict[str, str]]) -> list[int]:
+        """A prompt's token ids; chat messages go through the chat template first."""
         if isinstance(source, str):
             return list(self.tokenizer(source)["input_ids"])
         ids = self.tokenizer.apply_chat_template(source, add_generation_prompt=True, tokenize=True)

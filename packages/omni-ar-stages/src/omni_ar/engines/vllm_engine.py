@@ -165,6 +165,7 @@ class VllmEngine:
         self.turn = cpu_turn(cpu_turns, device)
 
     def load_model(self) -> None:
+        """vLLM's ``LLM`` on the model, with this engine's KV connector and settings."""
         try:
             from vllm import LLM
         except (ImportError, RuntimeError) as e:  # RuntimeError: a CPU-breaking torchvision

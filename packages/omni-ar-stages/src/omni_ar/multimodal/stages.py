@@ -49,9 +49,12 @@ VLLM_UNSUPPORTED = (
 
 
 class MMOptions(ModelOptions, kw_only=True):
+    """The ``ar.mm_*`` stages' options: :class:`~omni_ar.stages.ModelOptions` and image
+    limits."""
+
     block_size: int = 16  # tokens per KV block; prefill and decode must agree
-    max_images: int = 8
-    max_image_pixels: int = 64_000_000
+    max_images: int = 8  # images per request at most
+    max_image_pixels: int = 64_000_000  # width x height of one image at most
 
 
 class _MMStage(_ModelStage):
@@ -123,6 +126,8 @@ class MMIntake(_MMStage):
 
 
 class MMPrefillOptions(MMOptions, kw_only=True):
+    """``ar.mm_prefill``'s options."""
+
     prefix_cache_blocks: int = 4096  # KV blocks kept for repeated prefixes (0: none)
     forward_media: bool = False  # the full-media baseline: leave the media in the request
 
@@ -169,8 +174,10 @@ class MMPrefill(_MMStage):
 
 
 class MMDecodeOptions(DecodeOptions, kw_only=True):
-    block_size: int = 16
-    max_image_pixels: int = 64_000_000
+    """``ar.mm_decode``'s options."""
+
+    block_size: int = 16  # tokens per KV block; as prefill's
+    max_image_pixels: int = 64_000_000  # with media: reprocess, as prefill's
     # "none": the requires_kv handoff; "reprocess": the full-media baseline (decode gets
     # the media and renders the prompt from it again, as a decode without the contract must)
     media: Literal["none", "reprocess"] = "none"
