@@ -12,8 +12,10 @@ from omni_core import Stage, StageEvent, StageInput
 
 
 class HashEncodeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``dit.hash_encode``'s options."""
+
     width: int = 32  # the conditioning width (the DiT's joint_attention_dim)
-    tokens: int = 8
+    tokens: int = 8  # rows of prompt_embeds
 
 
 def hash_conditioning(prompt: str, width: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:

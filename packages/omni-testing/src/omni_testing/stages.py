@@ -21,6 +21,8 @@ from omni_core.stage import Stage, StageEvent, StageInput
 
 
 class SourceOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """``synthetic.source``'s options."""
+
     tokens: int = 8  # default count when the request has no "n"
     segment: int = 4  # tokens per emitted segment
     delay_s: float = 0.0  # sleep per segment
@@ -53,7 +55,9 @@ class TokenSource(Stage):
 
 
 class MapOptions(msgspec.Struct, forbid_unknown_fields=True):
-    scale: int = 1
+    """``synthetic.map``'s options."""
+
+    scale: int = 1  # each token t becomes t * scale + offset
     offset: int = 0
     delay_s: float = 0.0  # hold each trigger this long
 
@@ -91,7 +95,9 @@ class ReplayableMap(TokenMap):
 
 
 class SleepOptions(msgspec.Struct, forbid_unknown_fields=True):
-    hold_s: float = 0.01
+    """``synthetic.sleep``'s options."""
+
+    hold_s: float = 0.01  # how long each request is held
 
 
 class Sleep(Stage):
@@ -123,8 +129,10 @@ class Join(Stage):
 
 
 class ArrayOptions(msgspec.Struct, forbid_unknown_fields=True):
-    nbytes: int = 1 << 20
-    count: int = 1
+    """``synthetic.array_source``'s options."""
+
+    nbytes: int = 1 << 20  # bytes per array, unless the request says ("nbytes")
+    count: int = 1  # arrays per request
 
 
 class ArraySource(Stage):
@@ -171,8 +179,10 @@ class ArraySink(Stage):
 
 
 class FailOptions(msgspec.Struct, forbid_unknown_fields=True):
-    fail_on_load: bool = False
-    exit_on_load: bool = False
+    """``synthetic.faulty``'s options: faults at load time."""
+
+    fail_on_load: bool = False  # load raises
+    exit_on_load: bool = False  # the worker process exits during load
 
 
 class Faulty(Stage):
@@ -219,8 +229,10 @@ class Environment(Stage):
 
 
 class BurstOptions(msgspec.Struct, forbid_unknown_fields=True):
-    count: int = 1000
-    nbytes: int = 1024
+    """``synthetic.burst``'s options."""
+
+    count: int = 1000  # events per request
+    nbytes: int = 1024  # payload bytes per event
     chunk: int = 1  # events per yield (a list when > 1), like a batched decode step
 
 
@@ -315,8 +327,10 @@ class Rendezvous(Stage):
 
 
 class PreviewOptions(msgspec.Struct, forbid_unknown_fields=True):
-    steps: int = 20
-    step_s: float = 0.0
+    """``synthetic.previews``'s options."""
+
+    steps: int = 20  # previews before the final image
+    step_s: float = 0.0  # sleep per step
     size: int = 8  # previews are size x size x 3 uint8; the final image 2x that
 
 
