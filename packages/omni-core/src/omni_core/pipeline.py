@@ -28,15 +28,37 @@ from omni_core.registry import RegistryError, backend_registry
 
 def make_launcher(cfg: PipelineConfig) -> Launcher:
     """The launcher of ``cfg.backend.kind``: ``local``, or one from ``omni.backends``."""
-    kind = cfg.backend.kind
-    if kind == "local":
+    if cfg.backend.kind == "local":
         return ProcessLauncher(cfg)
+    return _backend_class(cfg.backend.kind)(cfg)
+
+
+def _backend_class(kind: str) -> Any:
     try:
-        cls = backend_registry().load(kind)
+        return backend_registry().load(kind)
     except RegistryError as e:
         hint = " (install omni-ray: pip install packages/omni-ray)" if kind == "ray" else ""
         raise RegistryError(f"backend {kind!r}: {e}{hint}") from None
-    return cls(cfg)
+
+
+def make_backend(cfg: PipelineConfig) -> Any:
+    """What runs the pipeline: the in-process runner, the orchestrator over the config's
+    launcher, or, when the backend's class asks to host the control plane elsewhere for
+    this config (a classmethod ``remote_backend(cfg)`` returning an object, not None),
+    that object.
+
+    Such an object stands in for the :class:`Orchestrator` before the caller: ``start``,
+    ``submit`` (with ``loop=``), ``cancel``, ``health``, ``failure``, ``metrics``,
+    ``close(graceful, timeout_s)`` and ``collector.handles`` (the open requests).
+    """
+    if not cfg.mrs.enabled:
+        return InlineRunner(cfg)
+    if cfg.backend.kind != "local":
+        hook = getattr(_backend_class(cfg.backend.kind), "remote_backend", None)
+        remote = hook(cfg) if hook is not None else None
+        if remote is not None:
+            return remote
+    return Orchestrator(cfg, make_launcher(cfg))
 
 
 class Pipeline:
@@ -66,9 +88,7 @@ class Pipeline:
             cfg = load_config(config)
         cfg = cfg.with_backend(backend, address)
         self.config = cfg
-        self.backend: Orchestrator | InlineRunner = (
-            Orchestrator(cfg, make_launcher(cfg)) if cfg.mrs.enabled else InlineRunner(cfg)
-        )
+        self.backend: Orchestrator | InlineRunner | Any = make_backend(cfg)
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -170,7 +190,10 @@ class Pipeline:
         if not self.config.trace:
             raise RuntimeError("tracing is off: set `trace: true` in the pipeline config")
         if not isinstance(self.backend, Orchestrator):
-            raise RuntimeError("traces are recorded by the process backend (mrs.enabled: true)")
+            raise RuntimeError(
+                "traces are recorded by an orchestrator in this process (mrs.enabled: true, "
+                f"not {type(self.backend).__name__})"
+            )
         log = self.backend.trace
         client = self.backend.collector.trace or []
         log.add("client", [], client)
