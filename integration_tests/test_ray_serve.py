@@ -2,10 +2,13 @@
 hosts decode and postprocess is removed and replaced), driven by the real ``openai``
 client: chat (whole and streamed) over the tiny Llama split across nodes, ``/health`` 503
 while that node is gone, and the stages restarting on the replacement node, serving the
-same text again."""
+same text again; and images (whole and streamed with previews) from the tiny SD3 with its
+sampler and VAE on the other node."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import re
@@ -22,7 +25,7 @@ pytest.importorskip("transformers", reason="the transformers engine extra is not
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from omni_ray.testing import add_node, simulated_cluster, split_ar_config  # noqa: E402
+from omni_ray.testing import add_node, on, simulated_cluster, split_ar_config  # noqa: E402
 
 OMNI = "import sys; from omni_core.cli import main; sys.exit(main())"
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
@@ -143,6 +146,53 @@ def test_omni_serve_on_a_ray_cluster_chats_and_survives_a_node(tiny_model, tmp_p
             where = stage_nodes()
             assert where["decode"] == where["postprocess"] == replacement.node_id
             assert chat(client) == before
+        except BaseException:
+            print(log.read_text(errors="replace")[-8000:])
+            raise
+        finally:
+            stop(proc)
+
+
+def image_config(model: str) -> dict:
+    """The tiny SD3 (hash text encoder, 3 steps, a preview each): text, plan and encode on
+    ``node_a``, sample and vae on ``node_b``, so latents and the image cross nodes."""
+    from omni_dit.testing import dit_config
+
+    cfg = dit_config(
+        model,
+        image_defaults={"width": 64, "height": 64, "steps": 3, "preview_every": 1},
+        name="tiny_images",
+    )
+    for st in cfg["stages"]:
+        st.update(on("node_b" if st["name"] in ("sample", "vae") else "node_a"))
+    return cfg
+
+
+def test_omni_serve_on_a_ray_cluster_paints_images(tmp_path):
+    pytest.importorskip("diffusers", reason="needs the DiT family (omni-dit-stages)")
+    from omni_dit import embedded
+    from PIL import Image
+
+    model = tmp_path / "tiny-sd3"
+    embedded.build_tiny_sd3(model, conditioning_width=32)  # dit_config's hash width
+    with simulated_cluster(nodes=2, num_cpus=4) as cluster:
+        proc, url, log = start_server(image_config(str(model)), tmp_path, cluster.address)
+        try:
+            wait_health(url, 200, 180)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            full = client.images.generate(
+                model="tiny_images", prompt="a red fox", size="64x64", response_format="b64_json"
+            )
+            (item,) = full.data
+            img = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
+            assert img.size == (64, 64)
+            events = list(
+                client.images.generate(model="tiny_images", prompt="a red fox", stream=True)
+            )
+            assert events[-1].type == "image_generation.completed"
+            assert events[-1].b64_json == item.b64_json  # the same image, bit for bit
+            partials = [e for e in events if e.type == "image_generation.partial_image"]
+            assert 1 <= len(partials) <= 2  # a preview after each step but the last (droppable)
         except BaseException:
             print(log.read_text(errors="replace")[-8000:])
             raise

@@ -101,6 +101,10 @@ def test_ipc_through_ray_keys():
         for key in ("events_per_s_1k", "gbps_1m", "gbps_64m"):
             assert r[path][key] > 0, (path, key)
     assert r["ray_call_gbps_64m_cross_node"] > 0 and r["mpqueue_events_per_s_1k"] > 0
+    # what reaches the caller: a driver in the cluster, and a Ray Client driver
+    for path in ("ray_driver", "ray_client", "ray_client_vs_driver"):
+        for key in ("events_per_s_1k", "gbps_64m", "ray_get_gbps_64m", "rtt_ms"):
+            assert r[path][key] > 0, (path, key)
     # the 64 MB arrays crossed through the object store; none is left there
     assert r["ray_objects_left"] == 0 and r["ray_object_bytes_left"] == 0
     assert set(r["targets_met"]) == {

@@ -1,7 +1,8 @@
 """The ``ray`` backend: stage workers as Ray actors, placed by Ray, on one or many nodes.
 
 The orchestrator (the same control plane as on the local backend) runs in the caller's
-process, which must be on a node of the cluster (the head, usually). The launcher joins
+process, which must be on a node of the cluster (the head, usually), or, for a Ray Client
+address (``ray://``), in an actor on the head node (:mod:`omni_ray.client`). The launcher joins
 the cluster, puts a :class:`~omni_ray.gateway.NodeGateway` on every node (on nodes that
 join later too), starts one :class:`~omni_ray.stage_actor.StageActor` per stage with the
 stage's ``placement`` (CPUs, GPUs, custom resources, node labels), and tells the gateways
@@ -94,6 +95,17 @@ class RayWorker(WorkerHandle):
 
 
 class RayLauncher(Launcher):
+    """Starts each stage as a :class:`~omni_ray.stage_actor.StageActor` where its
+    ``placement`` lets Ray put it, with a gateway on every node (see the module)."""
+
+    @classmethod
+    def remote_backend(cls, cfg: PipelineConfig) -> Any:
+        """For a Ray Client address (``ray://``) the control plane runs in the cluster
+        (:mod:`omni_ray.client`); else None: the orchestrator runs here over this launcher."""
+        from omni_ray.client import RayClientBackend, is_client_address
+
+        return RayClientBackend(cfg) if is_client_address(cfg.backend.address) else None
+
     def __init__(self, cfg: PipelineConfig) -> None:
         import ray
 

@@ -11,26 +11,31 @@ OBJECT_STORE_BYTES = 256 << 20  # per node; Ray's default (30% of RAM) is far mo
 
 @contextmanager
 def simulated_cluster(
-    nodes: int = 2, num_cpus: int = 8, object_store_bytes: int = OBJECT_STORE_BYTES
+    nodes: int = 2,
+    num_cpus: int = 8,
+    object_store_bytes: int = OBJECT_STORE_BYTES,
+    client_port: int | None = None,
 ) -> Iterator[Any]:
     """A head node and ``nodes - 1`` more on this machine, joined by this process.
 
     Node ``i`` offers the custom resource ``node_<letter>`` (``node_a`` is the head), so
     a stage lands on a node with ``placement: {resources: {node_b: 1}}``. ``num_cpus`` is
-    logical: Ray schedules by it, it is not the cores the machine has.
+    logical: Ray schedules by it, it is not the cores the machine has. ``client_port``:
+    the head also runs a Ray Client server there (``ray://127.0.0.1:<port>``; a Ray
+    Client driver must be another process than this one).
     """
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": num_cpus,
-            "resources": {"node_a": 100},
-            "object_store_memory": object_store_bytes,
-            "include_dashboard": False,
-        },
-    )
+    head: dict[str, Any] = {
+        "num_cpus": num_cpus,
+        "resources": {"node_a": 100},
+        "object_store_memory": object_store_bytes,
+        "include_dashboard": False,
+    }
+    if client_port is not None:
+        head["ray_client_server_port"] = client_port
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for i in range(1, nodes):
             add_node(cluster, f"node_{chr(ord('a') + i)}", num_cpus, object_store_bytes)
@@ -39,6 +44,15 @@ def simulated_cluster(
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a Ray Client server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def add_node(

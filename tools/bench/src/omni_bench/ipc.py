@@ -20,6 +20,16 @@ runtime's). Arrays from 4 MiB cross nodes through Ray's object store;
 ``ray_objects_left`` counts the objects (and ``ray_object_bytes_left`` their bytes) still
 in any node's object store after the cross-node runs, with the pipeline still up (Ray frees
 asynchronously: up to 20 s are allowed for it), as ``ray memory --stats-only`` reports it.
+
+What reaches the caller, from a ``synthetic.burst`` stage on the head node: 1 KB events
+(``events_per_s_1k``, from the burst's start to the last event's arrival), 64 MB arrays
+(``gbps_64m``; ``ray_get_gbps_64m``: what ``ray.get`` of a 64 MB array an actor returns
+achieves, Ray's own figure for that caller) and a one-event request's round trip
+(``rtt_ms``, the median), measured by
+a driver in the cluster (``ray_driver``: the orchestrator in the caller's process) and by
+a Ray Client driver in another process (``ray_client``: the orchestrator in an actor on
+the head, events polled in batches over the client connection; the simulated head runs a
+Ray Client server, or ``--client-address``), and ``ray_client_vs_driver``, their ratios.
 """
 
 from __future__ import annotations
@@ -148,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="best of this many runs")
     ap.add_argument("--backend", choices=["local", "ray"], default="local")
     ap.add_argument("--address", help="ray: a cluster to use instead of two simulated nodes")
+    ap.add_argument(
+        "--client-address",
+        help="ray: that cluster's Ray Client address (ray://HOST:10001) for the ray_client keys",
+    )
     args = ap.parse_args(argv)
     figures = (args.events, args.count_1m, args.count_64m, args.repeat)
     if args.backend == "ray":
@@ -202,17 +216,118 @@ def ray_call_figure(node: str, count: int, repeat: int = 1) -> float:
         ray.kill(source)
 
 
+def caller_figures(
+    events: int, count_64m: int, repeat: int, address: str | None = None
+) -> dict[str, float]:
+    """What reaches the caller on the ``ray`` backend at ``address`` (see the module doc)."""
+    import ray
+    from omni_ray.testing import on
+
+    for attempt in range(3):  # one connection for every pipeline and ray_get_figure
+        if address is None or ray.is_initialized():
+            break
+        try:
+            ray.init(address=address)
+        except ConnectionError:  # Ray's client server failed to start ours: again
+            if attempt == 2:
+                raise
+            time.sleep(1.0)
+    burst = chain(("burst", "synthetic.burst", {}, on("node_a")), shm_pool_bytes=1 << 30)
+    res: dict[str, float] = {}
+    with Pipeline(burst, backend="ray", address=address) as pipe:
+        for key, count, nbytes in (
+            ("events_per_s_1k", events, 1024),
+            ("gbps_64m", count_64m, 64 * MB),
+        ):
+            _caller_run(pipe, 2, nbytes)  # warm up
+            best = min(_caller_run(pipe, count, nbytes) for _ in range(repeat))
+            res[key] = count / best if nbytes == 1024 else count * nbytes / best / 1e9
+    res["ray_get_gbps_64m"] = ray_get_figure(count_64m, repeat)
+    small = chain(("src", "synthetic.source", {}, on("node_a")))
+    with Pipeline(small, backend="ray", address=address) as pipe:
+        rtts = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            if not pipe.generate([{"n": 1}])[0].ok:
+                raise RuntimeError("bench request failed")
+            rtts.append(time.perf_counter() - t0)
+        res["rtt_ms"] = sorted(rtts)[len(rtts) // 2] * 1e3
+    return res
+
+
+class _Maker:
+    def make(self, nbytes: int) -> np.ndarray:
+        return np.ones(nbytes, np.uint8)
+
+
+def ray_get_figure(count: int, repeat: int = 1) -> float:
+    """GB/s of 64 MB arrays that Ray alone brings to this caller: ``ray.get`` of an actor
+    call's result, the actor on node_a (best of ``repeat`` runs of ``count``)."""
+    import ray
+
+    maker = ray.remote(_Maker).options(resources={"node_a": 1}, num_cpus=0).remote()
+    try:
+        ray.get(maker.make.remote(64 * MB))  # warm up
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for _ in range(count):
+                ray.get(maker.make.remote(64 * MB))
+            best = min(best, time.perf_counter() - t0)
+        return count * 64 * MB / best / 1e9
+    finally:
+        ray.kill(maker)
+
+
+def _caller_run(pipe: Pipeline, count: int, nbytes: int) -> float:
+    """Seconds from the burst's start to its last event at the caller."""
+    t0, last, n = 0.0, 0.0, 0
+    for ev in pipe.stream({"count": count, "nbytes": nbytes, "chunk": CHUNK}):
+        if ev.terminal:
+            if ev.event_type != "completed":
+                raise RuntimeError(f"bench request failed: {ev}")
+            break
+        last = time.time()
+        t0 = t0 or ev.payload["t0"]
+        n += 1
+    if n == 0:
+        raise RuntimeError("bench request gave no event")
+    return last - t0
+
+
+def client_figures(address: str, events: int, count_64m: int, repeat: int) -> dict[str, float]:
+    """:func:`caller_figures` from a Ray Client driver (a process of its own)."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys; from omni_bench.ipc import caller_figures; "
+        "print('RESULT ' + json.dumps(caller_figures(*map(int, sys.argv[2:]), sys.argv[1])))"
+    )
+    argv = [sys.executable, "-c", code, address, str(events), str(count_64m), str(repeat)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the Ray Client driver failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
 def _main_ray(args: argparse.Namespace, figures: tuple[int, int, int, int]) -> int:
     import contextlib
 
     import ray
-    from omni_ray.testing import on, simulated_cluster, wait_object_store_empty
+    from omni_ray.testing import free_port, on, simulated_cluster, wait_object_store_empty
 
     res: dict[str, Any] = {"local": runtime_figures(*figures)}
+    client = args.client_address
     if args.address:
         cluster = contextlib.nullcontext(ray.init(address=args.address))
     else:
-        cluster = simulated_cluster(nodes=2, object_store_bytes=2 << 30)
+        port = free_port()
+        client = client or f"ray://127.0.0.1:{port}"
+        cluster = simulated_cluster(nodes=2, object_store_bytes=2 << 30, client_port=port)
+    caller = (args.events, args.count_64m, args.repeat)
     with cluster:
         res["ray_same_node"] = runtime_figures(*figures, "ray", (on("node_a"), on("node_a")))
         res["ray_cross_node"] = runtime_figures(
@@ -223,6 +338,12 @@ def _main_ray(args: argparse.Namespace, figures: tuple[int, int, int, int]) -> i
         )
         for where, node in (("same_node", "node_a"), ("cross_node", "node_b")):
             res[f"ray_call_gbps_64m_{where}"] = ray_call_figure(node, args.count_64m, args.repeat)
+        res["ray_driver"] = caller_figures(*caller)
+        if client:
+            res["ray_client"] = client_figures(client, *caller)
+            res["ray_client_vs_driver"] = {
+                k: v / res["ray_driver"][k] for k, v in res["ray_client"].items()
+            }
     left = res["ray_cross_node"].pop("_left")
     res["mpqueue_events_per_s_1k"] = mpqueue_figure(args.events, 1024, args.repeat)
     res["mpqueue_gbps_64m"] = mpqueue_figure(args.count_64m, 64 * MB, args.repeat) * 64 * MB / 1e9

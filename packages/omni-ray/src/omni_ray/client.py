@@ -1,0 +1,384 @@
+"""The caller's side of a pipeline run over Ray Client (``ray://host:10001``).
+
+The caller is outside the cluster, so the control plane runs there: a
+:class:`~omni_ray.control_actor.ControlActor` pinned to the head node (the node of the
+client server). :class:`RayClientBackend` stands in for the orchestrator before the
+:class:`~omni_core.pipeline.Pipeline`: calls go to the actor, and one pump thread long-polls
+it for the events of every open request (a batch per call, never a call per event) and
+hands them to the requests' handles, arrays as numpy arrays the caller owns.
+
+If the actor or the connection to the cluster dies, every open request ends with a
+``runtime_failed`` error naming it, :attr:`failure` is set and health is unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import traceback
+import uuid
+from typing import Any
+
+import numpy as np
+from omni_core.collector import RequestHandle
+from omni_core.config import PipelineConfig
+from omni_core.delivery import DONE
+from omni_core.errors import RuntimeFailedError, StageStartError
+from omni_core.events import Cancelled, Completed, Error, InlineArray
+from omni_core.serial import _from_bytes, decode_event_frame, encode_frame
+
+from omni_ray.control_actor import ControlActor, encode_config
+
+log = logging.getLogger("omni.ray.client")
+POLL_S = 0.2  # how long one poll waits for an event when none is ready
+CALL_S = 60.0  # the longest a control call may take before the actor counts as gone
+HEAD_RESOURCE = "node:__internal_head__"
+ACTOR_THREADS = 32
+CONNECT_TRIES = 3  # the poll, and callers' submits, cancels, health and metrics
+
+
+def owned_array(handle: InlineArray, flat: np.ndarray) -> Any:
+    """The array ``handle`` describes over ``flat`` (its bytes, as Ray handed them over:
+    read-only when Ray mapped them), copied when the caller could not write it."""
+    if not flat.flags.writeable:
+        flat = flat.copy()
+    return _from_bytes(flat, handle.dtype, handle.shape, handle.torch, owned=True)
+
+
+def why(e: BaseException) -> str:
+    """An exception in one line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def gone(e: BaseException) -> bool:
+    """``e`` says the actor or the connection to the cluster is gone for good."""
+    import ray
+
+    return isinstance(e, (ray.exceptions.RayActorError, ConnectionError))
+
+
+def is_client_address(address: str | None) -> bool:
+    return bool(address) and address.startswith("ray://")  # type: ignore[union-attr]
+
+
+class ClientRequests:
+    """The open requests, as ``Pipeline.close(drain=True)`` reads them."""
+
+    def __init__(self) -> None:
+        self.handles: dict[str, RequestHandle] = {}
+        self.lock = threading.Lock()
+
+
+class RayClientBackend:
+    """The orchestrator's interface, served by a :class:`ControlActor` in the cluster."""
+
+    def __init__(self, cfg: PipelineConfig) -> None:
+        self.cfg = cfg
+        self.collector = ClientRequests()
+        self.failure: dict[str, str] | None = None
+        self.actor: Any = None
+        self.info: dict[str, Any] = {}
+        self.owns_ray = False
+        self.closing = False
+        self._pump: threading.Thread | None = None
+        self._metrics: dict[str, Any] = {
+            "stages": {},
+            "requests": {},
+            "counts": {},
+            "in_flight": 0,
+            "cancel_acks": 0,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            self._connect()
+            self.owns_ray = True
+        try:
+            self.actor = self._make_actor()
+            self.info = self._call(self.actor.start, timeout_s=self.cfg.ready_timeout_s + CALL_S)
+        except BaseException:
+            self._release()
+            raise
+        self._pump = threading.Thread(target=self._run_pump, name="omni-ray-client", daemon=True)
+        self._pump.start()
+
+    def _connect(self) -> None:
+        """Connect to the client server; again when it failed to start this client's
+        server process (Ray's proxier does that now and then: "Starting Ray client server
+        failed")."""
+        import ray
+
+        for attempt in range(CONNECT_TRIES):
+            try:
+                ray.init(address=self.cfg.backend.address, namespace=self.cfg.backend.namespace)
+                return
+            except ConnectionError as e:
+                if attempt == CONNECT_TRIES - 1:
+                    raise ConnectionError(
+                        f"Ray Client at {self.cfg.backend.address}: {why(e)} "
+                        f"({CONNECT_TRIES} tries)"
+                    ) from e
+                log.warning("Ray Client at %s: %s; trying again", self.cfg.backend.address, why(e))
+                time.sleep(1.0)
+
+    def _make_actor(self) -> Any:
+        import os
+
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        head = [
+            n["NodeID"] for n in ray.nodes() if n.get("Alive") and HEAD_RESOURCE in n["Resources"]
+        ]
+        if not head:
+            raise StageStartError(
+                f"Ray Client at {self.cfg.backend.address}: no alive head node in the cluster"
+            )
+        env = {k: v for k, v in os.environ.items() if k.startswith("OMNI_")}
+        return (
+            ray.remote(ControlActor)
+            .options(
+                name=f"omni-control-{uuid.uuid4().hex[:10]}",
+                num_cpus=0,
+                max_concurrency=ACTOR_THREADS,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(head[0], soft=False),
+                runtime_env={"env_vars": env} if env else None,
+            )
+            .remote(encode_config(self.cfg))
+        )
+
+    def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
+        """Stop the actor and everything it started; open requests end."""
+        self.closing = True
+        if self.actor is not None and self.failure is None:
+            try:
+                self._call(self.actor.close, graceful, timeout_s, timeout_s=timeout_s + CALL_S)
+            except Exception as e:  # the actor is gone already: Ray ends what it started
+                log.warning("closing the orchestrator actor: %s", e)
+        if self._pump is not None:
+            self._pump.join(timeout=POLL_S + CALL_S)
+        self._fail_all("pipeline closed before the request finished", "pipeline_closed")
+        if self.failure is not None and self.info:
+            self._sweep_segments(self.info["pipeline_id"])
+        self._release()
+
+    def _sweep_segments(self, pipeline_id: str) -> None:
+        """The actor died with its gateways: unlink their segments on every node."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        try:
+            refs = [
+                ray.remote(sweep_segments)
+                .options(
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+                )
+                .remote(pipeline_id)
+                for n in ray.nodes()
+                if n.get("Alive")
+            ]
+            ray.get(refs, timeout=CALL_S)
+        except Exception as e:  # the cluster is out of reach: nothing more to do from here
+            log.warning("could not unlink the segments of pipeline %s: %s", pipeline_id, e)
+
+    def _release(self) -> None:
+        import ray
+
+        if self.actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.actor, no_restart=True)
+            self.actor = None
+        if self.owns_ray:
+            ray.shutdown()
+            self.owns_ray = False
+
+    # ------------------------------------------------------------------ requests
+    def submit(
+        self,
+        request: dict[str, Any],
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestHandle:
+        if self.failure is not None:
+            f = self.failure
+            raise RuntimeFailedError(f"the runtime failed ({f['part']}: {f['error']})")
+        if self.closing or self._pump is None:
+            raise RuntimeError("pipeline is not running")
+        rid = request_id or uuid.uuid4().hex
+        try:
+            encode_frame([request])
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TypeError(f"request {rid}: cannot be serialized: {e}") from None
+        with self.collector.lock:
+            if rid in self.collector.handles:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            h = self.collector.handles[rid] = RequestHandle(rid, set(), loop)
+        try:
+            self._call(self.actor.submit, request, rid, timeout_s)
+        except BaseException:
+            with self.collector.lock:
+                self.collector.handles.pop(rid, None)
+            raise
+        return h
+
+    def cancel(self, request_id: str) -> bool:
+        if request_id not in self.collector.handles or self.failure is not None:
+            return False
+        return bool(self._call(self.actor.cancel, request_id))
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        if self.failure is None and self.actor is not None:
+            try:
+                return self._call(self.actor.health, timeout_s=10.0)
+            except Exception as e:
+                if not gone(e):  # slow, not gone: unhealthy this time
+                    return self._unhealthy({"part": "the orchestrator actor", "error": why(e)})
+                self._fail(why(e), e)
+        return self._unhealthy(self.failure or {"part": "the pipeline", "error": "not running"})
+
+    def _unhealthy(self, f: dict[str, str]) -> dict[str, dict[str, Any]]:
+        return {
+            s.name: {
+                "alive": False,
+                "healthy": False,
+                "state": "failed",
+                "where": f"{f['part']}: {f['error']}",
+            }
+            for s in self.cfg.stages
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        """The actor's metrics; once it is gone, the last it gave (nothing in flight)."""
+        if self.failure is None and self.actor is not None:
+            try:
+                self._metrics = self._call(self.actor.metrics, timeout_s=10.0)
+            except Exception as e:
+                if gone(e):
+                    self._fail(why(e), e)
+        return {**self._metrics, "in_flight": len(self.collector.handles)}
+
+    def pids(self) -> dict[str, int]:
+        raise RuntimeError("worker pids are not available over Ray Client (ray:// address)")
+
+    # ------------------------------------------------------------------ internals
+    def _call(self, method: Any, *args: Any, timeout_s: float = CALL_S) -> Any:
+        """``method.remote(*args)``'s result; an error the actor raised is raised as is."""
+        import ray
+
+        try:
+            return ray.get(method.remote(*args), timeout=timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, BaseException) else None
+            if cause is not None and not isinstance(cause, ray.exceptions.RayError):
+                raise cause from None
+            raise
+
+    def _run_pump(self) -> None:
+        import ray
+
+        last = 0
+        while True:
+            try:
+                n, frame, flats, failure = ray.get(
+                    self.actor.poll.remote(POLL_S), timeout=POLL_S + CALL_S
+                )
+            except Exception as e:
+                if self.closing and isinstance(e, ray.exceptions.RayActorError):
+                    return  # the actor ended as asked
+                log.error("polling the orchestrator actor failed:\n%s", traceback.format_exc())
+                self._fail(why(e), e)
+                return
+            if n != last + 1:
+                self._fail(f"event batch {n} arrived where {last + 1} was expected")
+                return
+            last = n
+            try:
+                if frame:
+                    self._deliver(decode_event_frame(frame), flats)
+            except Exception:
+                log.error("delivering a batch of events failed:\n%s", traceback.format_exc())
+                self._fail("a batch of events could not be delivered")
+                return
+            if failure is not None and self.failure is None:
+                self.failure = failure
+            if self.closing and not frame:
+                return
+
+    def _deliver(self, events: list[Any], flats: list[dict[str, np.ndarray] | None]) -> None:
+        now = time.monotonic()
+        for ev, flat in zip(events, flats, strict=True):
+            h = self.collector.handles.get(ev.request_id)
+            if h is None:
+                continue
+            ev.arrays = {k: owned_array(h_, flat[k]) for k, h_ in ev.device_handles.items()}
+            ev.device_handles = {}
+            if h.first_event is None:
+                h.first_event = now
+            if ev.terminal:
+                self._finish(h, ev)
+            else:
+                h._put(ev)
+
+    def _finish(self, h: RequestHandle, ev: Any) -> None:
+        """End ``h`` with its one terminal event (no-op if it ended already)."""
+        with self.collector.lock:
+            if h.done:
+                return
+            h.done = True
+            self.collector.handles.pop(h.request_id, None)
+        h.finished = time.monotonic()
+        if isinstance(ev, Completed):
+            h.finish_reason = "completed"
+        elif isinstance(ev, Cancelled):
+            h.finish_reason = ev.reason
+        else:
+            h.finish_reason = "error"
+        h._put(ev)
+        h._put(DONE)
+
+    def _fail(self, error: str, cause: BaseException | None = None) -> None:
+        """The actor or the connection is gone: fail loudly, never hang."""
+        if self.failure is not None:
+            return
+        address = self.cfg.backend.address
+        if isinstance(cause, ConnectionError):
+            part = f"the Ray Client connection to {address} (and the orchestrator actor with it)"
+            error = "the connection was lost: " + error
+        else:
+            part = f"the orchestrator actor (Ray Client {address})"
+        self.failure = {"part": part, "error": error}
+        log.critical("the runtime failed: %s: %s; every open request ends", part, error)
+        self._fail_all(
+            f"the runtime failed ({part}: {error}); restart the pipeline", "runtime_failed"
+        )
+
+    def _fail_all(self, message: str, code: str) -> None:
+        for h in list(self.collector.handles.values()):
+            ev = Error(request_id=h.request_id, stage="", message=message, code=code)
+            ev.arrays = {}
+            self._finish(h, ev)
+
+
+def sweep_segments(pipeline_id: str) -> list[str]:
+    """(A task on a node.) Unlink this node's segments of ``pipeline_id``; their names."""
+    import os
+
+    from omni_core.shm import SHM_DIR, list_segments
+
+    gone = []
+    for name in list_segments():
+        if f"-{pipeline_id}-" in name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                gone.append(name)
+    return gone
