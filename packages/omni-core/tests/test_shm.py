@@ -237,6 +237,49 @@ def test_codec_round_trip_views_without_copy(owner):
     assert copied["blob"] == blob and copied["big"].flags.writeable
 
 
+class ExternalStore:
+    """An external writer that keeps arrays in a dict (a backend's object store)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.cancelled: list[tuple[str, dict]] = []
+
+    def write(self, flat, readers):
+        if "r" not in readers:
+            return None  # not for this reader: the producer takes a slot
+        name = f"ext:{len(self.objects)}"
+        self.objects[name] = flat.tobytes()
+        return name
+
+    def cancel(self, segment, readers):
+        self.cancelled.append((segment, readers))
+        del self.objects[segment]
+
+    def __call__(self, segment):  # the reading side (EXTERNAL_SEGMENTS)
+        return memoryview(self.objects[segment])
+
+
+def test_an_external_writer_takes_the_arrays_a_slot_would_hold(owner, monkeypatch):
+    store = ExternalStore()
+    monkeypatch.setitem(shm_module.EXTERNAL_WRITERS, "p", store)
+    monkeypatch.setitem(shm_module.EXTERNAL_SEGMENTS, "ext:", store)
+    arena = Arena(owner.create("p", 1 << 22))
+    producer = ArrayCodec("p", arena, threshold=1024)
+    big = np.arange(4096, dtype=np.int32).reshape(64, 64)
+    handles = producer.pack({"big": big, "small": np.arange(3)}, {"r": 1})
+    assert handles["big"].segment == "ext:0" and handles["big"].offset == 0
+    assert type(handles["small"]).__name__ == "InlineArray"  # below the threshold: inline
+    assert arena.slots_in_use == 0  # no slot was rented for it
+    arrays, _ = ArrayCodec("r").unpack(handles)
+    assert np.array_equal(arrays["big"], big) and arrays["big"].dtype == np.int32
+    # a writer that declines: a slot, as without one
+    assert producer.pack({"big": big}, {"q": 1})["big"].segment == arena.name
+    # the message fails to pack after the writer took an array: the writer lets it go
+    with pytest.raises(TypeError):
+        producer.pack({"big": big, "bad": [1, 2]}, {"r": 1})
+    assert store.cancelled == [("ext:1", {"r": 1})] and list(store.objects) == ["ext:0"]
+
+
 def test_codec_rejects_object_arrays():
     with pytest.raises(TypeError, match="Python objects"):
         ArrayCodec("p").pack({"x": np.array([object()])}, {})

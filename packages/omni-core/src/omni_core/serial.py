@@ -25,7 +25,7 @@ from omni_core.events import (
     ToOrchestrator,
     ToWorker,
 )
-from omni_core.shm import Arena, SegmentReader
+from omni_core.shm import EXTERNAL_WRITERS, Arena, SegmentReader
 
 DEFAULT_SHM_THRESHOLD = 64 * 1024
 BYTES_DTYPE = "bytes"
@@ -258,12 +258,19 @@ class ArrayCodec:
         """Write each array once; a shared-memory slot is read by every reader in ``readers``."""
         handles: dict[str, Handle] = {}
         rented: list[tuple[int, int]] = []
+        written: list[str] = []  # segments of an external writer
+        writer = EXTERNAL_WRITERS.get(self.producer)
         try:
             for key, value in arrays.items():
                 flat, dtype, shape, torch_ = _as_bytes_view(value)
                 n = flat.size
                 if self.arena is None or n < self.threshold:
                     handles[key] = InlineArray(flat.tobytes(), dtype, shape, torch_)
+                    continue
+                segment = writer.write(flat, readers) if writer is not None else None
+                if segment is not None:
+                    written.append(segment)
+                    handles[key] = ShmHandle(segment, 0, n, dtype, shape, self.producer, 0, torch_)
                     continue
                 off, rental = self.arena.rent(n, readers, self.rent_timeout)
                 rented.append((off, rental))
@@ -274,6 +281,8 @@ class ArrayCodec:
         except BaseException:
             for slot in rented:  # the message will not be sent: its slots go back
                 self.arena.cancel(slot)  # type: ignore[union-attr]
+            for segment in written:
+                writer.cancel(segment, readers)  # type: ignore[union-attr]
             raise
         return handles
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 SHM_DIR = "/dev/shm"
 PREFIX = "omni-"
@@ -45,6 +45,24 @@ log = logging.getLogger("omni.shm")
 # read-only buffer). A backend that carries arrays its own way registers one (omni-ray:
 # objects in Ray's object store); :meth:`SegmentReader.buffer` asks it, never caching.
 EXTERNAL_SEGMENTS: dict[str, Callable[[str], Any]] = {}
+
+
+class ExternalWriter(Protocol):
+    """A backend's cheaper way to a producer's readers for a large array than a slot
+    (omni-ray: Ray's object store, when every reader is on another node)."""
+
+    def write(self, flat: Any, readers: dict[str, int]) -> str | None:
+        """Store ``flat`` (a flat uint8 array) for ``readers`` (name -> count): the name
+        of the segment it now is (offset 0, found through :data:`EXTERNAL_SEGMENTS`), or
+        None: the producer writes it into a slot as usual."""
+
+    def cancel(self, segment: str, readers: dict[str, int]) -> None:
+        """The message carrying ``segment`` will not reach ``readers``: let it go."""
+
+
+# A producer stage's name -> its process's external writer, asked by ArrayCodec.pack for
+# every array it would put in a slot.
+EXTERNAL_WRITERS: dict[str, ExternalWriter] = {}
 
 
 class ShmPoolExhausted(RuntimeError):

@@ -23,7 +23,7 @@ from omni_core.host import CLIENT, StageHost, stage_context
 from omni_core.logs import configure_logging
 from omni_core.registry import load_stage_class
 from omni_core.serial import ArrayCodec, decode_json, encode_frame, releases
-from omni_core.shm import Arena
+from omni_core.shm import EXTERNAL_WRITERS, Arena
 from omni_core.transport import Addresses, Outbox, Sender, Waker, pull_socket, push_socket
 from omni_core.worker.admission import WorkQueue
 from omni_core.worker.control_io import WorkerIO
@@ -121,14 +121,18 @@ class Worker:
         return freed
 
     def _dropped(self, msg: Any, dest: str) -> None:
-        """``msg`` will never reach ``dest``: release its slots on that reader's behalf."""
-        own = [
-            (h.offset, h.rental)
-            for h in getattr(msg, "device_handles", {}).values()
-            if isinstance(h, ShmHandle) and h.segment == self.arena.name
-        ]
+        """``msg`` will never reach ``dest``: release its slots (and what an external
+        writer stored for it) on that reader's behalf."""
+        handles = getattr(msg, "device_handles", {}).values()
+        handles = [h for h in handles if isinstance(h, ShmHandle)]
+        own = [(h.offset, h.rental) for h in handles if h.segment == self.arena.name]
         if own:
             self.arena.release(own, dest)
+        writer = EXTERNAL_WRITERS.get(self.name)
+        if writer is not None:
+            for h in handles:
+                if h.segment != self.arena.name:
+                    writer.cancel(h.segment, {dest: 1})
 
     def _unencodable(self, msg: Any, exc: Exception, dest: str) -> Error | None:
         """An output that cannot go on the wire fails its request (only): the caller gets
