@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -22,7 +23,7 @@ from omni_core.serial import decode_data_frame, encode_frame, releases, salvage_
 from omni_core.shm import SegmentReader
 from omni_core.transport import RESULTS, Addresses, push_socket
 
-from omni_ray.objects import OBJECT_THRESHOLD, segment_name
+from omni_ray.objects import OBJECT_THRESHOLD, is_object, key_of, segment_name
 from omni_ray.routes import owner_of, reader_of
 
 log = logging.getLogger("omni.ray.gateway")
@@ -45,7 +46,11 @@ class FrameGuard:
         reader: SegmentReader,
         pipeline_id: str = "",
         object_threshold: int | None = OBJECT_THRESHOLD,
+        forget_objects: Callable[[str, list[str]], None] | None = None,
     ) -> None:
+        """``forget_objects(endpoint, keys)``: the reader of ``endpoint`` will not read
+        these objects (their message was dropped): whoever holds them for it lets go."""
+        self.forget_objects = forget_objects
         self.node_id = node_id
         self.pipeline_id = pipeline_id
         self.object_threshold = object_threshold  # None: arrays always ride in the frame
@@ -54,6 +59,7 @@ class FrameGuard:
         self.reader = reader
         self.lock = threading.Lock()
         self.dropped = 0  # frames and messages dropped because they could not be handled
+        self.puts = 0  # arrays this gateway put into the object store from a slot
 
     def inline_all(
         self, endpoint: str, frames: list[bytes], outs: dict[str, zmq.Socket]
@@ -88,9 +94,17 @@ class FrameGuard:
             sock = outs[endpoint] = push_socket(self.zctx, self.addr.endpoint(endpoint), 100_000)
         return sock
 
-    def release(self, handles: list[ShmHandle], reader: str, outs: dict[str, zmq.Socket]) -> None:
-        for producer, rel in releases(handles, reader):
+    def release(
+        self, handles: list[ShmHandle], reader: str, outs: dict[str, zmq.Socket], endpoint: str
+    ) -> None:
+        """``reader`` (of ``endpoint``) will not read ``handles``: slots go back to their
+        producers, objects their producers put are let go by whoever holds them."""
+        slots = [h for h in handles if _in_slot(h)]
+        for producer, rel in releases(slots, reader):
             self.out(outs, f"{producer}.ctl").send(encode_frame([rel]))
+        keys = [key_of(h.segment) for h in handles if not _in_slot(h)]
+        if keys and self.forget_objects is not None:
+            self.forget_objects(endpoint, keys)
 
     def fail_requests(self, lost: list[Lost], endpoint: str, outs: dict[str, zmq.Socket]) -> None:
         """End the requests of messages that will not arrive, so none waits for them."""
@@ -121,7 +135,7 @@ class FrameGuard:
         try:
             msgs, lost = self.decode(endpoint, frame)
             shm = [h for m in msgs for h in _handles(m).values() if isinstance(h, ShmHandle)]
-            self.release(shm, reader, outs)
+            self.release(shm, reader, outs, endpoint)
             lost += [_lost(m, why) for m in msgs if not _ours(m)]
             self.fail_requests(lost, endpoint, outs)
         except Exception:
@@ -171,8 +185,9 @@ class FrameGuard:
             if not handles:
                 kept.append(m)
                 continue
-            shm = [h for h in handles.values() if isinstance(h, ShmHandle)]
+            shm = [h for h in handles.values() if _in_slot(h)]
             freed.extend(shm)  # read now, or never: the slots go back either way
+            objects = [h for h in handles.values() if isinstance(h, ShmHandle) and not _in_slot(h)]
             try:
                 mine: list[Any] | None = [] if refs is not None else None
                 copied = {key: self.copy(h, mine) for key, h in handles.items()}
@@ -186,6 +201,7 @@ class FrameGuard:
                     extra={"request_id": m.request_id},
                 )
                 lost.append(_lost(m, f"its arrays cannot be read: {type(e).__name__}: {e}"))
+                freed.extend(objects)  # its producer's objects are not read either
                 continue
             handles.update(copied)
             kept.append(m)
@@ -194,7 +210,7 @@ class FrameGuard:
         if not lost and not freed:
             return frame
         out = encode_frame(kept) if kept else None  # before any release: this may raise
-        self.release(freed, reader, outs)
+        self.release(freed, reader, outs, endpoint)
         if lost:
             with self.lock:
                 self.dropped += len(lost)
@@ -205,8 +221,8 @@ class FrameGuard:
         """An array handle as an :class:`InlineArray` (a copy of its slot's bytes), or,
         from ``object_threshold`` bytes (when ``refs`` is given), as a handle of an object
         in Ray's object store (its reference appended to ``refs``)."""
-        if not isinstance(h, ShmHandle):
-            return h
+        if not _in_slot(h):
+            return h  # inline already, or in the object store already (its producer put it)
         buf = self.reader.buffer(h.segment)
         if h.offset + h.nbytes > len(buf):
             raise ValueError(
@@ -219,10 +235,16 @@ class FrameGuard:
 
             view = np.frombuffer(buf, np.uint8, count=h.nbytes, offset=h.offset)
             ref = ray.put(view)  # one copy, into this node's object store
+            with self.lock:
+                self.puts += 1
             refs.append(ref)
             name = segment_name(self.pipeline_id, ref.hex())
             return ShmHandle(name, 0, h.nbytes, h.dtype, h.shape, h.producer, 0, h.torch)
         return InlineArray(buf[h.offset : h.offset + h.nbytes], h.dtype, h.shape, h.torch)
+
+
+def _in_slot(h: Any) -> bool:
+    return isinstance(h, ShmHandle) and not is_object(h.segment)
 
 
 def _handles(m: Any) -> dict[str, Any]:

@@ -116,7 +116,9 @@ class NodeGateway:
         self.local: dict[str, tuple[threading.Lock, zmq.Socket]] = {}  # delivery sockets
         self.stop = False
         self.failures: dict[str, str] = {}  # endpoint -> why its thread stopped for good
-        self.frames = FrameGuard(node_id, self.addr, self.zctx, self.reader, pipeline_id)
+        self.frames = FrameGuard(
+            node_id, self.addr, self.zctx, self.reader, pipeline_id, forget_objects=self._forget
+        )
         self.held = HeldObjects()  # objects lent to readers on this node, until released
         names = Addresses.names(stages)
         if node_id == head_node:  # the orchestrator binds its own endpoints here
@@ -133,13 +135,14 @@ class NodeGateway:
         with self.lock:
             failures = dict(self.failures)
         with self.frames.lock:
-            dropped = self.frames.dropped
+            dropped, puts = self.frames.dropped, self.frames.puts
         return {
             "socket_dir": self.socket_dir,
             "bind_dir": self.bind_dir,
             "failures": failures,
             "dropped": dropped,
             "objects_held": len(self.held),
+            "objects_put": puts,  # from slots (producers put theirs themselves)
             "channel_frames": self.channel_frames,
             "objects_released": self.held.released,
         }
@@ -175,16 +178,23 @@ class NodeGateway:
 
     def set_routes(self, routes: dict[str, tuple[str | None, int]]) -> None:
         """``{stage: (node or None while it is not placed, version)}``; newer wins."""
-        gone: list[str] = []
-        with self.lock:
+        with self.lock:  # with the routes: a hold checks the route under the same lock
             for stage, (node, version) in routes.items():
                 if version > self.versions.get(stage, -1):
                     if self.routes.get(stage) == self.node_id:
-                        gone.append(stage)  # its life here ended (or it moved)
+                        # its life here ended (or it moved): what that life was lent,
+                        # or was to be, it will not release
+                        self.held.forget_reader(stage)
+                    if self.routes.get(stage) is not None:  # a life ended (anywhere)
+                        self.held.forget_producer(stage)
                     self.routes[stage] = node
                     self.versions[stage] = version
-        for stage in gone:  # what that life was lent, or was to be, it will not release
-            self.held.forget_reader(stage)
+
+    def current_routes(self) -> tuple[dict[str, str | None], dict[str, int]]:
+        """Where each stage lives now (``DRIVER``: the orchestrator's node), and the
+        version of each stage's route (one per life and move)."""
+        with self.lock:
+            return dict(self.routes), dict(self.versions)
 
     def create_segment(self, stage: str, size: int) -> str:
         return self.segments.create(stage, size)
@@ -208,10 +218,10 @@ class NodeGateway:
         """Frames from another node's gateway for ``endpoint``, with the references to the
         objects their large arrays are in (held here until the reader releases them);
         False: it is not here (any more), the sender asks for the route again."""
+        if refs and not self.hold(endpoint, refs):
+            return False
         if self._route(endpoint) != self.node_id:
             return False
-        if refs:
-            self.held.hold(reader_of(endpoint) or "", refs)
         lock, sock = self._local_socket(endpoint)
         with lock:
             for f in frames:
@@ -219,13 +229,31 @@ class NodeGateway:
                     return False
         return True
 
-    def hold(self, endpoint: str, refs: list[Any]) -> bool:
-        """Hold ``refs`` for the reader of ``endpoint`` (their frames follow over its
-        channel); False: it is not here (any more)."""
-        if self._route(endpoint) != self.node_id:
-            return False
-        self.held.hold(reader_of(endpoint) or "", refs)
+    def hold(self, endpoint: str, refs: list[Any], producer: str = "", life: int = -1) -> bool:
+        """Hold ``refs`` for the reader of ``endpoint`` (their frames follow); False: it
+        is not here (any more), or ``producer`` (the stage that put them, if not a
+        gateway) is known here to have ended the life (its route's version) it sent
+        them in: they died with it, and this call may have come late."""
+        with self.lock:
+            if self.routes.get(owner_of(endpoint)) != self.node_id:
+                return False
+            if producer and self.versions.get(producer, -1) > life:
+                return False
+            self.held.hold(reader_of(endpoint) or "", refs, producer)
         return True
+
+    def release(self, reader: str, keys: list[str]) -> None:
+        """``reader`` will not read these objects (their message was dropped on its way)."""
+        self.held.release(reader, keys)
+
+    def _forget(self, endpoint: str, keys: list[str]) -> None:
+        """The reader of ``endpoint`` will not read these objects: its gateway lets go."""
+        reader, node = reader_of(endpoint) or "", self._route(endpoint)
+        if node == self.node_id:
+            self.held.release(reader, keys)
+        elif node is not None:  # (None: its life ended, and what it held went with it)
+            with contextlib.suppress(ValueError):  # that node's gateway is gone
+                self._gateway(node).release.remote(reader, keys)
 
     def lend(self, keys: list[str]) -> list[Any]:
         """A reader on this node asks for the references of objects it was sent (in

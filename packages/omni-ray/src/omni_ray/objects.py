@@ -1,15 +1,19 @@
 """Large arrays between nodes through Ray's object store, with the life of a slot.
 
-An array of at least :data:`OBJECT_THRESHOLD` bytes that sits in a producer's shared
-memory and is bound for another node is put into Ray's object store once, by the gateway
-of the producer's node (``ray.put``; its slot goes back at once, as after a copy), and the
-message carries a handle whose segment names the object (``ray:<pipeline>:<object id>``).
-The object reference itself travels in-band, as an argument of the gateway-to-gateway
-call: the receiving gateway borrows it (Ray's reference counting) and *holds* it for the
-reader. The reader's process maps the array from its own node's object store (zero-copy:
-a read-only view of Ray's shared memory) after asking its node's gateway to *lend* it the
-reference (another in-band borrow; ``SegmentReader.buffer`` calls the resolver this
-module registers in :data:`omni_core.shm.EXTERNAL_SEGMENTS`).
+An array of at least :data:`OBJECT_THRESHOLD` bytes bound for readers on other nodes is
+put into Ray's object store once, and the message carries a handle whose segment names
+the object (``ray:<pipeline>:<object id>``). When every reader of the array is on another
+node, the producer puts it itself (:class:`ObjectWriter`, the
+:class:`~omni_core.shm.ExternalWriter` of its process: one copy, no slot) and hands the
+reference, in-band, to each reader's node's gateway before the message leaves. Else it
+takes a slot as usual, and the gateway of the producer's node puts it (``ray.put`` from
+the slot, which goes back at once, as after a copy) when it forwards the message to a
+reader on another node, with the reference in-band in its gateway-to-gateway call.
+Either way the receiving gateway borrows the reference (Ray's reference counting) and
+*holds* it for the reader. The reader's process maps the array from its own node's object
+store (zero-copy: a read-only view of Ray's shared memory) after asking its node's gateway
+to *lend* it the reference (another in-band borrow; ``SegmentReader.buffer`` calls the
+resolver this module registers in :data:`omni_core.shm.EXTERNAL_SEGMENTS`).
 
 The reference is held for exactly as long as a shared-memory slot would stay rented: the
 reader's :class:`~omni_core.events.Release` for it (sent, like every release, through its
@@ -22,14 +26,19 @@ handling) drop them too, so nothing stays pinned in the object store.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from typing import Any
 
 import msgspec
 from omni_core.events import ReaderLost, Release
+from omni_core.host import CLIENT
 from omni_core.serial import decode_control_frame, encode_frame
-from omni_core.shm import EXTERNAL_SEGMENTS
+from omni_core.shm import EXTERNAL_SEGMENTS, EXTERNAL_WRITERS
+
+from omni_ray.routes import DRIVER, gateway_name, inbox_of
 
 log = logging.getLogger("omni.ray.objects")
 
@@ -55,40 +64,76 @@ def is_object(segment: str) -> bool:
 
 
 class HeldObjects:
-    """A gateway's references to objects lent to readers on its node, until released."""
+    """A gateway's references to objects lent to readers on its node, until released.
+
+    One object may be held for several readers (a fan-out to stages on one node: the
+    producer put it once); it goes when the last of them released it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.refs: dict[str, tuple[str, Any]] = {}  # object id (hex) -> (reader, ref)
-        self.released = 0
+        self.refs: dict[str, Any] = {}  # object id (hex) -> its reference
+        self.readers: dict[str, set[str]] = {}  # object id -> the readers it is held for
+        self.owners: dict[str, str] = {}  # object id -> the producer that put it, until lent
+        self.released = 0  # releases taken (one per object and reader)
 
-    def hold(self, reader: str, refs: list[Any]) -> None:
+    def hold(self, reader: str, refs: list[Any], producer: str = "") -> None:
+        """Hold ``refs`` for ``reader``; ``producer``: the stage that put them (and owns
+        them), if not a gateway."""
         with self.lock:
             for ref in refs:
-                self.refs[ref.hex()] = (reader, ref)
+                key = ref.hex()
+                self.refs[key] = ref
+                self.readers.setdefault(key, set()).add(reader)
+                if producer:
+                    self.owners[key] = producer
 
     def lend(self, keys: list[str]) -> list[Any]:
         """The references for ``keys`` (None: not held here, or no more)."""
         with self.lock:
-            return [self.refs[k][1] if k in self.refs else None for k in keys]
+            for k in keys:
+                self.owners.pop(k, None)  # on its reader's side now: its release ends it
+            return [self.refs.get(k) for k in keys]
 
-    def release(self, keys: list[str]) -> None:
+    def forget_producer(self, producer: str) -> int:
+        """``producer``'s life ended: drop what it put that no reader was lent yet (its
+        message may have died in its process, and the object died with it anyway)."""
+        with self.lock:
+            mine = [k for k, p in self.owners.items() if p == producer]
+            for k in mine:
+                self._drop(k)
+            return len(mine)
+
+    def _drop(self, key: str) -> None:
+        del self.readers[key], self.refs[key]
+        self.owners.pop(key, None)
+
+    def release(self, reader: str, keys: list[str]) -> None:
+        """``reader`` is done with ``keys``."""
         with self.lock:
             for k in keys:
-                if self.refs.pop(k, None) is not None:
-                    self.released += 1
+                readers = self.readers.get(k)
+                if readers is None or reader not in readers:
+                    continue
+                readers.discard(reader)
+                self.released += 1
+                if not readers:
+                    self._drop(k)
 
     def forget_reader(self, reader: str) -> int:
-        """Drop every reference held for ``reader`` (it died); returns how many."""
+        """Drop every hold for ``reader`` (it died); returns how many."""
         with self.lock:
-            gone = [k for k, (r, _) in self.refs.items() if r == reader]
-            for k in gone:
-                del self.refs[k]
-            return len(gone)
+            mine = [k for k, readers in self.readers.items() if reader in readers]
+            for k in mine:
+                self.readers[k].discard(reader)
+                if not self.readers[k]:
+                    self._drop(k)
+            return len(mine)
 
     def clear(self) -> None:
         with self.lock:
             self.refs.clear()
+            self.readers.clear()
+            self.owners.clear()
 
     def __len__(self) -> int:
         with self.lock:
@@ -109,7 +154,7 @@ def take_releases(frame: bytes, held: HeldObjects) -> bytes | None:
     kept: list[Any] = []
     for m in msgs:
         if type(m) is Release and is_object(m.segment):
-            held.release([key_of(m.segment)])
+            held.release(m.reader, [key_of(m.segment)])
             continue
         if type(m) is ReaderLost:
             held.forget_reader(m.reader)
@@ -146,4 +191,141 @@ class _Resolver:
             )
         # the view keeps this node's copy mapped; the gateway's reference keeps the object
         # until the release (the reader needs no reference of its own)
-        return ray.get(ref, timeout=GET_TIMEOUT_S)
+        try:
+            return ray.get(ref, timeout=GET_TIMEOUT_S)
+        except ray.exceptions.RayError as e:  # its owner (the producer) died, say
+            # Ray's frames in the traceback hold the exception in a cycle that only the
+            # garbage collector breaks, and with it the references in their locals:
+            # objects would stay pinned (and Ray's 1-byte marks of lost ones) till then
+            e.__traceback__ = None
+            why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            error = f"array {segment} cannot be read: {type(e).__name__}: {why}"
+        del ref
+        raise LookupError(error)
+
+
+# ---------------------------------------------------------------------- writing side
+ROUTES_TTL_S = 1.0  # how long a producer trusts the routes it last asked its gateway for
+HOLD_TIMEOUT_S = 60.0  # a gateway that neither answers nor is known gone
+
+
+def install_writer(pipeline_id: str, stage: str, node_id: str, gateway: Any) -> ObjectWriter:
+    """Let ``stage``'s process put its large arrays for readers on other nodes into the
+    object store itself (``gateway``: its node's, which knows the routes)."""
+    writer = ObjectWriter(pipeline_id, stage, node_id, gateway)
+    EXTERNAL_WRITERS[stage] = writer
+    return writer
+
+
+class ObjectWriter:
+    """A producer's large arrays for readers that are all on other nodes: put into this
+    node's object store by the producer itself (one copy, where a slot would cost the
+    producer a copy and its gateway another), held by each reader's node's gateway before
+    the message leaves (an in-band borrow, so the producer drops its own reference at
+    once). An array with a reader on this node, or one not placed, takes a slot as usual.
+
+    Routes are a hint, asked of this node's gateway at most every :data:`ROUTES_TTL_S`:
+    a reader that moved to this node meanwhile gets a slot's handle that its gateway
+    forwards as before, and a gateway that no longer has the reader refuses the hold, so
+    the array takes a slot and the routes are asked again.
+
+    The producer owns what it put (Ray's ownership): should its process die, the arrays
+    it sent that no reader has mapped yet are lost with it, and their requests fail at
+    the reader, naming the object."""
+
+    def __init__(self, pipeline_id: str, stage: str, node_id: str, gateway: Any) -> None:
+        self.pipeline_id = pipeline_id
+        self.stage = stage
+        self.node_id = node_id
+        self.gateway = gateway
+        self.routes: dict[str, str | None] = {}
+        self.routes_at = float("-inf")
+        self.life = -1  # the version of this stage's route to this node: its life
+        self.gateways: dict[str, Any] = {}
+        self.puts = 0  # arrays this producer put (for tests and metrics)
+
+    def write(self, flat: Any, readers: dict[str, int]) -> str | None:
+        import ray
+
+        if flat.nbytes < OBJECT_THRESHOLD:
+            return None
+        targets = self._targets(readers)
+        if not targets:
+            return None
+        ref = ray.put(flat)
+        segment = segment_name(self.pipeline_id, ref.hex())
+        calls = [
+            self._gateway(node).hold.remote(inbox_of(r), [ref], self.stage, self.life)
+            for r, node in targets
+        ]
+        del ref  # each call pins it until its gateway holds it (or refused it)
+        held = self._held(calls, readers, targets)
+        if all(held):
+            self.puts += 1
+            return segment
+        self.routes_at = float("-inf")  # a reader moved: ask again next time
+        self.cancel(segment, {r: 1 for (r, _), ok in zip(targets, held, strict=True) if ok})
+        return None
+
+    def _held(
+        self, calls: list[Any], readers: dict[str, int], targets: list[tuple[str, str]]
+    ) -> list[bool]:
+        """The gateways' answers to the holds; all False once a reader left the node it
+        was sent to (the node went away, say: its gateway would not answer soon)."""
+        import ray
+
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        while len(ray.wait(calls, num_returns=len(calls), timeout=ROUTES_TTL_S)[0]) < len(calls):
+            self.routes_at = float("-inf")
+            if self._targets(readers) != targets or time.monotonic() > deadline:
+                log.warning("no answer from the gateways of %s: the array takes a slot", targets)
+                return [False] * len(calls)
+        held = []
+        for call in calls:
+            try:
+                held.append(bool(ray.get(call)))
+            except ray.exceptions.RayError as e:  # that gateway died with its node
+                e.__traceback__ = None  # see _Resolver: no frame may keep the calls alive
+                log.warning("cannot hand an array over: %s: %s", type(e).__name__, e)
+                held.append(False)
+        return held
+
+    def cancel(self, segment: str, readers: dict[str, int]) -> None:
+        if not segment.startswith(segment_name(self.pipeline_id, "")):
+            return
+        key = key_of(segment)
+        for reader in readers:
+            node = self.routes.get(DRIVER if reader == CLIENT else reader)
+            if node is not None:
+                with contextlib.suppress(ValueError):  # that node's gateway is gone
+                    self._gateway(node).release.remote(reader, [key])  # fire and forget
+
+    def _targets(self, readers: dict[str, int]) -> list[tuple[str, str]] | None:
+        """(reader, its node) for each reader, when every one is on another node."""
+        import ray
+
+        if time.monotonic() - self.routes_at > ROUTES_TTL_S:
+            call = self.gateway.current_routes.remote()
+            self.routes, versions = ray.get(call, timeout=HOLD_TIMEOUT_S)
+            self.routes_at = time.monotonic()
+            if self.routes.get(self.stage) == self.node_id:
+                self.life = versions[self.stage]
+        if self.life < 0:  # not routed here yet: its gateway forwards slots meanwhile
+            return None
+        out: list[tuple[str, str]] = []
+        for reader, n in readers.items():
+            node = self.routes.get(DRIVER if reader == CLIENT else reader)
+            if n <= 0:
+                continue
+            if node is None or node == self.node_id:
+                return None
+            out.append((reader, node))
+        return out
+
+    def _gateway(self, node: str) -> Any:
+        import ray
+
+        gw = self.gateways.get(node)
+        if gw is None:
+            gw = self.gateways[node] = ray.get_actor(gateway_name(self.pipeline_id, node))
+        return gw

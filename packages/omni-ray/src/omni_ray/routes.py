@@ -27,3 +27,8 @@ def reader_of(endpoint: str) -> str | None:
     if endpoint.endswith(".data"):
         return endpoint.rsplit(".", 1)[0]
     return None
+
+
+def inbox_of(reader: str) -> str:
+    """The endpoint that brings ``reader`` its arrays (the inverse of :func:`reader_of`)."""
+    return RESULTS if reader == CLIENT else f"{reader}.data"

@@ -11,7 +11,7 @@ import msgspec
 from omni_core.devices import resolve_devices
 from omni_core.worker import WorkerSpec
 
-from omni_ray.objects import install_reader
+from omni_ray.objects import install_reader, install_writer
 from omni_ray.routes import gateway_name
 
 
@@ -37,6 +37,7 @@ class StageActor:
                     ) from None
                 time.sleep(0.1)
         install_reader(pipeline_id, gw)  # arrays from other nodes, through the object store
+        self.writer = install_writer(pipeline_id, self.spec.stage, self.node_id, gw)
         info = ray.get(gw.info.remote())
         self.spec.socket_dir = info["socket_dir"]
         self.spec.bind_dir = info["bind_dir"]
@@ -50,6 +51,10 @@ class StageActor:
 
     def where(self) -> dict[str, Any]:
         return {"node": self.node_id, "pid": os.getpid(), "segment": self.spec.arena}
+
+    def objects_put(self) -> int:
+        """Arrays this stage put into the object store itself (for readers elsewhere)."""
+        return self.writer.puts
 
     def run(self) -> int:
         from omni_core.logs import configure_logging
