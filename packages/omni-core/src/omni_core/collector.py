@@ -205,7 +205,7 @@ class Collector:
             if not droppable:
                 h.delivered[ev.stage] = ev.sequence + 1
             ev.arrays = arrays
-            self._deliver(h, ev)
+            self.deliver(h, ev)
         elif isinstance(ev, Completed):
             h.stages_done.add(ev.stage)
             h.sinks_left.discard(ev.stage)
@@ -216,7 +216,8 @@ class Collector:
             return shm, True
         return shm, False
 
-    def _deliver(self, h: RequestHandle, ev: Event) -> None:
+    def deliver(self, h: RequestHandle, ev: Event) -> None:
+        """Hand ``ev`` (arrays unpacked) to the caller of ``h``."""
         now = time.monotonic()
         if h.first_event is None:
             h.first_event = now
@@ -247,7 +248,7 @@ class Collector:
         else:
             h.finish_reason = "error"
         self.counts[h.finish_reason] += 1
-        self._deliver(h, terminal)
+        self.deliver(h, terminal)
         h._put(DONE)
         self.handles.pop(h.request_id, None)
         self.wire.pop(h.wire_id, None)

@@ -23,12 +23,12 @@ import uuid
 from typing import Any
 
 import numpy as np
-from omni_core.collector import RequestHandle
+from omni_core.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
-from omni_core.delivery import DONE
 from omni_core.errors import RuntimeFailedError, StageStartError
-from omni_core.events import Cancelled, Completed, Error, InlineArray
-from omni_core.serial import _from_bytes, decode_event_frame, encode_frame
+from omni_core.events import InlineArray
+from omni_core.host import CLIENT
+from omni_core.serial import ArrayCodec, _from_bytes, decode_event_frame, encode_frame
 
 from omni_ray.control_actor import ControlActor, encode_config
 
@@ -65,20 +65,15 @@ def is_client_address(address: str | None) -> bool:
     return bool(address) and address.startswith("ray://")  # type: ignore[union-attr]
 
 
-class ClientRequests:
-    """The open requests, as ``Pipeline.close(drain=True)`` reads them."""
-
-    def __init__(self) -> None:
-        self.handles: dict[str, RequestHandle] = {}
-        self.lock = threading.Lock()
-
-
 class RayClientBackend:
     """The orchestrator's interface, served by a :class:`ControlActor` in the cluster."""
 
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
-        self.collector = ClientRequests()
+        # the caller's side of the requests: the events arrive checked and in order (the
+        # actor's own collector did that), so this one only ends and hands them over
+        self.collector = Collector([], [], ArrayCodec(CLIENT))
+        self.lock = threading.Lock()  # the collector's: the pump and callers share it
         self.failure: dict[str, str] | None = None
         self.actor: Any = None
         self.info: dict[str, Any] = {}
@@ -219,15 +214,14 @@ class RayClientBackend:
             encode_frame([request])
         except (TypeError, ValueError, OverflowError) as e:
             raise TypeError(f"request {rid}: cannot be serialized: {e}") from None
-        with self.collector.lock:
-            if rid in self.collector.handles:
-                raise ValueError(f"request id {rid!r} is already in flight")
-            h = self.collector.handles[rid] = RequestHandle(rid, set(), loop)
+        with self.lock:
+            h = self.collector.open(rid, loop)
         try:
             self._call(self.actor.submit, request, rid, timeout_s)
         except BaseException:
-            with self.collector.lock:
+            with self.lock:
                 self.collector.handles.pop(rid, None)
+                self.collector.wire.pop(rid, None)
             raise
         return h
 
@@ -315,36 +309,21 @@ class RayClientBackend:
                 return
 
     def _deliver(self, events: list[Any], flats: list[dict[str, np.ndarray] | None]) -> None:
-        now = time.monotonic()
-        for ev, flat in zip(events, flats, strict=True):
-            h = self.collector.handles.get(ev.request_id)
-            if h is None:
-                continue
-            ev.arrays = {k: owned_array(h_, flat[k]) for k, h_ in ev.device_handles.items()}
-            ev.device_handles = {}
-            if h.first_event is None:
-                h.first_event = now
-            if ev.terminal:
-                self._finish(h, ev)
-            else:
-                h._put(ev)
-
-    def _finish(self, h: RequestHandle, ev: Any) -> None:
-        """End ``h`` with its one terminal event (no-op if it ended already)."""
-        with self.collector.lock:
-            if h.done:
-                return
-            h.done = True
-            self.collector.handles.pop(h.request_id, None)
-        h.finished = time.monotonic()
-        if isinstance(ev, Completed):
-            h.finish_reason = "completed"
-        elif isinstance(ev, Cancelled):
-            h.finish_reason = ev.reason
-        else:
-            h.finish_reason = "error"
-        h._put(ev)
-        h._put(DONE)
+        with self.lock:
+            for ev, flat in zip(events, flats, strict=True):
+                h = self.collector.handles.get(ev.request_id)
+                if h is None:
+                    continue
+                ev.arrays = {k: owned_array(h_, flat[k]) for k, h_ in ev.device_handles.items()}
+                ev.device_handles = {}
+                if ev.terminal:
+                    self.collector.finish(h, ev)
+                else:
+                    self.collector.deliver(h, ev)
+            orphans = self.collector.take_orphans()  # their readers went away
+        for rid in orphans:
+            with contextlib.suppress(Exception):
+                self._call(self.actor.cancel, rid)
 
     def _fail(self, error: str, cause: BaseException | None = None) -> None:
         """The actor or the connection is gone: fail loudly, never hang."""
@@ -363,10 +342,8 @@ class RayClientBackend:
         )
 
     def _fail_all(self, message: str, code: str) -> None:
-        for h in list(self.collector.handles.values()):
-            ev = Error(request_id=h.request_id, stage="", message=message, code=code)
-            ev.arrays = {}
-            self._finish(h, ev)
+        with self.lock:
+            self.collector.fail_all(message, code)
 
 
 def sweep_segments(pipeline_id: str) -> list[str]:

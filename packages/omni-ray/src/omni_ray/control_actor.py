@@ -3,10 +3,12 @@
 A Ray Client caller cannot bind the head node's sockets nor map its shared memory, so
 :class:`ControlActor` runs the usual :class:`~omni_core.orchestrator.Orchestrator` (over a
 :class:`~omni_ray.launcher.RayLauncher`, which finds Ray already initialized) on the head
-node, and hands the caller its events in batches: every request's events go into one
-queue, and :meth:`ControlActor.poll` returns all that is ready (long-poll), encoded as one
-frame, with the events' arrays beside it as flat numpy arrays (the collector's own copies:
-no shared-memory view leaves the actor), which Ray serializes out of band, unlike bytes
+node, and hands the caller its events in batches: each request's events wait in its own
+inbox (merged, for a caller that polls slower than the stages produce, as the caller's own
+inbox would merge them), one queue lists the requests that have some, and
+:meth:`ControlActor.poll` returns all that is ready (long-poll), encoded as one frame,
+with the events' arrays beside it as flat numpy arrays (the collector's own copies: no
+shared-memory view leaves the actor), which Ray serializes out of band, unlike bytes
 inlined into the frame.
 """
 
@@ -16,13 +18,12 @@ import logging
 import threading
 import time
 import traceback
-from collections import deque
 from typing import Any
 
 import msgspec
 from omni_core.collector import RequestHandle
 from omni_core.config import PipelineConfig
-from omni_core.delivery import DONE
+from omni_core.delivery import DONE, Inbox
 from omni_core.events import InlineArray
 from omni_core.serial import _as_bytes_view, decode_json, encode_frame
 
@@ -31,29 +32,31 @@ BATCH_BYTES = 64 << 20  # a poll returns at most about this much (one larger eve
 
 
 class EventQueue:
-    """Events of every request, in the order the collector delivered them."""
+    """The requests whose inboxes hold events for the caller, in the order they got them
+    (each request's own events stay in its inbox, in order, until a poll takes them)."""
 
     def __init__(self) -> None:
-        self.items: deque[Any] = deque()
+        self.waiting: dict[int, ForwardInbox] = {}  # insertion-ordered
         self.ready = threading.Condition()
         self.closed = False
 
-    def put(self, ev: Any) -> None:
+    def notify(self, inbox: ForwardInbox) -> None:
         with self.ready:
-            self.items.append(ev)
+            self.waiting.setdefault(id(inbox), inbox)
             self.ready.notify_all()
 
     def take(self, timeout_s: float, max_bytes: int = BATCH_BYTES) -> list[Any]:
         """What is ready now, else what arrives within ``timeout_s`` (a long poll)."""
         with self.ready:
-            if not self.items and not self.closed:
+            if not self.waiting and not self.closed:
                 self.ready.wait(timeout_s)
             out: list[Any] = []
             size = 0
-            while self.items and (not out or size < max_bytes):
-                ev = self.items.popleft()
-                size += sum(a.nbytes for a in ev.__dict__.get("flat", {}).values())
-                out.append(ev)
+            while self.waiting and (not out or size < max_bytes):
+                key, inbox = next(iter(self.waiting.items()))
+                size += inbox.drain(out, max_bytes - size)
+                if not len(inbox):  # (a put after this finds it gone and adds it again)
+                    del self.waiting[key]
             return out
 
     def close(self) -> None:
@@ -62,33 +65,42 @@ class EventQueue:
             self.ready.notify_all()
 
 
-class ForwardInbox:
-    """Stands in for a request's inbox in the actor: events go to the shared queue; each
-    array becomes a flat uint8 array (``flat``, beside the frame) and a handle without
-    data that says its dtype and shape (the collector already copied it out of shared
-    memory)."""
+class ForwardInbox(Inbox):
+    """A request's inbox in the actor: it numbers and, for a caller that polls slower than
+    the stages produce, merges its events as the caller's own inbox would (so what waits
+    is bounded by the request's output, not by its event count), and tells the shared
+    queue it has some. A poll turns each event's arrays into flat uint8 arrays (``flat``,
+    beside the frame) and handles without data that say their dtype and shape (the
+    collector already copied them out of shared memory)."""
 
-    def __init__(self, queue: EventQueue, sequence: int = 0) -> None:
+    def __init__(self, queue: EventQueue) -> None:
+        super().__init__(None)
         self.queue = queue
-        self.sequence = sequence
 
     def put(self, item: Any) -> bool:
         if item is DONE:  # the terminal event, already forwarded, ends the stream
             return True
-        item.sequence = self.sequence
-        self.sequence += 1
-        handles, flats = {}, {}
-        for key, value in (item.__dict__.pop("arrays", None) or {}).items():
-            flats[key], dtype, shape, torch_ = _as_bytes_view(value)
-            handles[key] = InlineArray(b"", dtype, shape, torch_)
-        item.device_handles = handles
-        if flats:
-            item.flat = flats
-        self.queue.put(item)
+        super().put(item)
+        self.queue.notify(self)
         return True
 
-    def __len__(self) -> int:
-        return 0
+    def drain(self, out: list[Any], max_bytes: int) -> int:
+        """Move waiting events into ``out`` (at least one) up to about ``max_bytes`` of
+        arrays; returns their bytes."""
+        size = 0
+        with self.lock:
+            while self.items and (size < max_bytes or not out):
+                item = self.items.popleft()
+                handles, flats = {}, {}
+                for key, value in (item.__dict__.pop("arrays", None) or {}).items():
+                    flats[key], dtype, shape, torch_ = _as_bytes_view(value)
+                    handles[key] = InlineArray(b"", dtype, shape, torch_)
+                    size += flats[key].nbytes
+                item.device_handles = handles
+                if flats:
+                    item.flat = flats
+                out.append(item)
+        return size
 
 
 class ControlActor:
@@ -125,7 +137,7 @@ class ControlActor:
             old = h._inbox
             fwd = ForwardInbox(self.queue)
             with old.lock:
-                early = list(old.items)
+                early = [item for item in old.items if item is not DONE]
             h._inbox = fwd  # type: ignore[assignment]
             for item in early:
                 fwd.put(item)
