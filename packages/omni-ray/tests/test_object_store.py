@@ -29,6 +29,28 @@ def summary(out):
     ]
 
 
+def fan_out(sinks: dict[str, str], *more) -> dict:
+    """An array source on node_a fanned out to a sink per ``{name: node}`` (windows of 1,
+    2, ...), and the stages ``more``."""
+    source = ("arrays", "synthetic.array_source", {"nbytes": NBYTES}, on("node_a"))
+    return chain(
+        source,
+        *[(name, "synthetic.array_sink", {}, on(node)) for name, node in sinks.items()],
+        *more,
+        edges=[
+            {"from": "arrays", "to": name, "window": {"size": i + 1}}
+            for i, name in enumerate(sinks)
+        ],
+        shm_pool_bytes=64 << 20,
+    )
+
+
+def local_summaries(cfg, requests):
+    """What the local backend gives for ``requests``: what the Ray backend must give."""
+    with Pipeline(cfg, backend="local") as pipe:
+        return [summary(o) for o in pipe.generate(requests)]
+
+
 def gateway_infos(pipe):
     launcher = pipe.backend.launcher
     return {n: ray.get(gw.info.remote(), timeout=30) for n, gw in launcher.gateways.items()}
@@ -45,20 +67,11 @@ def held(pipe):
 
 
 def test_large_arrays_cross_nodes_through_the_object_store_and_none_is_left(cluster):
-    cfg = chain(
-        ("arrays", "synthetic.array_source", {"nbytes": NBYTES}, on("node_a")),
-        ("sink_b", "synthetic.array_sink", {}, on("node_b")),  # through the object store
-        ("sink_a", "synthetic.array_sink", {}, on("node_a")),  # shared memory
-        ("to_caller", "synthetic.array_source", {"nbytes": NBYTES}, on("node_b")),
-        edges=[
-            {"from": "arrays", "to": "sink_b", "window": {"size": 1}},
-            {"from": "arrays", "to": "sink_a", "window": {"size": 2}},
-        ],
-        shm_pool_bytes=64 << 20,
-    )
+    # sink_b through the object store, sink_a through shared memory
+    to_caller = ("to_caller", "synthetic.array_source", {"nbytes": NBYTES}, on("node_b"))
+    cfg = fan_out({"sink_b": "node_b", "sink_a": "node_a"}, to_caller)
     requests = [{"count": 6}, {"count": 3, "nbytes": NBYTES + 12_345}]
-    with Pipeline(cfg, backend="local") as pipe:
-        local = [summary(o) for o in pipe.generate(requests)]
+    local = local_summaries(cfg, requests)
     with Pipeline(cfg, backend="ray") as pipe:
         outs = pipe.generate(requests, timeout_s=120)
         where = {n: h["where"] for n, h in pipe.backend.health().items()}
@@ -83,19 +96,9 @@ def test_large_arrays_cross_nodes_through_the_object_store_and_none_is_left(clus
 
 
 def test_a_fan_out_to_one_other_node_puts_each_array_once(cluster):
-    cfg = chain(
-        ("arrays", "synthetic.array_source", {"nbytes": NBYTES}, on("node_a")),
-        ("sink_1", "synthetic.array_sink", {}, on("node_b")),
-        ("sink_2", "synthetic.array_sink", {}, on("node_b")),
-        edges=[
-            {"from": "arrays", "to": "sink_1", "window": {"size": 1}},
-            {"from": "arrays", "to": "sink_2", "window": {"size": 2}},
-        ],
-        shm_pool_bytes=64 << 20,
-    )
+    cfg = fan_out({"sink_1": "node_b", "sink_2": "node_b"})
     requests = [{"count": 5}, {"count": 2, "nbytes": NBYTES + 999}]
-    with Pipeline(cfg, backend="local") as pipe:
-        local = [summary(o) for o in pipe.generate(requests)]
+    local = local_summaries(cfg, requests)
     with Pipeline(cfg, backend="ray") as pipe:
         assert [summary(o) for o in pipe.generate(requests, timeout_s=120)] == local
         # both readers live on node_b: the producer put each array once, no slot, and
@@ -126,22 +129,39 @@ def slow_reader_config(node: str) -> dict:
     )
 
 
+def submit_until_held(pipe):
+    """A burst of 24 arrays into the slow reader, once 4 of them wait in its queue."""
+    handle = pipe.submit({"count": 24, "nbytes": NBYTES})
+    end = time.monotonic() + 60
+    while held(pipe) < 4:
+        assert time.monotonic() < end, gateway_infos(pipe)
+        time.sleep(0.05)
+    return handle
+
+
+def wait_released(pipe):
+    """Until no gateway holds an object for a reader."""
+    end = time.monotonic() + 20
+    while held(pipe):
+        assert time.monotonic() < end, gateway_infos(pipe)
+        time.sleep(0.1)
+
+
+def kill_while_held(pipe, stage):
+    """SIGKILL ``stage`` once arrays wait in the slow reader's queue: the request ends
+    with its error, it restarts, and no gateway holds an object any more."""
+    handle = submit_until_held(pipe)
+    kill_stage(pipe, stage)
+    events = list(handle)
+    assert events[-1].event_type == "error" and events[-1].stage == stage, events[-1]
+    assert wait_ready(pipe, stage)
+    wait_released(pipe)
+
+
 def test_a_reader_that_dies_holding_objects_leaves_none_behind(cluster):
     cfg = slow_reader_config("node_b")
     with Pipeline(cfg, backend="ray") as pipe:
-        handle = pipe.submit({"count": 24, "nbytes": NBYTES})
-        end = time.monotonic() + 60
-        while held(pipe) < 4:  # arrays wait in the slow reader's queue
-            assert time.monotonic() < end, gateway_infos(pipe)
-            time.sleep(0.05)
-        kill_stage(pipe, "slow")
-        events = list(handle)
-        assert events[-1].event_type == "error" and events[-1].stage == "slow", events[-1]
-        assert wait_ready(pipe, "slow")
-        end = time.monotonic() + 20
-        while held(pipe):
-            assert time.monotonic() < end, gateway_infos(pipe)
-            time.sleep(0.1)
+        kill_while_held(pipe, "slow")
         usage = wait_object_store_empty()
         assert usage["objects"] == 0, usage
         out = pipe.generate([{"count": 3, "nbytes": NBYTES}], timeout_s=60)[0]
@@ -199,11 +219,7 @@ def test_a_reader_node_that_goes_away_leaves_no_object_behind(cluster):
     node_c = add_node(cluster, "node_c")
     cfg = slow_reader_config("node_c")
     with Pipeline(cfg, backend="ray") as pipe:
-        handle = pipe.submit({"count": 24, "nbytes": NBYTES})
-        end = time.monotonic() + 60
-        while held(pipe) < 4:
-            assert time.monotonic() < end, gateway_infos(pipe)
-            time.sleep(0.05)
+        handle = submit_until_held(pipe)
         cluster.remove_node(node_c)  # the reader, its gateway and their references
         events = list(handle)
         assert events[-1].event_type == "error" and events[-1].stage == "slow", events[-1]
@@ -222,19 +238,7 @@ def test_a_producer_that_dies_with_objects_in_flight_leaves_none_behind(cluster)
     cfg = slow_reader_config("node_b")
     cfg["stages"][0]["restart_backoff_s"] = 0.2
     with Pipeline(cfg, backend="ray") as pipe:
-        handle = pipe.submit({"count": 24, "nbytes": NBYTES})
-        end = time.monotonic() + 60
-        while held(pipe) < 4:  # arrays the producer put wait in the slow reader's queue
-            assert time.monotonic() < end, gateway_infos(pipe)
-            time.sleep(0.05)
-        kill_stage(pipe, "burst")
-        events = list(handle)
-        assert events[-1].event_type == "error" and events[-1].stage == "burst", events[-1]
-        assert wait_ready(pipe, "burst")
-        end = time.monotonic() + 20
-        while held(pipe):  # the reader dropped the failed request's arrays: released
-            assert time.monotonic() < end, gateway_infos(pipe)
-            time.sleep(0.1)
+        kill_while_held(pipe, "burst")
         usage = wait_object_store_empty()
         assert usage["bytes"] <= NBYTES + 1024, usage  # at most the one being mapped
         out = pipe.generate([{"count": 3, "nbytes": NBYTES}], timeout_s=60)[0]
