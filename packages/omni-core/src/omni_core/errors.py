@@ -34,6 +34,11 @@ class RuntimeFailedError(OmniError):
 
     code = "runtime_failed"
 
+    @classmethod
+    def of(cls, failure: dict[str, str]) -> RuntimeFailedError:
+        """The error for a runtime whose ``failure`` (``{"part", "error"}``) is set."""
+        return cls(f"the runtime failed ({failure['part']}: {failure['error']})")
+
 
 class OverloadedError(OmniError):
     """Admission refused: ``max_queued_requests`` requests are already open."""

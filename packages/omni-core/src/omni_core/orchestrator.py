@@ -48,9 +48,9 @@ from omni_core.poll_loop import PollLoop
 from omni_core.request_table import RequestTable
 from omni_core.serial import (
     ArrayCodec,
+    check_request,
     decode_event_frame,
     decode_status_frame,
-    encode_frame,
     releases,
     salvage_frame,
 )
@@ -366,8 +366,7 @@ class Orchestrator:
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
         if self.failure is not None:
-            f = self.failure
-            raise RuntimeFailedError(f"the runtime failed ({f['part']}: {f['error']})")
+            raise RuntimeFailedError.of(self.failure)
         if self.closing or self._thread is None:
             raise RuntimeError("pipeline is not running")
         dead = [p for p in self.procs.values() if p.state == "dead"]
@@ -379,10 +378,7 @@ class Orchestrator:
             )
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
-        try:
-            encode_frame([request])
-        except (TypeError, ValueError, OverflowError) as e:
-            raise TypeError(f"request {rid}: cannot be serialized: {e}") from None
+        check_request(request, rid)
         h = self.requests.open(rid, request, timeout_s, loop)
         self.send_submit(rid, request, h.deadline_wall)
         return h

@@ -57,6 +57,14 @@ def encode_frame(messages: list[Any]) -> bytes:
     return _encoder.encode(messages)
 
 
+def check_request(request: dict[str, Any], request_id: str) -> None:
+    """Raise TypeError, naming the request, if ``request`` cannot go on the wire."""
+    try:
+        encode_frame([request])
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"request {request_id}: cannot be serialized: {e}") from None
+
+
 def encode_events_into(messages: list[Any], buffer: bytearray) -> None:
     """A frame of data-plane messages into ``buffer`` (resized to the frame), runs of
     array-free segments packed in columns."""

@@ -28,7 +28,7 @@ from omni_core.config import PipelineConfig
 from omni_core.errors import RuntimeFailedError, StageStartError
 from omni_core.events import InlineArray
 from omni_core.host import CLIENT
-from omni_core.serial import ArrayCodec, _from_bytes, decode_event_frame, encode_frame
+from omni_core.serial import ArrayCodec, _from_bytes, check_request, decode_event_frame
 
 from omni_ray.control_actor import ControlActor, encode_config
 
@@ -205,15 +205,11 @@ class RayClientBackend:
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
         if self.failure is not None:
-            f = self.failure
-            raise RuntimeFailedError(f"the runtime failed ({f['part']}: {f['error']})")
+            raise RuntimeFailedError.of(self.failure)
         if self.closing or self._pump is None:
             raise RuntimeError("pipeline is not running")
         rid = request_id or uuid.uuid4().hex
-        try:
-            encode_frame([request])
-        except (TypeError, ValueError, OverflowError) as e:
-            raise TypeError(f"request {rid}: cannot be serialized: {e}") from None
+        check_request(request, rid)
         with self.lock:
             h = self.collector.open(rid, loop)
         try:

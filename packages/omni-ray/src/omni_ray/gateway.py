@@ -218,9 +218,10 @@ class NodeGateway:
         """Frames from another node's gateway for ``endpoint``, with the references to the
         objects their large arrays are in (held here until the reader releases them);
         False: it is not here (any more), the sender asks for the route again."""
-        if refs and not self.hold(endpoint, refs):
-            return False
-        if self._route(endpoint) != self.node_id:
+        if refs:
+            if not self.hold(endpoint, refs):  # (it checks the route)
+                return False
+        elif self._route(endpoint) != self.node_id:
             return False
         lock, sock = self._local_socket(endpoint)
         with lock:
