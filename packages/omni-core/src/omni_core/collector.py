@@ -81,6 +81,10 @@ class RequestHandle:
         self.last_event = 0.0
         self.sinks_left = set(sinks)
         self.stages_done: set[str] = set()
+        # replicated stage -> the replica this attempt is bound to; those still counted
+        # as outstanding there (until the stage completes the request, or it ends)
+        self.routes: dict[str, int] | None = None
+        self.bound: set[str] = set()
         self.next_seq: dict[str, int] = {}
         self.done = False
         self.finish_reason = ""
@@ -141,6 +145,8 @@ class Collector:
         self.metrics = RequestMetrics()
         self.trace: list[TraceMark] | None = None  # set to a list to record arrivals
         self.orphans: list[str] = []  # wire ids of requests whose reader's loop closed
+        # (stage, replica) -> requests bound to it and not past it: the replica's load
+        self.outstanding: dict[tuple[str, int], int] = {}
 
     def open(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         if request_id in self.handles:
@@ -149,6 +155,26 @@ class Collector:
             request_id, self.awaited, loop
         )
         return h
+
+    def bind(self, h: RequestHandle, routes: dict[str, int] | None) -> None:
+        """Bind ``h`` (this attempt) to ``routes``' replicas; each counts it as outstanding
+        until its stage completes the request or the request ends."""
+        self.unbind(h)
+        h.routes = routes
+        if routes:
+            h.bound = set(routes)
+            for key in routes.items():
+                self.outstanding[key] = self.outstanding.get(key, 0) + 1
+
+    def unbind(self, h: RequestHandle, stage: str | None = None) -> None:
+        """``h`` is past ``stage`` (every stage when None): no longer outstanding there."""
+        if not h.bound:
+            return
+        for s in [stage] if stage is not None else list(h.bound):
+            if s in h.bound:
+                h.bound.discard(s)
+                key = (s, h.routes[s])  # type: ignore[index]
+                self.outstanding[key] -= 1
 
     def replay(self, h: RequestHandle) -> str | None:
         """Start a new attempt of ``h`` (its stage crashed); the new wire id, or None when
@@ -208,6 +234,7 @@ class Collector:
             self.deliver(h, ev)
         elif isinstance(ev, Completed):
             h.stages_done.add(ev.stage)
+            self.unbind(h, ev.stage)
             h.sinks_left.discard(ev.stage)
             if not h.sinks_left:
                 self.finish(h, Completed(request_id=h.request_id, stage=ev.stage))
@@ -248,6 +275,7 @@ class Collector:
         else:
             h.finish_reason = "error"
         self.counts[h.finish_reason] += 1
+        self.unbind(h)
         self.deliver(h, terminal)
         h._put(DONE)
         self.handles.pop(h.request_id, None)

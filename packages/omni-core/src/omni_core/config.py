@@ -101,6 +101,22 @@ class BackendSpec(_Spec, kw_only=True):
     """ray: the namespace of the pipeline's actors."""
 
 
+class ReplicaSpec(_Spec, kw_only=True):
+    """An autoscaled stage: between ``min`` and ``max`` replicas, sized so that each holds
+    about ``target`` outstanding requests (bound to it and not yet past it)."""
+
+    min: PositiveInt = 1
+    """Replicas always running (started with the pipeline)."""
+    max: PositiveInt
+    """Replicas at most; a replica that cannot be placed is reported, not retried at once."""
+    target: PositiveFloat = 2.0
+    """Outstanding requests per replica the autoscaler aims at."""
+    upscale_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """How long the load must stay above target before a replica is added."""
+    downscale_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    """How long the load must stay low before a replica is drained and stopped."""
+
+
 class StageSpec(_Spec, kw_only=True):
     """One stage: a worker process (or Ray actor) running a registered stage kind. Keys
     left ``null`` take the value of ``mrs.defaults``."""
@@ -111,10 +127,17 @@ class StageSpec(_Spec, kw_only=True):
     kind: str
     """The registered stage kind, a name listed by ``omni stages`` (entry-point group
     ``omni.stages``)."""
-    devices: str | Annotated[int, msgspec.Meta(ge=0)] | None = None
+    devices: str | Annotated[int, msgspec.Meta(ge=0)] | list[str | int] | None = None
     """The GPUs the worker sees (``CUDA_VISIBLE_DEVICES``, set before anything is
     imported): ``"0"``, ``"1,2"``, a logical index into the parent's list, or ``"cpu"``
-    (none). Unset: the worker sees what its parent sees."""
+    (none). Unset: the worker sees what its parent sees. With ``replicas``, a list gives
+    each replica its own group, one entry per replica (``["0", "1"]``); a single value
+    is shared by every replica."""
+    replicas: PositiveInt | ReplicaSpec = 1
+    """Workers running this stage: ``N`` (fixed), or ``{min, max, target, ...}``
+    (autoscaled on outstanding requests per replica). To its neighbours and the caller the
+    stage is still one stage; each request is bound to one replica. With more than one
+    (or autoscaled), workers are named ``STAGE#0``, ``STAGE#1``, ..."""
     extra_env: dict[str, str] = msgspec.field(default_factory=dict)
     """Environment variables set in the worker before anything is imported, e.g.
     ``{OMP_NUM_THREADS: "1"}``."""
@@ -210,6 +233,29 @@ class PipelineConfig(_Spec, kw_only=True):
                 return s
         raise KeyError(name)
 
+    def replica_range(self, name: str) -> tuple[int, int]:
+        """(replicas started with the pipeline, replicas at most) of stage ``name``."""
+        r = self.stage(name).replicas
+        return (r, r) if isinstance(r, int) else (r.min, r.max)
+
+    def replicated(self, name: str) -> bool:
+        """Stage ``name`` may run more than one worker (its workers are ``name#i``)."""
+        return self.stage(name).replicas != 1
+
+    def workers(self, name: str) -> list[str]:
+        """Every worker name stage ``name`` may have (up to its ``max`` replicas)."""
+        if not self.replicated(name):
+            return [name]
+        return [replica_name(name, i) for i in range(self.replica_range(name)[1])]
+
+    def all_workers(self) -> list[str]:
+        return [w for s in self.stages for w in self.workers(s.name)]
+
+    def worker_devices(self, name: str, index: int) -> str | int | None:
+        """The ``devices`` entry of replica ``index`` of stage ``name``."""
+        devices = self.stage(name).devices
+        return devices[index] if isinstance(devices, list) else devices
+
     def inbound(self, name: str) -> list[EdgeSpec]:
         return [e for e in self.edges if e.target == name]
 
@@ -254,6 +300,20 @@ class PipelineConfig(_Spec, kw_only=True):
                 seen.add(n)
                 del pending[n]
         return order
+
+
+REPLICA_SEP = "#"  # never in a stage name (NAME_RE), so a worker name parses back
+
+
+def replica_name(stage: str, index: int) -> str:
+    """The worker name of replica ``index`` of a replicated stage: ``stage#index``."""
+    return f"{stage}{REPLICA_SEP}{index}"
+
+
+def split_worker(worker: str) -> tuple[str, int]:
+    """(stage, replica index) of a worker name; a plain stage name is replica 0."""
+    stage, sep, index = worker.partition(REPLICA_SEP)
+    return stage, int(index) if sep else 0
 
 
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
@@ -362,13 +422,7 @@ def _check(cfg: PipelineConfig, src: str, check_kinds: bool) -> None:
                 f"duplicate stage name {s.name!r} (first at stages[{names[s.name]}])",
             )
         names[s.name] = i
-        if isinstance(s.devices, str) and s.devices != "cpu" and not DEVICES_RE.match(s.devices):
-            raise _fail(
-                src,
-                f"stages[{i}].devices",
-                f'expected a device list like "0" or "1,2", a logical index, or "cpu"; '
-                f"got {s.devices!r}",
-            )
+        _check_replicas(s, src, f"stages[{i}]")
     known = ", ".join(names)
     seen_edges: dict[tuple[str, str], int] = {}
     for i, e in enumerate(cfg.edges):
@@ -407,6 +461,36 @@ def _check(cfg: PipelineConfig, src: str, check_kinds: bool) -> None:
                 except msgspec.ValidationError as e:
                     path, msg = _explain(e, "option")
                     raise _fail(src, f"stages[{i}].options{path}".rstrip("."), msg) from None
+
+
+def _check_replicas(s: StageSpec, src: str, where: str) -> None:
+    if isinstance(s.replicas, ReplicaSpec) and s.replicas.min > s.replicas.max:
+        raise _fail(
+            src,
+            f"{where}.replicas.min",
+            f"min ({s.replicas.min}) is larger than max ({s.replicas.max})",
+        )
+    n = s.replicas if isinstance(s.replicas, int) else s.replicas.max
+    groups = s.devices if isinstance(s.devices, list) else [s.devices]
+    if isinstance(s.devices, list) and len(s.devices) != n:
+        what = "replicas" if isinstance(s.replicas, int) else "replicas.max"
+        raise _fail(
+            src,
+            f"{where}.devices",
+            f"a list gives one device group per replica: expected {n} entries ({what} is "
+            f"{n}), got {len(s.devices)}",
+        )
+    for k, d in enumerate(groups):
+        if isinstance(d, int) and d < 0:
+            raise _fail(src, f"{where}.devices[{k}]", f"expected an index >= 0, got {d}")
+        if isinstance(d, str) and d != "cpu" and not DEVICES_RE.match(d):
+            at = f"{where}.devices" + (f"[{k}]" if isinstance(s.devices, list) else "")
+            raise _fail(
+                src,
+                at,
+                f'expected a device list like "0" or "1,2", a logical index, or "cpu"; '
+                f"got {d!r}",
+            )
 
 
 def _check_window(w: WindowSpec, src: str, where: str) -> None:

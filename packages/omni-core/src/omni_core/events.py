@@ -91,6 +91,9 @@ class Segment(Event, tag="segment", kw_only=True):
     request: dict[str, Any] | None = None
     """The original request, with a request's first event on each edge (set by the
     runtime)."""
+    routes: dict[str, int] | None = None
+    """The request's replica bindings (replicated stage -> replica index), with the
+    original request (set by the runtime)."""
 
 
 class SegmentRun(msgspec.Struct, tag="segment_run", tag_field="event_type", kw_only=True, gc=False):
@@ -111,6 +114,7 @@ class SegmentRun(msgspec.Struct, tag="segment_run", tag_field="event_type", kw_o
     logprobs: list[list[float] | None] | None = None
     is_last: bool = False  # of the last segment (no segment follows one that ends a stream)
     request: dict[str, Any] | None = None  # of the first segment
+    routes: dict[str, int] | None = None  # of the first segment
 
     def __post_init__(self) -> None:  # also on decode: a malformed run fails there
         n = len(self.payloads)
@@ -126,6 +130,7 @@ class SegmentRun(msgspec.Struct, tag="segment_run", tag_field="event_type", kw_o
         stage: str,
         sequence: int,
         request: dict[str, Any] | None = None,
+        routes: dict[str, int] | None = None,
     ) -> SegmentRun:
         """The run of ``segments`` (of one request; only the last may end its stream),
         numbered from ``sequence``."""
@@ -140,6 +145,7 @@ class SegmentRun(msgspec.Struct, tag="segment_run", tag_field="event_type", kw_o
             logprobs=None if lps.count(None) == len(lps) else lps,
             is_last=segments[-1].is_last,
             request=request,
+            routes=routes,
         )
 
     def __len__(self) -> int:
@@ -159,6 +165,7 @@ class SegmentRun(msgspec.Struct, tag="segment_run", tag_field="event_type", kw_o
                 logprobs=lps[i],
                 is_last=self.is_last and i == n - 1,
                 request=self.request if i == 0 else None,
+                routes=self.routes if i == 0 else None,
             )
             for i in range(n)
         ]
@@ -188,6 +195,9 @@ class ImageProgress(Event, tag="image", kw_only=True):
     request: dict[str, Any] | None = None
     """The original request, with a request's first event on each edge (set by the
     runtime)."""
+    routes: dict[str, int] | None = None
+    """The request's replica bindings (replicated stage -> replica index), with the
+    original request (set by the runtime)."""
 
 
 class Completed(Event, tag="completed", kw_only=True):
@@ -195,6 +205,9 @@ class Completed(Event, tag="completed", kw_only=True):
 
     request: dict[str, Any] | None = None
     """The original request, when this is the request's first event on an edge."""
+    routes: dict[str, int] | None = None
+    """The request's replica bindings (replicated stage -> replica index), with the
+    original request (set by the runtime)."""
 
     @property
     def terminal(self) -> bool:
@@ -254,6 +267,9 @@ class Submit(msgspec.Struct, tag="submit", tag_field="event_type", kw_only=True)
     request_id: str
     request: dict[str, Any]
     deadline: float | None = None  # time.time() after which the request times out
+    # replicated stage -> the replica the request is bound to (it travels on with the
+    # request's first event on each edge, so every sender routes it alike)
+    routes: dict[str, int] | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="event_type", kw_only=True):

@@ -72,6 +72,7 @@ class StageHost(StageOutput):
             return []
         st = self.requests.setdefault(msg.request_id, RequestState())
         st.request = msg.request
+        st.routes = msg.routes
         st.all_triggered = True
         st.triggers = 1
         inp = StageInput(msg.request_id, msg.request, {}, True, True, st.cancel)
@@ -98,6 +99,8 @@ class StageHost(StageOutput):
             raise self._out_of_order(edge, event.sequence, expected)
         if expected == 0 and st.request is None:
             st.request = getattr(event, "request", None)
+        if st.routes is None:
+            st.routes = getattr(event, "routes", None)
         ws = st.windows.get(edge)
         if ws is None:
             ws = st.windows[edge] = WindowState(edge, spec.size, spec.overlap)

@@ -37,7 +37,8 @@ class InlineRunner:
             cls = load_stage_class(st.kind)
             # devices: cpu keeps a stage on the CPU here too; a GPU list means this
             # process's first GPU (one process cannot give each stage its own view)
-            devices = "" if st.devices == "cpu" else None if st.devices is None else "0"
+            d = self.cfg.worker_devices(name, 0)  # one replica in-process
+            devices = "" if d == "cpu" else None if d is None else "0"
             stage = cls(stage_context(self.cfg, name, devices))
             stage.load()
             codec = ArrayCodec(name, threshold=self.cfg.shm_threshold_bytes)

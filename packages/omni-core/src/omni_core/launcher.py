@@ -14,7 +14,7 @@ import subprocess
 import sys
 from abc import ABC, abstractmethod
 
-from omni_core.config import PipelineConfig
+from omni_core.config import PipelineConfig, split_worker
 from omni_core.devices import resolve_devices
 from omni_core.serial import encode_json
 from omni_core.shm import SegmentOwner
@@ -43,6 +43,15 @@ def exit_reason(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def worker_devices(cfg: PipelineConfig, worker: str, parent: str | None = None) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` of ``worker`` (its replica's ``devices`` entry resolved
+    against ``parent``, this process's own list by default); None: inherit."""
+    stage, index = split_worker(worker)
+    if parent is None:
+        parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return resolve_devices(cfg.worker_devices(stage, index), parent)
 
 
 class WorkerHandle(ABC):
@@ -81,8 +90,9 @@ class Launcher(ABC):
     socket_dir: str  # where the orchestrator binds its sockets (on its own host)
 
     @abstractmethod
-    def spawn(self, stage: str) -> WorkerHandle:
-        """Start a worker for ``stage`` (its first life or a restart)."""
+    def spawn(self, worker: str) -> WorkerHandle:
+        """Start worker ``worker`` (a stage's name, or ``STAGE#i`` for replica ``i`` of a
+        replicated stage): its first life or a restart."""
 
     def tick(self) -> None:  # noqa: B027 - optional hook
         """Called from the orchestrator's loop (about every 100 ms): housekeeping."""
@@ -159,12 +169,14 @@ class ProcessLauncher(Launcher):
             remove_socket_dir(self.socket_dir)
             raise
 
-    def spawn(self, stage: str) -> WorkerHandle:
+    def spawn(self, worker: str) -> WorkerHandle:
+        stage, index = split_worker(worker)
         st = self.cfg.stage(stage)
-        segment = self.segments.create(stage, self.cfg.shm_pool_bytes)
-        devices = resolve_devices(st.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        segment = self.segments.create(worker, self.cfg.shm_pool_bytes)
+        devices = worker_devices(self.cfg, worker)
         spec = WorkerSpec(
             stage=stage,
+            worker=worker,
             config=self.cfg,
             socket_dir=self.socket_dir,
             arena=segment,

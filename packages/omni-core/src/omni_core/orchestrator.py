@@ -28,7 +28,7 @@ import msgspec
 import zmq
 
 from omni_core.collector import Collector, RequestHandle
-from omni_core.config import PipelineConfig
+from omni_core.config import PipelineConfig, replica_name
 from omni_core.errors import RuntimeFailedError, StageDeadError, StageStartError
 from omni_core.events import (
     Ack,
@@ -45,6 +45,7 @@ from omni_core.events import (
 from omni_core.host import CLIENT
 from omni_core.launcher import Launcher, ProcessLauncher, WorkerHandle
 from omni_core.poll_loop import PollLoop
+from omni_core.replicas import Autoscaler, Router
 from omni_core.request_table import RequestTable
 from omni_core.serial import (
     ArrayCodec,
@@ -103,6 +104,7 @@ class ControlLoop(PollLoop):
         for p in self.sup.due_restarts():
             self._watch_exit(p)
         self.sup.check_liveness()
+        self.scale()
         for wire_id in self.table.expire():
             self.broadcast_cancel(wire_id, "timeout")
         for wire_id in self.collector.take_orphans():
@@ -168,6 +170,34 @@ class ControlLoop(PollLoop):
         self.collector.finish(h, err)
         return True
 
+    # -- replicas coming and going -------------------------------------------------
+    def scale(self) -> None:
+        """Carry out the autoscaler's decisions; stop drained replicas."""
+        if self.o.autoscaler.specs:
+            start, drain = self.o.autoscaler.tick()
+            for name in start:
+                self.add_replica(name)
+            for p in drain:
+                p.state = "draining"  # no new bindings from now on
+                self.o.autoscaler.record("drain", p.stage, worker=p.name)
+                log.info("stage %s: draining replica %s", p.stage, p.name, extra={"stage": p.stage})
+        for p in list(self.sup.procs.values()):
+            if p.state == "draining" and not self.collector.outstanding.get((p.stage, p.replica)):
+                p.state = "stopping"  # its requests are past it: let it go
+                msg = Shutdown(drain=True, deadline=time.time() + 30.0)
+                self.outbox.put(f"ctl:{p.name}", msg, block=False)
+
+    def add_replica(self, name: str) -> None:
+        try:
+            p = self.sup.spawn(name)
+        except Exception as e:  # cannot be placed here (devices, resources): reported
+            stage = name.partition("#")[0]
+            self.o.autoscaler.cannot_place(stage, f"{type(e).__name__}: {e}")
+            return
+        self.o.autoscaler.record("start", p.stage, worker=name)
+        log.info("stage %s: starting replica %s", p.stage, name, extra={"stage": p.stage})
+        self._watch_exit(p)
+
     # -- deaths --------------------------------------------------------------------
     def on_death(self, p: StageProc) -> None:
         """A worker exited: end or replay its requests, reclaim its slots, restart it."""
@@ -177,20 +207,29 @@ class ControlLoop(PollLoop):
             return
         self.sup.on_death(p)
         why, code = self.sup.why(p)
-        log.error("%s", why, extra={"stage": p.name})
+        if p.state == "stopped":  # a replica scaled down
+            log.info("%s after draining", why, extra={"stage": p.stage})
+            self.o.autoscaler.record("stopped", p.stage, worker=p.name)
+            del self.sup.procs[p.name]
+        else:
+            log.error("%s", why, extra={"stage": p.stage})
         # slots the dead worker was reading go back to its producers; its own arena goes
-        for e in self.cfg.inbound(p.name):
-            self.outbox.put(f"ctl:{e.source}", ReaderLost(reader=p.name), block=False)
-        downstream = [e.target for e in self.cfg.outbound(p.name)]
+        for e in self.cfg.inbound(p.stage):
+            for source in self.cfg.workers(e.source):
+                self.outbox.put(f"ctl:{source}", ReaderLost(reader=p.name), block=False)
+        downstream = [e.target for e in self.cfg.outbound(p.stage)]
         replayable = p.idempotent and p.state == "restarting"
-        cancel, replay = self.table.on_stage_death(p.name, downstream, replayable, why, code)
+        replica = p.replica if self.cfg.replicated(p.stage) else None
+        cancel, replay = self.table.on_stage_death(
+            p.stage, replica, downstream, replayable, why, code
+        )
         for wire_id in cancel:  # queued for the restarted worker too: stale input is dropped
             self.broadcast_cancel(wire_id, "error", include_dead=True)
         for h in replay:
-            self.o.send_submit(h.wire_id, h.request, h.deadline_wall, block=False)
+            self.o.resubmit(h)
         # readers may still hold data of requests that went past the dead worker: its
         # segment goes once those requests have ended
-        self.retired.append((p.name, p.worker, self.table.wire_ids()))
+        self.retired.append((p.stage, p.worker, self.table.wire_ids()))
 
     def retire_segments(self) -> None:
         """Unlink dead workers' segments once no request that may read them is open."""
@@ -206,8 +245,9 @@ class ControlLoop(PollLoop):
             self.o.launcher.unlink_segment(worker)
             self.o.codec.reader.forget(worker.segment)
             for e in self.cfg.outbound(stage):
-                msg = SegmentGone(segment=worker.segment)
-                self.outbox.put(f"ctl:{e.target}", msg, block=False)
+                for target in self.cfg.workers(e.target):
+                    msg = SegmentGone(segment=worker.segment)
+                    self.outbox.put(f"ctl:{target}", msg, block=False)
         self.retired = keep
 
     # -- messages out --------------------------------------------------------------
@@ -236,6 +276,8 @@ class Orchestrator:
         if cfg.trace:
             self.collector.trace = []
         self.requests = RequestTable(cfg, self.collector)
+        self.router = Router(cfg, self.supervisor, self.collector)
+        self.autoscaler = Autoscaler(cfg, self.supervisor, self.collector)
         self.waker = Waker()
         self.outbox = Outbox(self.waker, capacity=1 << 16)
         self.zctx = zmq.Context()
@@ -246,7 +288,7 @@ class Orchestrator:
         self.closing = False
         self.loop: ControlLoop | None = None
         self._thread: threading.Thread | None = None
-        self.trace = TraceLog([s.name for s in cfg.stages])
+        self.trace = TraceLog(cfg.all_workers())
         # set once a part of the runtime failed for good: {"part": ..., "error": ...}
         self.failure: dict[str, str] | None = None
 
@@ -261,19 +303,19 @@ class Orchestrator:
     # ------------------------------------------------------------------ start
     def start(self) -> None:
         try:
-            for st in self.cfg.stages:
-                self.supervisor.spawn(st.name)
+            for st in self.cfg.stages:  # a replicated stage starts with its minimum
+                for name in self.cfg.workers(st.name)[: self.cfg.replica_range(st.name)[0]]:
+                    self.supervisor.spawn(name)
             self._wait_ready()
         except BaseException:
             self.close(graceful=False)
             raise
-        for name in self.procs:
-            self.sockets[f"data:{name}"] = push_socket(
-                self.zctx,
-                self.addr.data(name),
-                self.cfg.setting(self.cfg.stage(name), "queue_capacity"),
-            )
-            self.sockets[f"ctl:{name}"] = push_socket(self.zctx, self.addr.control(name), 1 << 16)
+        for st in self.cfg.stages:  # every replica a stage may have, started or not
+            for name in self.cfg.workers(st.name):
+                hwm = self.cfg.setting(st, "queue_capacity")
+                self.sockets[f"data:{name}"] = push_socket(self.zctx, self.addr.data(name), hwm)
+                ctl = push_socket(self.zctx, self.addr.control(name), 1 << 16)
+                self.sockets[f"ctl:{name}"] = ctl
         self.loop = ControlLoop(self)
         self._thread = threading.Thread(
             target=self.loop.run,
@@ -369,27 +411,50 @@ class Orchestrator:
             raise RuntimeFailedError.of(self.failure)
         if self.closing or self._thread is None:
             raise RuntimeError("pipeline is not running")
-        dead = [p for p in self.procs.values() if p.state == "dead"]
+        live = {p.stage for p in self.procs.values() if p.state != "dead"}
+        dead = [p for p in self.procs.values() if p.state == "dead" and p.stage not in live]
         if dead:
             p = dead[0]
             raise StageDeadError(
-                f"stage {p.name!r} is dead ({p.exit_reason}, after {p.restarts} restarts); "
+                f"stage {p.stage!r} is dead ({p.exit_reason}, after {p.restarts} restarts); "
                 "the pipeline cannot serve requests"
             )
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
         check_request(request, rid)
-        h = self.requests.open(rid, request, timeout_s, loop)
-        self.send_submit(rid, request, h.deadline_wall)
+        with self.requests.lock:  # the binding sees every earlier request's
+            routes = self.router.bind()
+            h = self.requests.open(rid, request, timeout_s, loop)
+            self.collector.bind(h, routes)
+        self.send_submit(rid, request, h.deadline_wall, routes)
         return h
 
+    def resubmit(self, h: RequestHandle) -> None:
+        """A new attempt of a request (its idempotent stage died), bound anew: the
+        replica that died takes no new requests until it is back. (The loop's thread.)"""
+        with self.requests.lock:
+            try:
+                routes = self.router.bind()
+            except StageDeadError as e:
+                err = Error(request_id=h.request_id, message=str(e), code=StageDeadError.code)
+                self.collector.finish(h, err)
+                return
+            self.collector.bind(h, routes)
+        self.send_submit(h.wire_id, h.request, h.deadline_wall, routes, block=False)
+
     def send_submit(
-        self, wire_id: str, request: dict[str, Any], deadline: float | None, block: bool = True
+        self,
+        wire_id: str,
+        request: dict[str, Any],
+        deadline: float | None,
+        routes: dict[str, int] | None = None,
+        block: bool = True,
     ) -> None:
         """``block``: a caller thread waits while the outbox is full; the loop never does."""
-        msg = Submit(request_id=wire_id, request=request, deadline=deadline)
+        msg = Submit(request_id=wire_id, request=request, deadline=deadline, routes=routes)
         for s in self.sources:
-            self.outbox.put(f"data:{s}", msg, block=block)
+            worker = s if routes is None or s not in routes else replica_name(s, routes[s])
+            self.outbox.put(f"data:{worker}", msg, block=block)
 
     def cancel(self, request_id: str) -> bool:
         wire_id = self.requests.cancel(request_id)
@@ -423,6 +488,7 @@ class Orchestrator:
                 "requests": self.collector.metrics.report(),
                 "counts": dict(self.collector.counts),
                 "in_flight": len(self.collector.handles),
+                "replicas": self.autoscaler.report(),
                 "cancel_acks": self.acks.get("cancel", 0),
             }
 

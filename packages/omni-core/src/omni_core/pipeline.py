@@ -24,6 +24,7 @@ from omni_core.inline import InlineRunner
 from omni_core.launcher import Launcher, ProcessLauncher
 from omni_core.orchestrator import Orchestrator
 from omni_core.registry import RegistryError, backend_registry
+from omni_core.supervisor import stage_health
 
 
 def make_launcher(cfg: PipelineConfig) -> Launcher:
@@ -163,8 +164,15 @@ class Pipeline:
         return self.backend.cancel(request_id)
 
     def health(self) -> dict[str, dict[str, Any]]:
-        """Per stage state; a stage that is dead or restarting is not healthy."""
+        """Per worker (a stage's name, or ``STAGE#i`` for each replica of a replicated
+        stage): its state; one that is dead or restarting is not healthy."""
         return self.backend.health()
+
+    def stage_health(self) -> dict[str, dict[str, Any]]:
+        """Per stage, its replicas together: ``ok``, ``degraded`` (a replica is down but
+        another serves) or ``failed`` (none serves), with the replicas running and
+        serving."""
+        return stage_health(self.health())
 
     @property
     def failure(self) -> dict[str, str] | None:
@@ -174,8 +182,11 @@ class Pipeline:
 
     @property
     def healthy(self) -> bool:
-        """Every stage is ready and the runtime has not failed."""
-        return self.failure is None and all(s.get("healthy", True) for s in self.health().values())
+        """Every stage serves (a replicated one: at least one replica does) and the
+        runtime has not failed."""
+        return self.failure is None and all(
+            s["state"] != "failed" for s in self.stage_health().values()
+        )
 
     def metrics(self) -> dict[str, Any]:
         """Per stage counters and rates, per request latencies, counts of outcomes."""

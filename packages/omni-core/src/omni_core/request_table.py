@@ -79,15 +79,24 @@ class RequestTable:
         return expired
 
     def on_stage_death(
-        self, stage: str, downstream: list[str], replayable: bool, why: str, code: str
+        self,
+        stage: str,
+        replica: int | None,
+        downstream: list[str],
+        replayable: bool,
+        why: str,
+        code: str,
     ) -> tuple[list[str], list[RequestHandle]]:
-        """A stage's worker ended: every request it may have held fails (or, when
-        ``replayable``, starts a new attempt). Returns (wire ids to cancel everywhere,
-        handles to submit again)."""
+        """A stage's worker ended (``replica`` of a replicated stage, else None): every
+        request it may have held fails (or, when ``replayable``, starts a new attempt);
+        a replica's death touches only the requests bound to it. Returns (wire ids to
+        cancel everywhere, handles to submit again)."""
         cancel: list[str] = []
         replay: list[RequestHandle] = []
         with self.lock:
             for h in list(self.collector.handles.values()):
+                if replica is not None and (h.routes or {}).get(stage) != replica:
+                    continue  # bound to another replica
                 if stage in h.stages_done and all(
                     (stage, d) in h.edges_done or d in h.stages_done for d in downstream
                 ):

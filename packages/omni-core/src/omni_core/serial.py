@@ -102,7 +102,7 @@ def pack_runs(messages: list[Any]) -> list[Any]:
         if i - start == 1:
             out.append(m)
         else:
-            out.append(SegmentRun.of(messages[start:i], stage, m.sequence, m.request))
+            out.append(SegmentRun.of(messages[start:i], stage, m.sequence, m.request, m.routes))
     return out
 
 

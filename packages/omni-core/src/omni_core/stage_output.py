@@ -5,7 +5,9 @@ reader, its destinations). :class:`~omni_core.host.StageHost` adds the input sid
 
 from __future__ import annotations
 
+import logging
 import threading
+import zlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ from omni_core.serial import ArrayCodec
 from omni_core.stage import StageInput
 from omni_core.windows import Window, WindowState
 
+log = logging.getLogger("omni.host")
 CLIENT = "client"  # the destination name of the caller's collector
 MAX_TOMBSTONES = 65536  # ended requests remembered, so late events for them are dropped
 
@@ -43,6 +46,7 @@ class RequestState:
     """One request at one stage: its windows in and its sequence numbers out."""
 
     request: dict[str, Any] | None = None
+    routes: dict[str, int] | None = None  # replicated stage -> the replica bound to
     windows: dict[str, WindowState] = field(default_factory=dict)
     pending: dict[str, deque[Window]] = field(default_factory=dict)
     exhausted: set[str] = field(default_factory=set)
@@ -64,6 +68,8 @@ class StageOutput:
         if self.to_client:
             self.readers[CLIENT] = 1
         self.data_destinations = list(self.readers)
+        # downstream stages with replicas: each request goes to the one it is bound to
+        self.replicated = {d: cfg.workers(d) for d in self.downstream if cfg.replicated(d)}
         # client_stream "previews": previews go to the caller only, and do not take a
         # sequence number (downstream stages never see them)
         self.previews_to_client = name in cfg.preview_streams()
@@ -86,6 +92,33 @@ class StageOutput:
             st.cancel.set()
         return st
 
+    def route(self, rid: str, stages: list[str]) -> list[str]:
+        """The workers that ``stages`` (downstream stages, or the caller) mean for request
+        ``rid``: a replicated stage's is the replica the request is bound to."""
+        if not self.replicated:
+            return stages
+        st = self.requests.get(rid)
+        routes = st.routes if st is not None else None
+        out = []
+        for d in stages:
+            workers = self.replicated.get(d)
+            if workers is None:
+                out.append(d)
+                continue
+            index = routes.get(d) if routes else None
+            if index is None or not 0 <= index < len(workers):
+                # never expected: the binding travels with the request's first event
+                index = zlib.crc32(rid.encode()) % len(workers)
+                log.error("request %s has no binding for stage %s; using %s", rid, d, index)
+            out.append(workers[index])
+        return out
+
+    def destinations(self, rid: str) -> list[str]:
+        """Where request ``rid``'s events go from this stage (downstream and the caller)."""
+        if not self.replicated:
+            return self.data_destinations
+        return self.route(rid, self.data_destinations)
+
     def _client_preview(self, ev: Event) -> bool:
         return self.previews_to_client and type(ev) is ImageProgress and not ev.is_last
 
@@ -104,9 +137,12 @@ class StageOutput:
             st = self.requests[rid] = RequestState()
         event.sequence = st.out_seq
         if self.droppable(event):
+            if st.out_seq == 0 and hasattr(event, "routes"):
+                event.routes = st.routes  # type: ignore[attr-defined]
             return event
         if st.out_seq == 0 and hasattr(event, "request"):
             event.request = st.request  # type: ignore[attr-defined]
+            event.routes = st.routes  # type: ignore[attr-defined]
         st.out_seq += 1
         return event
 
@@ -115,7 +151,13 @@ class StageOutput:
         arrays = ev.__dict__.get("arrays")
         if not arrays:
             return {}
-        return self.codec.pack(arrays, {CLIENT: 1} if self._client_preview(ev) else self.readers)
+        if self._client_preview(ev):
+            readers = {CLIENT: 1}
+        elif self.replicated:
+            readers = dict.fromkeys(self.destinations(ev.request_id), 1)
+        else:
+            readers = self.readers
+        return self.codec.pack(arrays, readers)
 
     def emit(
         self, ev: Segment | ImageProgress | Error, handles: dict[str, Handle] | None = None
@@ -128,7 +170,7 @@ class StageOutput:
             handles = self.pack(ev)
         if handles:
             ev.device_handles = handles
-        dests = [CLIENT] if self._client_preview(ev) else self.data_destinations
+        dests = [CLIENT] if self._client_preview(ev) else self.destinations(ev.request_id)
         return self._stamp(ev.request_id, ev), dests
 
     def emit_plain(self, evs: list[Segment]) -> list[Segment | SegmentRun]:
@@ -152,22 +194,35 @@ class StageOutput:
                     first.sequence = seq
                     if seq == 0:
                         first.request = st.request
+                        first.routes = st.routes
                     out.append(first)
                 else:
-                    request = st.request if seq == 0 else None
-                    out.append(SegmentRun.of(evs[i:j], self.name, seq, request))
+                    request, routes = (st.request, st.routes) if seq == 0 else (None, None)
+                    out.append(SegmentRun.of(evs[i:j], self.name, seq, request, routes))
                 st.out_seq = seq + j - i
             i = j
         return out
+
+    def by_destination(self, out: list[Segment | SegmentRun]) -> dict[str, list[Any]]:
+        """``out`` (of :meth:`emit_plain`, several requests) split by the worker each
+        message goes to, in order."""
+        if not self.replicated:
+            return dict.fromkeys(self.data_destinations, out)
+        groups: dict[str, list[Any]] = {}
+        for m in out:
+            for d in self.destinations(m.request_id):
+                groups.setdefault(d, []).append(m)
+        return groups
 
     def finish(self, item: WorkItem) -> list[tuple[Event, list[str]]]:
         """After an item ran: close the request's streams if it was the last trigger."""
         if not item.inp.last:
             return []
         rid = item.inp.request_id
+        dests = [*self.route(rid, self.downstream), CLIENT]
         ev = self._stamp(rid, Completed(request_id=rid))
         self.forget(rid)
-        return [(ev, [*self.downstream, CLIENT])]
+        return [(ev, dests)]
 
     def error(self, rid: str, message: str, code: str = "stage_error") -> Error:
         ev = Error(request_id=rid, message=f"stage {self.name!r}: {message}", code=code)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_core.config import PipelineConfig
+from omni_core.config import PipelineConfig, split_worker
 from omni_core.events import Heartbeat, LoadFailed, Ready, StageStats
 from omni_core.launcher import Launcher, WorkerHandle
 from omni_core.registry import load_stage_class
@@ -36,13 +36,17 @@ MIN_LATE_S = 1.0
 class StageProc:
     """One stage's worker: the current process, and the stage's life across restarts."""
 
-    name: str
+    name: str  # the worker's: the stage's, or STAGE#i for a replica
     kind: str
     worker: WorkerHandle
     idempotent: bool = False
+    stage: str = ""  # the stage it runs
+    replica: int = 0  # its index among the stage's replicas
     ready: bool = False
     dead: bool = False  # this process has exited
-    state: str = "starting"  # starting | ready | hung | restarting | dead (for good)
+    # starting | ready | hung | restarting | dead (for good); a replica scaled down is
+    # draining (no new requests), then stopping (told to shut down), then gone
+    state: str = "starting"
     restarts: int = 0  # over the stage's whole life (metrics)
     recent: deque[float] = field(default_factory=deque)  # restart times within the window
     spawned_at: float = 0.0
@@ -69,11 +73,15 @@ class Supervisor:
         self.procs: dict[str, StageProc] = {}
 
     def spawn(self, name: str) -> StageProc:
-        """Start (or restart) ``name``'s worker; the restart history carries over."""
-        st = self.cfg.stage(name)
+        """Start (or restart) worker ``name`` (a stage's, or ``STAGE#i``); the restart
+        history carries over."""
+        stage, replica = split_worker(name)
+        st = self.cfg.stage(stage)
         worker = self.launcher.spawn(name)
         idempotent = bool(getattr(load_stage_class(st.kind), "idempotent", False))
-        p = StageProc(name, st.kind, worker, idempotent, spawned_at=self.clock())
+        p = StageProc(
+            name, st.kind, worker, idempotent, stage, replica, spawned_at=self.clock()
+        )
         old = self.procs.get(name)
         if old is not None:
             p.restarts, p.recent = old.restarts, old.recent
@@ -122,7 +130,10 @@ class Supervisor:
         p.exit_reason = p.worker.reap()
         p.dead = True
         p.ready = False
-        st = self.cfg.stage(p.name)
+        if p.state in ("draining", "stopping"):  # scaled down: gone, not restarted
+            p.state = "stopped"
+            return
+        st = self.cfg.stage(p.stage)
         now = self.clock()
         while p.recent and now - p.recent[0] > st.restart_window_s:
             p.recent.popleft()
@@ -135,7 +146,8 @@ class Supervisor:
 
     def why(self, p: StageProc) -> tuple[str, str]:
         """(message, code) for the requests an ended worker takes down."""
-        where = f"stage {p.name!r} worker (pid {p.worker.pid}, {p.worker.where})"
+        replica = f" replica {p.replica}" if p.name != p.stage else ""
+        where = f"stage {p.stage!r}{replica} worker (pid {p.worker.pid}, {p.worker.where})"
         if p.hung:
             return f"{where} {p.hung}; it was killed", "stage_hung"
         return f"{where} {p.exit_reason}", "stage_died"
@@ -184,7 +196,7 @@ class Supervisor:
             if p.restarts and waited > self.cfg.ready_timeout_s:
                 return f"was not ready {waited:.1f} s after its restart (ready_timeout_s)"
             return ""
-        limit = self.cfg.stage(p.name).stall_timeout_s
+        limit = self.cfg.stage(p.stage).stall_timeout_s
         if limit is None:
             return ""
         silent = now - p.last_heartbeat
@@ -209,8 +221,10 @@ class Supervisor:
         for n, p in self.procs.items():
             late = self.late(p, now)
             out[n] = {
+                "stage": p.stage,
+                "replica": p.replica,
                 "alive": not p.dead and not p.worker.exited(),
-                "healthy": p.state == "ready" and not p.dead and not late,
+                "healthy": p.state in ("ready", "draining", "stopping") and not p.dead and not late,
                 "state": "unresponsive" if late and p.state == "ready" else p.state,
                 "pid": p.worker.pid,
                 "where": p.worker.where,
@@ -221,3 +235,21 @@ class Supervisor:
                 "load_s": p.load_s,
             }
         return out
+
+
+def stage_health(workers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per stage, from :meth:`Supervisor.health`'s per-worker entries: ``ok`` (every
+    replica healthy), ``degraded`` (one is not, but another serves: the stage still takes
+    requests) or ``failed`` (none serves); with its replicas running and serving. A
+    replica being scaled down (draining, stopping) counts as neither."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, h in workers.items():
+        s = out.setdefault(h.get("stage", name), {"state": "failed", "replicas": 0, "serving": 0})
+        if h.get("state") in ("draining", "stopping", "stopped"):
+            continue
+        s["replicas"] += 1
+        s["serving"] += bool(h.get("healthy"))
+    for s in out.values():
+        n, ok = s["replicas"], s["serving"]
+        s["state"] = "ok" if n and ok == n else "degraded" if ok else "failed"
+    return out

@@ -52,7 +52,7 @@ class WorkQueue:
                         w.stats.received += 1
                         if type(msg) is Completed:
                             ack = Ack(
-                                stage=w.name,
+                                stage=w.stage_name,
                                 kind="edge_end",
                                 request_id=msg.request_id,
                                 source=msg.stage,

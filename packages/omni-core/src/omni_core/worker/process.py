@@ -37,6 +37,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     """Everything a worker needs, written by the orchestrator into its socket directory."""
 
     stage: str
+    worker: str = ""  # this worker's name: ``STAGE#i`` for a replica ("": the stage's)
     config: PipelineConfig
     socket_dir: str
     arena: str  # the shared-memory segment this stage writes into
@@ -53,17 +54,20 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         cfg = spec.config
-        self.name = spec.stage
-        st = cfg.stage(self.name)
+        # the worker's own name (sockets, its arena's producer name, status messages) and
+        # its stage's (config, the events it stamps): they differ for a replica
+        self.name = spec.worker or spec.stage
+        self.stage_name = spec.stage
+        st = cfg.stage(self.stage_name)
         self.max_inflight = cfg.setting(st, "max_inflight")
         self.max_batch = cfg.setting(st, "max_batch_size")
         self.capacity = cfg.setting(st, "queue_capacity")
         self.addr = Addresses(spec.socket_dir)
         cls = load_stage_class(st.kind)
-        self.stage = cls(stage_context(cfg, self.name, spec.devices))
+        self.stage = cls(stage_context(cfg, self.stage_name, spec.devices))
         self.arena = Arena(spec.arena)
         self.codec = ArrayCodec(self.name, self.arena, threshold=cfg.shm_threshold_bytes)
-        self.host = StageHost(cfg, self.name, self.stage, self.codec)
+        self.host = StageHost(cfg, self.stage_name, self.stage, self.codec)
         self.lock = threading.Lock()  # guards host state (both threads touch it)
         self.work = threading.Condition(self.lock)
         self.queue = WorkQueue(self)
@@ -89,10 +93,13 @@ class Worker:
         self.ctl_in = pull_socket(self.zctx, own.control(self.name), 100_000)
         self.status = push_socket(self.zctx, self.addr.status, 100_000)
         # the stage thread's sockets: events to downstream stages and to the caller
+        # (one socket per replica a downstream stage may have: each request's events go to
+        # the replica it is bound to)
         data = {CLIENT: push_socket(self.zctx, self.addr.results, hwm)}
-        for e in cfg.outbound(self.name):
+        for e in cfg.outbound(self.stage_name):
             hwm_e = e.capacity or cfg.setting(cfg.stage(e.target), "queue_capacity")
-            data[e.target] = push_socket(self.zctx, self.addr.data(e.target), hwm_e)
+            for target in cfg.workers(e.target):
+                data[target] = push_socket(self.zctx, self.addr.data(target), hwm_e)
         self.sender = Sender(
             data, self.waker, on_unencodable=self._unencodable, on_drop=self._dropped
         )
@@ -100,10 +107,11 @@ class Worker:
         self.out: dict[str, zmq.Socket] = {
             CLIENT: push_socket(self.zctx, self.addr.results, 100_000)
         }
-        for e in cfg.inbound(self.name):
-            self.out[f"ctl:{e.source}"] = push_socket(
-                self.zctx, self.addr.control(e.source), 100_000
-            )
+        for e in cfg.inbound(self.stage_name):
+            for source in cfg.workers(e.source):
+                self.out[f"ctl:{source}"] = push_socket(
+                    self.zctx, self.addr.control(source), 100_000
+                )
 
     def send_status(self, msg: msgspec.Struct) -> None:
         self.status.send(encode_frame([msg]))
@@ -143,8 +151,8 @@ class Worker:
         self.stats.errors += 1
         return Error(
             request_id=msg.request_id,
-            stage=self.name,
-            message=f"stage {self.name!r}: output cannot be serialized: {exc}",
+            stage=self.stage_name,
+            message=f"stage {self.stage_name!r}: output cannot be serialized: {exc}",
             code="bad_output",
         )
 
@@ -190,7 +198,8 @@ def name_process(name: str) -> None:
 def serve(spec: WorkerSpec) -> int:
     """Load the stage, report Ready (or LoadFailed) and run until shut down; the exit code."""
     sys.setswitchinterval(0.001)  # bound how long the I/O thread waits for the GIL
-    name_process(f"omni:{spec.stage}")
+    name = spec.worker or spec.stage
+    name_process(f"omni:{name}")
     t0 = time.monotonic()
     zctx = zmq.Context.instance()
     status = push_socket(zctx, Addresses(spec.socket_dir).status)
@@ -201,7 +210,7 @@ def serve(spec: WorkerSpec) -> int:
         worker.open_sockets()
     except BaseException as e:  # report any load failure, then exit non-zero
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
-        status.send(encode_frame([LoadFailed(stage=spec.stage, pid=os.getpid(), message=detail)]))
+        status.send(encode_frame([LoadFailed(stage=name, pid=os.getpid(), message=detail)]))
         status.close(linger=2000)
         return 1
     status.close(linger=2000)
@@ -211,10 +220,10 @@ def serve(spec: WorkerSpec) -> int:
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)
     # Ready goes out before the I/O thread owns the status socket
-    worker.send_status(Ready(stage=spec.stage, pid=os.getpid(), load_s=time.monotonic() - t0))
+    worker.send_status(Ready(stage=name, pid=os.getpid(), load_s=time.monotonic() - t0))
     io = WorkerIO(worker)
     thread = threading.Thread(
-        target=io.run, args=(worker.io_failed,), name=f"omni-io-{spec.stage}", daemon=True
+        target=io.run, args=(worker.io_failed,), name=f"omni-io-{name}", daemon=True
     )
     thread.start()
     try:

@@ -166,6 +166,7 @@ class Scheduler:
         w = self.w
         with w.lock:
             out = self.host.emit_plain(evs)
+            groups = self.host.by_destination(out) if out else {}
         if not out:
             return
         if w.trace:
@@ -178,8 +179,9 @@ class Scheduler:
                 else:
                     self.marks.append(TraceMark(m.request_id, m.sequence, "segment", m.ts))
         events = sum(len(m) if type(m) is SegmentRun else 1 for m in out)
-        for d in self.host.data_destinations:
-            w.sender.put_many(d, out, events)
+        for d, msgs in groups.items():
+            n = events if msgs is out else sum(len(m) if type(m) is SegmentRun else 1 for m in msgs)
+            w.sender.put_many(d, msgs, n)
 
     def _handle(self, ev: StageEvent) -> None:
         w, host = self.w, self.host
