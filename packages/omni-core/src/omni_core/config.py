@@ -488,8 +488,7 @@ def _check_replicas(s: StageSpec, src: str, where: str) -> None:
             raise _fail(
                 src,
                 at,
-                f'expected a device list like "0" or "1,2", a logical index, or "cpu"; '
-                f"got {d!r}",
+                f'expected a device list like "0" or "1,2", a logical index, or "cpu"; got {d!r}',
             )
 
 

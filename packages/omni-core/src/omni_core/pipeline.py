@@ -168,6 +168,10 @@ class Pipeline:
         stage): its state; one that is dead or restarting is not healthy."""
         return self.backend.health()
 
+    def pids(self) -> dict[str, int | None]:
+        """Per worker (as in :meth:`health`), its process id (None until known)."""
+        return {name: h.get("pid") for name, h in self.health().items()}
+
     def stage_health(self) -> dict[str, dict[str, Any]]:
         """Per stage, its replicas together: ``ok``, ``degraded`` (a replica is down but
         another serves) or ``failed`` (none serves), with the replicas running and

@@ -46,9 +46,7 @@ class Router:
         self.sup = supervisor
         self.collector = collector
         self.stages = [s.name for s in cfg.stages if cfg.replicated(s.name)]
-        self.capacity = {
-            n: cfg.setting(cfg.stage(n), "queue_capacity") for n in self.stages
-        }
+        self.capacity = {n: cfg.setting(cfg.stage(n), "queue_capacity") for n in self.stages}
         self.turn: dict[str, int] = dict.fromkeys(self.stages, 0)
 
     def bind(self) -> dict[str, int] | None:

@@ -79,9 +79,7 @@ class Supervisor:
         st = self.cfg.stage(stage)
         worker = self.launcher.spawn(name)
         idempotent = bool(getattr(load_stage_class(st.kind), "idempotent", False))
-        p = StageProc(
-            name, st.kind, worker, idempotent, stage, replica, spawned_at=self.clock()
-        )
+        p = StageProc(name, st.kind, worker, idempotent, stage, replica, spawned_at=self.clock())
         old = self.procs.get(name)
         if old is not None:
             p.restarts, p.recent = old.restarts, old.recent

@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from omni_core.supervisor import stage_health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_serve.auth import require_api_key
@@ -55,17 +56,31 @@ async def prometheus(request: Request, server: ServerDep) -> Response:
 
 @public.get("/health")
 async def health(server: ServerDep) -> Response:
-    """200 only when every stage is ready and the runtime has not failed: starting,
-    restarting and dead stages are 503, and so is a failed runtime (status ``failed``,
-    with the failure: ``{"part", "error"}``)."""
-    stages = {name: {k: h.get(k) for k in HEALTH_KEYS} for name, h in server.pipe.health().items()}
+    """200 while every stage serves and the runtime has not failed: status ``ok`` when
+    every worker is ready, ``degraded`` when a replica of a replicated stage is down but
+    another of its replicas serves (``stages_summary`` says which). A stage none of whose
+    workers serves (starting, restarting, dead) is 503 ``unhealthy``, and so is a failed
+    runtime (status ``failed``, with the failure: ``{"part", "error"}``). ``stages`` is
+    per worker: a replicated stage's replicas are ``STAGE#i``."""
+    workers = server.pipe.health()
+    stages = {name: {k: h.get(k) for k in HEALTH_KEYS} for name, h in workers.items()}
+    summary = stage_health(workers)
     failure = server.pipe.failure
-    ok = failure is None and all(h["healthy"] for h in stages.values())
-    status = "failed" if failure is not None else "ok" if ok else "unhealthy"
-    body: dict[str, Any] = {"status": status, "stages": stages}
+    serving = failure is None and all(s["state"] != "failed" for s in summary.values())
+    whole = serving and all(s["state"] == "ok" for s in summary.values())
+    status = (
+        "failed"
+        if failure is not None
+        else "ok"
+        if whole
+        else "degraded"
+        if serving
+        else "unhealthy"
+    )
+    body: dict[str, Any] = {"status": status, "stages": stages, "stages_summary": summary}
     if failure is not None:
         body["failure"] = {"part": failure.get("part"), "error": failure.get("error")}
-    return JSONResponse(body, status_code=200 if ok else 503)
+    return JSONResponse(body, status_code=200 if serving else 503)
 
 
 @functools.cache
