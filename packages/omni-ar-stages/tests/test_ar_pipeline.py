@@ -260,3 +260,21 @@ def test_conditional_disaggregation_prefills_short_prompts_in_decode(tiny_model,
         assert len(ev.tokens) == (0 if local[-1] else 1)
         assert ev.payload["prompt_tokens"] == len(ev.payload["prompt_ids"])
     assert local[0] and not all(local), local  # both ways taken
+
+
+def test_split_pipeline_across_replicas_equals_the_model(tiny_model, reference):
+    """Prefill and decode at 2 replicas each, postprocess in windows of 4 at 2: every
+    request's KV goes from the prefill replica it is bound to the decode replica it is
+    bound to; tokens and text equal the model (and so one replica), and every replica
+    served."""
+    tok, expected = reference
+    cfg = ar_config(tiny_model, post_window=4, decode={"replicas": 2})
+    cfg["stages"][1]["replicas"] = 2
+    cfg["stages"][3]["replicas"] = 2
+    with Pipeline(cfg) as pipe:
+        outs = pipe.generate(PROMPTS * 2)
+        stats = pipe.metrics()["stages"]
+    check_outputs(outs[: len(PROMPTS)], tok, expected)
+    check_outputs(outs[len(PROMPTS) :], tok, expected)
+    for stage in ("prefill", "decode", "postprocess"):
+        assert all(stats[f"{stage}#{i}"]["completed"] >= 1 for i in (0, 1)), stats

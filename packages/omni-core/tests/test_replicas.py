@@ -151,8 +151,7 @@ def test_a_late_or_full_replica_is_only_a_last_resort(parts):
     capacity = cfg.setting(cfg.stage("work"), "queue_capacity")
     # work#1 holds exactly its queue capacity (full), work#0 one less than that plus
     # nothing else: the one with room wins even though it is listed first
-    for h in open_bound(collector, router, 2 * capacity - 1):
-        pass
+    open_bound(collector, router, 2 * capacity - 1)
     loads = {i: collector.outstanding.get(("work", i), 0) for i in (0, 1)}
     assert sorted(loads.values()) == [capacity - 1, capacity]
     roomy = min(loads, key=loads.get)
