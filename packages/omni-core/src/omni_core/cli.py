@@ -313,8 +313,17 @@ def run_summary(cfg: Any, seen: dict[str, StageSeen], metrics: dict[str, Any]) -
         value = m.get(key)
         return f"{value:.2f}s" if isinstance(value, int | float) else "-"
 
+    def worker_row(label: str, m: dict[str, Any]) -> str:
+        return (
+            f"{label:<14}{m.get('emitted', 0):>8}{'':>8}{'':>8}{'':>7}{'':>9}{'':>9}"
+            f"{secs(m, 'queued_s'):>9}{secs(m, 'blocked_s'):>9}{m.get('errors', 0):>8}"
+        )
+
     for spec in cfg.stages:
-        m, s = stages.get(spec.name, {}), seen.get(spec.name)
+        # a replicated stage: its replicas' figures summed, then a row for each replica
+        replicas = {w: stages[w] for w in cfg.workers(spec.name) if w != spec.name and w in stages}
+        m = _summed(replicas.values()) if replicas else stages.get(spec.name, {})
+        s = seen.get(spec.name)
         first = f"{s.first:.2f}s" if s else "-"
         last = f"{s.last:.2f}s" if s else "-"
         lines.append(
@@ -322,7 +331,18 @@ def run_summary(cfg: Any, seen: dict[str, StageSeen], metrics: dict[str, Any]) -
             f"{s.tokens if s else 0:>8}{s.steps if s else 0:>7}{first:>9}{last:>9}"
             f"{secs(m, 'queued_s'):>9}{secs(m, 'blocked_s'):>9}{m.get('errors', 0):>8}"
         )
+        lines.extend(worker_row(f"  {w}", rm) for w, rm in replicas.items())
     return "\n".join(lines)
+
+
+def _summed(metrics: Any) -> dict[str, Any]:
+    """The counters of several workers' metrics added up (the others left out)."""
+    out: dict[str, Any] = {}
+    for m in metrics:
+        for k in ("emitted", "errors", "queued_s", "blocked_s"):
+            if isinstance(m.get(k), int | float):
+                out[k] = out.get(k, 0) + m[k]
+    return out
 
 
 def _event_json(ev: Any) -> dict[str, Any]:
