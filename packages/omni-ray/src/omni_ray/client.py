@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from omni_core.collector import Collector, RequestHandle
-from omni_core.config import PipelineConfig
+from omni_core.config import PipelineConfig, split_worker
 from omni_core.errors import RuntimeFailedError, StageStartError
 from omni_core.events import InlineArray
 from omni_core.host import CLIENT
@@ -80,6 +80,11 @@ class RayClientBackend:
         self.owns_ray = False
         self.closing = False
         self._pump: threading.Thread | None = None
+        # the workers the actor last reported (a stage's, or each replica's): what health
+        # lists once the actor is gone; at first those the pipeline starts with
+        self._workers = [
+            w for s in cfg.stages for w in cfg.workers(s.name)[: cfg.replica_range(s.name)[0]]
+        ]
         self._metrics: dict[str, Any] = {
             "stages": {},
             "requests": {},
@@ -229,7 +234,9 @@ class RayClientBackend:
     def health(self) -> dict[str, dict[str, Any]]:
         if self.failure is None and self.actor is not None:
             try:
-                return self._call(self.actor.health, timeout_s=10.0)
+                health = self._call(self.actor.health, timeout_s=10.0)
+                self._workers = list(health)
+                return health
             except Exception as e:
                 if not gone(e):  # slow, not gone: unhealthy this time
                     return self._unhealthy({"part": "the orchestrator actor", "error": why(e)})
@@ -237,15 +244,20 @@ class RayClientBackend:
         return self._unhealthy(self.failure or {"part": "the pipeline", "error": "not running"})
 
     def _unhealthy(self, f: dict[str, str]) -> dict[str, dict[str, Any]]:
-        return {
-            s.name: {
+        """Every worker failed (per worker, as the actor's health: a stage's, or each
+        replica's, with its stage and replica index)."""
+        out = {}
+        for w in self._workers:
+            stage, replica = split_worker(w)
+            out[w] = {
+                "stage": stage,
+                "replica": replica,
                 "alive": False,
                 "healthy": False,
                 "state": "failed",
                 "where": f"{f['part']}: {f['error']}",
             }
-            for s in self.cfg.stages
-        }
+        return out
 
     def metrics(self) -> dict[str, Any]:
         """The actor's metrics; once it is gone, the last it gave (nothing in flight)."""

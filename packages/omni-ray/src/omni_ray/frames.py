@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
+from omni_core.config import split_worker
 from omni_core.events import Error, InlineArray, ShmHandle
 from omni_core.serial import decode_data_frame, encode_frame, releases, salvage_frame
 from omni_core.shm import SegmentReader
@@ -112,7 +113,7 @@ class FrameGuard:
         for rid, stage, why in lost:
             if rid is None or rid in errors:
                 continue  # a message that names no request: only the log tells of it
-            stage = stage or owner_of(endpoint)
+            stage = stage or split_worker(owner_of(endpoint))[0]  # a replica's: its stage
             errors[rid] = Error(
                 request_id=rid,
                 stage=stage,

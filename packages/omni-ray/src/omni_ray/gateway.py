@@ -1,12 +1,15 @@
 """The node gateway: one Ray actor per (pipeline, node), the node's end of every path.
 
 Every process of the pipeline on a node (stage workers, and the orchestrator on the head
-node) sends to an endpoint (``stage.data``, ``stage.ctl``, ``orchestrator.status``,
+node) sends to an endpoint (``WORKER.data``, ``WORKER.ctl``, ``orchestrator.status``,
 ``client.results``) by connecting to that endpoint's ipc socket in the node's socket
-directory, exactly as on the local backend. The gateway binds those sockets and forwards
-each frame, in order, to where the endpoint lives now:
+directory, exactly as on the local backend. A worker is a stage's, or one replica's of a
+stage with ``replicas`` (``STAGE#i``): each replica has endpoints and a route of its own,
+so replicas of one stage may live on different nodes. The gateway binds those sockets
+(of every worker a stage may have, up to its ``max`` replicas) and forwards each frame,
+in order, to where the endpoint lives now:
 
-* a stage on this node: into the stage's own socket (its ``bind_dir``); the frame is
+* a worker on this node: into the worker's own socket (its ``bind_dir``); the frame is
   passed as is, so arrays stay in this node's shared memory (handles, no copy);
 * anywhere else: over that node's gateway's *channel* for the endpoint, a zmq TCP socket
   it binds on its node's IP next to the endpoint's ipc socket (so what arrives there is
@@ -22,10 +25,10 @@ each frame, in order, to where the endpoint lives now:
   which the receiving gateway holds for the reader until its release comes back (see
   :mod:`omni_ray.objects`).
 
-Senders never learn where a stage runs, so a stage restarted on another node needs only a
-route change. Order per sender is kept, and a full consumer pushes back through the
+Senders never learn where a worker runs, so a worker restarted on another node needs only
+a route change. Order per sender is kept, and a full consumer pushes back through the
 sockets (and channels) to its producers. The gateway also creates and unlinks the
-shared-memory segments of the stages on its node: they outlive a crashed worker, as with
+shared-memory segments of the workers on its node: they outlive a crashed worker, as with
 the local orchestrator.
 
 A forwarding thread never dies silently. A frame or message it cannot handle (one that
@@ -86,11 +89,13 @@ class NodeGateway:
         pipeline_id: str,
         node_id: str,
         head_node: str,
-        stages: list[str],
+        workers: list[str],
         channel_ip: str | None = "auto",
     ) -> None:
-        """``channel_ip``: the address this node's channels bind (``"auto"``: the node's
-        IP as Ray knows it; None: no channels, every frame goes by Ray actor calls)."""
+        """``workers``: every worker name of the pipeline (stages, and ``STAGE#i`` for each
+        replica a stage may have). ``channel_ip``: the address this node's channels bind
+        (``"auto"``: the node's IP as Ray knows it; None: no channels, every frame goes by
+        Ray actor calls)."""
         if channel_ip == "auto":
             channel_ip = get_node_ip_address() if get_node_ip_address else None
         self.channel_ip = channel_ip
@@ -104,12 +109,12 @@ class NodeGateway:
         self.bind_dir = os.path.join(self.socket_dir, "in")
         os.mkdir(self.bind_dir, 0o700)
         self.addr = Addresses(self.socket_dir)  # what senders on this node connect to
-        self.inner = Addresses(self.bind_dir)  # what stages on this node bind
+        self.inner = Addresses(self.bind_dir)  # what workers on this node bind
         self.segments = SegmentOwner(token=pipeline_id)
         self.reader = SegmentReader()
         self.zctx = zmq.Context()
         self.lock = threading.Lock()
-        self.routes: dict[str, str | None] = dict.fromkeys(stages)
+        self.routes: dict[str, str | None] = dict.fromkeys(workers)  # worker -> its node
         self.routes[DRIVER] = head_node
         self.versions: dict[str, int] = {}  # route updates may arrive out of order
         self.gateways: dict[str, Any] = {}
@@ -120,7 +125,7 @@ class NodeGateway:
             node_id, self.addr, self.zctx, self.reader, pipeline_id, forget_objects=self._forget
         )
         self.held = HeldObjects()  # objects lent to readers on this node, until released
-        names = Addresses.names(stages)
+        names = Addresses.names(workers)
         if node_id == head_node:  # the orchestrator binds its own endpoints here
             names = [n for n in names if owner_of(n) != DRIVER]
         self.threads = [
@@ -177,27 +182,27 @@ class NodeGateway:
             return dict(self.channels)
 
     def set_routes(self, routes: dict[str, tuple[str | None, int]]) -> None:
-        """``{stage: (node or None while it is not placed, version)}``; newer wins."""
+        """``{worker: (node or None while it is not placed, version)}``; newer wins."""
         with self.lock:  # with the routes: a hold checks the route under the same lock
-            for stage, (node, version) in routes.items():
-                if version > self.versions.get(stage, -1):
-                    if self.routes.get(stage) == self.node_id:
+            for worker, (node, version) in routes.items():
+                if version > self.versions.get(worker, -1):
+                    if self.routes.get(worker) == self.node_id:
                         # its life here ended (or it moved): what that life was lent,
                         # or was to be, it will not release
-                        self.held.forget_reader(stage)
-                    if self.routes.get(stage) is not None:  # a life ended (anywhere)
-                        self.held.forget_producer(stage)
-                    self.routes[stage] = node
-                    self.versions[stage] = version
+                        self.held.forget_reader(worker)
+                    if self.routes.get(worker) is not None:  # a life ended (anywhere)
+                        self.held.forget_producer(worker)
+                    self.routes[worker] = node
+                    self.versions[worker] = version
 
     def current_routes(self) -> tuple[dict[str, str | None], dict[str, int]]:
-        """Where each stage lives now (``DRIVER``: the orchestrator's node), and the
-        version of each stage's route (one per life and move)."""
+        """Where each worker lives now (``DRIVER``: the orchestrator's node), and the
+        version of each worker's route (one per life and move)."""
         with self.lock:
             return dict(self.routes), dict(self.versions)
 
-    def create_segment(self, stage: str, size: int) -> str:
-        return self.segments.create(stage, size)
+    def create_segment(self, worker: str, size: int) -> str:
+        return self.segments.create(worker, size)
 
     def unlink_segment(self, name: str) -> None:
         self.reader.forget(name)
@@ -232,7 +237,7 @@ class NodeGateway:
 
     def hold(self, endpoint: str, refs: list[Any], producer: str = "", life: int = -1) -> bool:
         """Hold ``refs`` for the reader of ``endpoint`` (their frames follow); False: it
-        is not here (any more), or ``producer`` (the stage that put them, if not a
+        is not here (any more), or ``producer`` (the worker that put them, if not a
         gateway) is known here to have ended the life (its route's version) it sent
         them in: they died with it, and this call may have come late."""
         with self.lock:
@@ -413,7 +418,7 @@ class NodeGateway:
                         return  # the gateway is closing
                     del pending[0]
                 return
-            if target is None:  # the stage is (re)starting: wait for its place
+            if target is None:  # the worker is (re)starting: wait for its place
                 # what these frames carry was for its earlier life (whose requests
                 # failed with it): their objects are not kept waiting in the store
                 refs.clear()

@@ -4,10 +4,12 @@ The orchestrator (the same control plane as on the local backend) runs in the ca
 process, which must be on a node of the cluster (the head, usually), or, for a Ray Client
 address (``ray://``), in an actor on the head node (:mod:`omni_ray.client`). The launcher joins
 the cluster, puts a :class:`~omni_ray.gateway.NodeGateway` on every node (on nodes that
-join later too), starts one :class:`~omni_ray.stage_actor.StageActor` per stage with the
-stage's ``placement`` (CPUs, GPUs, custom resources, node labels), and tells the gateways
-where each stage lives. Stage deaths and restarts follow the orchestrator's own policy
-(``max_restarts``, backoff, replay of idempotent stages); Ray's actor restarts stay off.
+join later too), starts one :class:`~omni_ray.stage_actor.StageActor` per worker (a
+stage's, or each replica's, ``STAGE#i``, of a stage with ``replicas``) with its stage's
+``placement`` (CPUs, GPUs, custom resources, node labels: each replica is an actor of its
+own, so replicas may land on different nodes), and tells the gateways where each worker
+lives. Worker deaths and restarts follow the orchestrator's own policy (``max_restarts``,
+backoff, replay of idempotent stages); Ray's actor restarts stay off.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from omni_core.config import PipelineConfig
+from omni_core.config import PipelineConfig, split_worker
 from omni_core.launcher import Launcher, WorkerHandle
 from omni_core.serial import encode_json
 from omni_core.shm import SHM_DIR, list_segments
@@ -47,10 +49,10 @@ def actor_class(cls: type) -> Any:
 
 
 class RayWorker(WorkerHandle):
-    """One life of a stage as a Ray actor."""
+    """One life of a worker (a stage's, or a replica's) as a Ray actor."""
 
-    def __init__(self, stage: str, actor: Any, run_ref: Any, where_ref: Any) -> None:
-        self.stage = stage
+    def __init__(self, name: str, actor: Any, run_ref: Any, where_ref: Any) -> None:
+        self.name = name  # the worker's: its route key
         self.actor = actor
         self.run_ref = run_ref
         self.where_ref: Any = where_ref
@@ -79,9 +81,18 @@ class RayWorker(WorkerHandle):
     def stop(self, grace_s: float) -> None:
         import ray
 
-        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-            ray.get(self.run_ref, timeout=max(grace_s, 0.001))
+        if self.placed():  # one Ray never placed (its node went away, say) has no work
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                ray.get(self.run_ref, timeout=max(grace_s, 0.001))
         self._kill()
+
+    def placed(self) -> bool:
+        """Ray placed the actor and it came up (it may serve, or have served)."""
+        import ray
+
+        if self.node is not None:
+            return True
+        return bool(self.where_ref is None or ray.wait([self.where_ref], timeout=0)[0])
 
     def kill(self) -> None:
         self._kill()
@@ -95,7 +106,7 @@ class RayWorker(WorkerHandle):
 
 
 class RayLauncher(Launcher):
-    """Starts each stage as a :class:`~omni_ray.stage_actor.StageActor` where its
+    """Starts each worker as a :class:`~omni_ray.stage_actor.StageActor` where its stage's
     ``placement`` lets Ray put it, with a gateway on every node (see the module)."""
 
     @classmethod
@@ -125,11 +136,13 @@ class RayLauncher(Launcher):
         # cannot reach each other's ports)
         self.channel_ip = None if os.environ.get("OMNI_RAY_CHANNELS") == "0" else "auto"
         self.head_node = ray.get_runtime_context().get_node_id()
-        self.stages = [s.name for s in cfg.stages]
+        # every worker a stage may have (each replica up to its max): the gateways bind
+        # the endpoints of all of them, so a replica the autoscaler adds later is reached
+        self.worker_names = cfg.all_workers()
         self.gateways: dict[str, Any] = {}  # node id -> gateway actor
-        self.routes: dict[str, tuple[str | None, int]] = {}  # stage -> (node id, version)
+        self.routes: dict[str, tuple[str | None, int]] = {}  # worker -> (node id, version)
         self.version = 0
-        self.workers: dict[str, RayWorker] = {}  # the current life of each stage
+        self.workers: dict[str, RayWorker] = {}  # the current life of each worker
         self.next_scan = 0.0
         self.health_refs: dict[Any, str] = {}  # gateways' failure() calls in flight -> node
         self._failure: dict[str, str] | None = None
@@ -156,7 +169,7 @@ class RayLauncher(Launcher):
                 max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             )
-            .remote(self.pipeline_id, node, self.head_node, self.stages, self.channel_ip)
+            .remote(self.pipeline_id, node, self.head_node, self.worker_names, self.channel_ip)
         )
         if self.routes:
             gw.set_routes.remote(dict(self.routes))
@@ -195,23 +208,27 @@ class RayLauncher(Launcher):
     def failure(self) -> dict[str, str] | None:
         return self._failure
 
-    def _set_route(self, stage: str, node: str | None) -> None:
+    def _set_route(self, worker: str, node: str | None) -> None:
         self.version += 1
-        self.routes[stage] = (node, self.version)
+        self.routes[worker] = (node, self.version)
         for gw in self.gateways.values():
-            gw.set_routes.remote({stage: self.routes[stage]})
+            gw.set_routes.remote({worker: self.routes[worker]})
 
     # ------------------------------------------------------------------ Launcher
-    def spawn(self, stage: str) -> WorkerHandle:
+    def spawn(self, worker: str) -> WorkerHandle:
+        """Start worker ``worker`` (a stage's name, or ``STAGE#i``): an actor with its
+        stage's placement and ``extra_env``; its replica's ``devices`` entry is resolved
+        in the actor, against the GPUs Ray gave it."""
+        stage, _ = split_worker(worker)
         st = self.cfg.stage(stage)
         pl = st.placement
-        spec = WorkerSpec(stage=stage, config=self.cfg, socket_dir="", arena="")
+        spec = WorkerSpec(stage=stage, worker=worker, config=self.cfg, socket_dir="", arena="")
         options: dict[str, Any] = {
             "num_cpus": pl.num_cpus,
             "num_gpus": pl.num_gpus,
             "max_concurrency": 4,
             "max_restarts": 0,
-            "name": f"omni-{self.pipeline_id}-{stage}-{uuid.uuid4().hex[:6]}",
+            "name": f"omni-{self.pipeline_id}-{worker}-{uuid.uuid4().hex[:6]}",
         }
         if pl.resources:
             options["resources"] = dict(pl.resources)
@@ -231,10 +248,10 @@ class RayLauncher(Launcher):
                 self.cfg.ready_timeout_s,
             )
         )
-        w = RayWorker(stage, actor, actor.run.remote(), actor.where.remote())
-        self.workers[stage] = w
-        if stage in self.routes and self.routes[stage][0] is not None:
-            self._set_route(stage, None)  # senders' frames wait until it is placed
+        w = RayWorker(worker, actor, actor.run.remote(), actor.where.remote())
+        self.workers[worker] = w
+        if worker in self.routes and self.routes[worker][0] is not None:
+            self._set_route(worker, None)  # senders' frames wait until it is placed
         return w
 
     def tick(self) -> None:
@@ -258,23 +275,23 @@ class RayLauncher(Launcher):
                 w.where = f"node {w.node[:12]}"
                 if w.node not in self.gateways:
                     self._scan_nodes()
-                self._set_route(w.stage, w.node)
+                self._set_route(w.name, w.node)
         running = {w.run_ref: w for w in self.workers.values() if not w.ended}
         if running:
             done, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
             for ref in done:
                 w = running[ref]
                 w.ended = True
-                if self.routes.get(w.stage, (None, 0))[0] == w.node:
-                    self._set_route(w.stage, None)
+                if self.routes.get(w.name, (None, 0))[0] == w.node:
+                    self._set_route(w.name, None)
 
-    def waiting(self, stage: str) -> str:
-        w = self.workers.get(stage)
+    def waiting(self, worker: str) -> str:
+        w = self.workers.get(worker)
         if w is None or w.node is not None:
             return ""
         import ray
 
-        pl = self.cfg.stage(stage).placement
+        pl = self.cfg.stage(split_worker(worker)[0]).placement
         asks = {"CPU": pl.num_cpus, "GPU": pl.num_gpus, **pl.resources}
         have = ray.cluster_resources()
         missing = {k: v for k, v in asks.items() if v and have.get(k, 0) < v}

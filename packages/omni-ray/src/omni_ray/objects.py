@@ -19,7 +19,7 @@ The reference is held for exactly as long as a shared-memory slot would stay ren
 reader's :class:`~omni_core.events.Release` for it (sent, like every release, through its
 node's gateway toward the producer) is taken out of the stream by that gateway, which then
 drops its reference, and Ray frees the object once no process holds one. A reader that
-dies (its stage is routed elsewhere or nowhere), a :class:`~omni_core.events.ReaderLost`,
+dies (its worker is routed elsewhere or nowhere), a :class:`~omni_core.events.ReaderLost`,
 a gateway that closes and a node that goes away (Ray's own borrower and owner failure
 handling) drop them too, so nothing stays pinned in the object store.
 """
@@ -77,8 +77,8 @@ class HeldObjects:
         self.released = 0  # releases taken (one per object and reader)
 
     def hold(self, reader: str, refs: list[Any], producer: str = "") -> None:
-        """Hold ``refs`` for ``reader``; ``producer``: the stage that put them (and owns
-        them), if not a gateway."""
+        """Hold ``refs`` for ``reader`` (a worker's name); ``producer``: the worker that
+        put them (and owns them), if not a gateway."""
         with self.lock:
             for ref in refs:
                 key = ref.hex()
@@ -209,11 +209,13 @@ ROUTES_TTL_S = 1.0  # how long a producer trusts the routes it last asked its ga
 HOLD_TIMEOUT_S = 60.0  # a gateway that neither answers nor is known gone
 
 
-def install_writer(pipeline_id: str, stage: str, node_id: str, gateway: Any) -> ObjectWriter:
-    """Let ``stage``'s process put its large arrays for readers on other nodes into the
-    object store itself (``gateway``: its node's, which knows the routes)."""
-    writer = ObjectWriter(pipeline_id, stage, node_id, gateway)
-    EXTERNAL_WRITERS[stage] = writer
+def install_writer(pipeline_id: str, worker: str, node_id: str, gateway: Any) -> ObjectWriter:
+    """Let ``worker``'s process put its large arrays for readers on other nodes into the
+    object store itself (``gateway``: its node's, which knows the routes). Keyed by the
+    worker's name (``STAGE#i`` for a replica): the producer name its ArrayCodec asks
+    :data:`~omni_core.shm.EXTERNAL_WRITERS` with."""
+    writer = ObjectWriter(pipeline_id, worker, node_id, gateway)
+    EXTERNAL_WRITERS[worker] = writer
     return writer
 
 
@@ -224,6 +226,8 @@ class ObjectWriter:
     the message leaves (an in-band borrow, so the producer drops its own reference at
     once). An array with a reader on this node, or one not placed, takes a slot as usual.
 
+    Readers are workers (a replicated stage's are the replicas a request is bound to, each
+    routed on its own), and so is the producer (``worker``: its route is its life).
     Routes are a hint, asked of this node's gateway at most every :data:`ROUTES_TTL_S`:
     a reader that moved to this node meanwhile gets a slot's handle that its gateway
     forwards as before, and a gateway that no longer has the reader refuses the hold, so
@@ -233,14 +237,14 @@ class ObjectWriter:
     it sent that no reader has mapped yet are lost with it, and their requests fail at
     the reader, naming the object."""
 
-    def __init__(self, pipeline_id: str, stage: str, node_id: str, gateway: Any) -> None:
+    def __init__(self, pipeline_id: str, worker: str, node_id: str, gateway: Any) -> None:
         self.pipeline_id = pipeline_id
-        self.stage = stage
+        self.worker = worker
         self.node_id = node_id
         self.gateway = gateway
-        self.routes: dict[str, str | None] = {}
+        self.routes: dict[str, str | None] = {}  # worker -> its node
         self.routes_at = float("-inf")
-        self.life = -1  # the version of this stage's route to this node: its life
+        self.life = -1  # the version of this worker's route to this node: its life
         self.gateways: dict[str, Any] = {}
         self.puts = 0  # arrays this producer put (for tests and metrics)
 
@@ -255,7 +259,7 @@ class ObjectWriter:
         ref = ray.put(flat)
         segment = segment_name(self.pipeline_id, ref.hex())
         calls = [
-            self._gateway(node).hold.remote(inbox_of(r), [ref], self.stage, self.life)
+            self._gateway(node).hold.remote(inbox_of(r), [ref], self.worker, self.life)
             for r, node in targets
         ]
         del ref  # each call pins it until its gateway holds it (or refused it)
@@ -308,8 +312,8 @@ class ObjectWriter:
             call = self.gateway.current_routes.remote()
             self.routes, versions = ray.get(call, timeout=HOLD_TIMEOUT_S)
             self.routes_at = time.monotonic()
-            if self.routes.get(self.stage) == self.node_id:
-                self.life = versions[self.stage]
+            if self.routes.get(self.worker) == self.node_id:
+                self.life = versions[self.worker]
         if self.life < 0:  # not routed here yet: its gateway forwards slots meanwhile
             return None
         out: list[tuple[str, str]] = []

@@ -1,4 +1,8 @@
-"""Endpoint names on the Ray backend: whose an endpoint is, and who reads its arrays."""
+"""Endpoint names on the Ray backend: whose an endpoint is, and who reads its arrays.
+
+Endpoints are named after workers (``WORKER.data``, ``WORKER.ctl``): a stage's name, or
+``STAGE#i`` for a replica; the endpoint's kind (``data``, ``ctl``) holds no ``.``, so the
+last ``.`` splits an endpoint name, whatever the worker's name holds."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ def gateway_name(pipeline_id: str, node_id: str) -> str:
 
 
 def owner_of(endpoint: str) -> str:
-    """The route key of an endpoint: its stage, or DRIVER for the orchestrator's."""
+    """The route key of an endpoint: its worker, or DRIVER for the orchestrator's."""
     if endpoint in (STATUS, RESULTS):
         return DRIVER
     return endpoint.rsplit(".", 1)[0]

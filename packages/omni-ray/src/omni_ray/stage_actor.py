@@ -1,5 +1,6 @@
-"""The stage actor: one Ray actor per stage life, running the same worker loop as a local
-process (:func:`omni_core.worker.serve`) on whichever node Ray placed it."""
+"""The stage actor: one Ray actor per worker life (a stage's, or one replica's of a stage
+with ``replicas``), running the same worker loop as a local process
+(:func:`omni_core.worker.serve`) on whichever node Ray placed it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from typing import Any
 
 import msgspec
-from omni_core.devices import resolve_devices
+from omni_core.launcher import worker_devices
 from omni_core.worker import WorkerSpec
 
 from omni_ray.objects import install_reader, install_writer
@@ -23,6 +24,9 @@ class StageActor:
         import ray
 
         self.spec = msgspec.json.decode(spec, type=WorkerSpec)
+        # the worker's name (``STAGE#i`` for a replica) is its identity on the data plane:
+        # its endpoints, its segment, the producer name of its arrays
+        worker = self.spec.worker or self.spec.stage
         self.node_id = ray.get_runtime_context().get_node_id()
         # the orchestrator makes a gateway on every node as it appears; wait for ours
         deadline = time.monotonic() + wait_s
@@ -37,14 +41,14 @@ class StageActor:
                     ) from None
                 time.sleep(0.1)
         install_reader(pipeline_id, gw)  # arrays from other nodes, through the object store
-        self.writer = install_writer(pipeline_id, self.spec.stage, self.node_id, gw)
+        self.writer = install_writer(pipeline_id, worker, self.node_id, gw)
         info = ray.get(gw.info.remote())
         self.spec.socket_dir = info["socket_dir"]
         self.spec.bind_dir = info["bind_dir"]
-        self.spec.arena = ray.get(gw.create_segment.remote(self.spec.stage, pool_bytes))
-        # `devices` keeps its meaning inside the node: an index into the GPUs Ray gave us
-        st = self.spec.config.stage(self.spec.stage)
-        devices = resolve_devices(st.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.spec.arena = ray.get(gw.create_segment.remote(worker, pool_bytes))
+        # `devices` (the replica's entry) keeps its meaning inside the node: an index into
+        # the GPUs Ray gave this actor
+        devices = worker_devices(self.spec.config, worker, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before the stage imports torch
         self.spec.devices = devices
@@ -53,7 +57,7 @@ class StageActor:
         return {"node": self.node_id, "pid": os.getpid(), "segment": self.spec.arena}
 
     def objects_put(self) -> int:
-        """Arrays this stage put into the object store itself (for readers elsewhere)."""
+        """Arrays this worker put into the object store itself (for readers elsewhere)."""
         return self.writer.puts
 
     def run(self) -> int:

@@ -7,6 +7,10 @@ from contextlib import contextmanager
 from typing import Any
 
 OBJECT_STORE_BYTES = 256 << 20  # per node; Ray's default (30% of RAM) is far more
+# a custom resource every simulated node offers exactly once: a stage whose placement
+# asks for it (see one_per_node) has at most one worker on each node, so the replicas
+# of a stage with ``replicas: N`` land on N different nodes
+ONE_PER_NODE = "node_slot"
 
 
 @contextmanager
@@ -19,7 +23,8 @@ def simulated_cluster(
     """A head node and ``nodes - 1`` more on this machine, joined by this process.
 
     Node ``i`` offers the custom resource ``node_<letter>`` (``node_a`` is the head), so
-    a stage lands on a node with ``placement: {resources: {node_b: 1}}``. ``num_cpus`` is
+    a stage lands on a node with ``placement: {resources: {node_b: 1}}``, and every node
+    offers :data:`ONE_PER_NODE` once (see :func:`one_per_node`). ``num_cpus`` is
     logical: Ray schedules by it, it is not the cores the machine has. ``client_port``:
     the head also runs a Ray Client server there (``ray://127.0.0.1:<port>``; a Ray
     Client driver must be another process than this one).
@@ -29,7 +34,7 @@ def simulated_cluster(
 
     head: dict[str, Any] = {
         "num_cpus": num_cpus,
-        "resources": {"node_a": 100},
+        "resources": {"node_a": 100, ONE_PER_NODE: 1},
         "object_store_memory": object_store_bytes,
         "include_dashboard": False,
     }
@@ -58,10 +63,11 @@ def free_port() -> int:
 def add_node(
     cluster: Any, resource: str, num_cpus: int = 8, object_store_bytes: int = OBJECT_STORE_BYTES
 ) -> Any:
-    """Another simulated node offering ``resource``; returns it (for ``remove_node``)."""
+    """Another simulated node offering ``resource`` (and :data:`ONE_PER_NODE` once);
+    returns it (for ``remove_node``)."""
     node = cluster.add_node(
         num_cpus=num_cpus,
-        resources={resource: 100},
+        resources={resource: 100, ONE_PER_NODE: 1},
         object_store_memory=object_store_bytes,
     )
     cluster.wait_for_nodes()
@@ -71,6 +77,12 @@ def add_node(
 def on(resource: str, num_cpus: float = 0.5) -> dict[str, Any]:
     """A stage's ``placement`` for the simulated node offering ``resource``."""
     return {"placement": {"num_cpus": num_cpus, "resources": {resource: 1}}}
+
+
+def one_per_node(num_cpus: float = 0.5) -> dict[str, Any]:
+    """A stage's ``placement`` that takes a node's :data:`ONE_PER_NODE`: with ``replicas``,
+    each replica on another node (one that finds no free node waits for one)."""
+    return {"placement": {"num_cpus": num_cpus, "resources": {ONE_PER_NODE: 1}}}
 
 
 def object_store_usage(address: str | None = None) -> dict[str, int]:
