@@ -117,6 +117,41 @@ class Sleep(Stage):
             yield inp.segment(tokens, is_last=inp.last, payload=payload)
 
 
+class SpinOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """``synthetic.spin``'s options."""
+
+    # iterations per input, unless the request says ("work"); the default is about 50 ms
+    # on one core of the 2-core CI machine
+    work: int = 700_000
+
+
+def spin(work: int) -> int:
+    """``work`` steps of a linear congruential chain in pure Python: CPU time on the
+    calling thread only (the GIL held throughout, no sleep, no native threads)."""
+    x = 1
+    for _ in range(work):
+        x = (x * 1103515245 + 12345) & 0x7FFFFFFF
+    return x
+
+
+class Spin(Stage):
+    """Busy on one thread for ``work`` iterations per input, then passes the input's new
+    tokens on (``[0]`` as a source), with its pid and when it started and ended: a
+    CPU-bound stage, whose throughput only more processes (replicas) can raise. Declared
+    idempotent: a crashed worker's requests are replayed."""
+
+    Options = SpinOptions
+    idempotent = True
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        for inp in batch:
+            t0 = time.time()
+            check = spin(int(inp.request.get("work", self.options.work)))
+            tokens = [t for w in inp.windows.values() for t in w.new_tokens] if inp.windows else [0]
+            payload = {"pid": os.getpid(), "start": t0, "end": time.time(), "check": check}
+            yield inp.segment(tokens, is_last=inp.last, payload=payload)
+
+
 class Join(Stage):
     """Fan-in: sums the tokens of every inbound window, position by position."""
 
