@@ -273,3 +273,23 @@ def test_a_stage_with_every_replica_dead_refuses_requests(first):
 
         with pytest.raises(StageDeadError, match="stage 'map'"):
             pipe.submit({"n": 1})
+
+
+def test_an_added_replica_that_cannot_start_is_reported_not_restarted(tmp_path):
+    flag = tmp_path / "no-more-replicas"
+    spec = {"min": 1, "max": 2, "target": 1, "upscale_delay_s": 0, "downscale_delay_s": 60}
+    cfg = chain(
+        ("src", "synthetic.source", {"segment": 1, "delay_s": 0.02}),
+        ("f", "synthetic.faulty", {"fail_on_load_if": str(flag)}, {"replicas": spec}),
+        **FAST,
+    )
+    with Pipeline(cfg) as pipe:
+        flag.touch()  # from now on a new replica fails to load
+        hs = [pipe.submit({"n": 20}) for _ in range(4)]
+        wait_for(lambda: pipe.metrics()["replicas"]["f"]["unplaced"], 20, "the report")
+        report = pipe.metrics()["replicas"]["f"]
+        assert "f#1" in report["unplaced"] and "synthetic load failure" in report["unplaced"]
+        assert [e["event"] for e in pipe.backend.autoscaler.events][:2] == ["start", "unplaced"]
+        assert all(terminal(h).event_type == "completed" for h in hs)
+        assert sorted(pipe.health()) == ["f#0", "src"]  # let go, not restarting
+        assert pipe.stage_health()["f"]["state"] == "ok" and pipe.healthy

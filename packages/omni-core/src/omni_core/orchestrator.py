@@ -181,7 +181,15 @@ class ControlLoop(PollLoop):
                 p.state = "draining"  # no new bindings from now on
                 self.o.autoscaler.record("drain", p.stage, worker=p.name)
                 log.info("stage %s: draining replica %s", p.stage, p.name, extra={"stage": p.stage})
+        now = self.sup.clock()
         for p in list(self.sup.procs.values()):
+            if p.scaled and p.state == "starting" and now - p.spawned_at > self.cfg.ready_timeout_s:
+                # not placed or not loaded in time (e.g. Ray has no node for it): reported,
+                # and let go; its end is seen like a death that restarts nothing
+                why = self.o.launcher.waiting(p.name) or "not ready within ready_timeout_s"
+                self.o.autoscaler.cannot_place(p.stage, why)
+                p.state = "stopping"
+                p.worker.kill()
             if p.state == "draining" and not self.collector.outstanding.get((p.stage, p.replica)):
                 p.state = "stopping"  # its requests are past it: let it go
                 msg = Shutdown(drain=True, deadline=time.time() + 30.0)
@@ -194,6 +202,7 @@ class ControlLoop(PollLoop):
             stage = name.partition("#")[0]
             self.o.autoscaler.cannot_place(stage, f"{type(e).__name__}: {e}")
             return
+        p.scaled = True
         self.o.autoscaler.record("start", p.stage, worker=name)
         log.info("stage %s: starting replica %s", p.stage, name, extra={"stage": p.stage})
         self._watch_exit(p)
@@ -205,9 +214,14 @@ class ControlLoop(PollLoop):
             p.worker.reap()
             p.dead = True
             return
+        never_up = p.scaled and p.state == "starting"  # an added replica that failed
+        if never_up:
+            p.state = "stopping"  # not restarted: the autoscaler tries again later
         self.sup.on_death(p)
         why, code = self.sup.why(p)
-        if p.state == "stopped":  # a replica scaled down
+        if never_up:
+            self.o.autoscaler.cannot_place(p.stage, f"{p.name}: {p.load_error or why}")
+        if p.state == "stopped":  # a replica scaled down, or one that never came up
             log.info("%s after draining", why, extra={"stage": p.stage})
             self.o.autoscaler.record("stopped", p.stage, worker=p.name)
             del self.sup.procs[p.name]

@@ -47,6 +47,7 @@ class StageProc:
     # starting | ready | hung | restarting | dead (for good); a replica scaled down is
     # draining (no new requests), then stopping (told to shut down), then gone
     state: str = "starting"
+    scaled: bool = False  # started by the autoscaler (not with the pipeline)
     restarts: int = 0  # over the stage's whole life (metrics)
     recent: deque[float] = field(default_factory=deque)  # restart times within the window
     spawned_at: float = 0.0

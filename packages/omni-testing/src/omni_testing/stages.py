@@ -218,6 +218,7 @@ class FailOptions(msgspec.Struct, forbid_unknown_fields=True):
 
     fail_on_load: bool = False  # load raises
     exit_on_load: bool = False  # the worker process exits during load
+    fail_on_load_if: str = ""  # load raises while a file of this path exists
 
 
 class Faulty(Stage):
@@ -231,6 +232,8 @@ class Faulty(Stage):
             raise RuntimeError("synthetic load failure")
         if self.options.exit_on_load:
             os._exit(7)
+        if self.options.fail_on_load_if and os.path.exists(self.options.fail_on_load_if):
+            raise RuntimeError(f"synthetic load failure ({self.options.fail_on_load_if} exists)")
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
