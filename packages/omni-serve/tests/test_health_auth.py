@@ -105,3 +105,34 @@ def test_serve_refuses_an_inline_pipeline_and_a_bad_config(tmp_path):
         [sys.executable, "-c", OMNI, "serve", str(cfg)], capture_output=True, text=True
     )
     assert r.returncode == 2 and "no.such" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_health_is_degraded_200_while_one_replica_serves_and_503_when_none(tmp_path):
+    cfg = chain(
+        ("source", "synthetic.source", {"tokens": 4}),
+        ("map", "synthetic.map", {}, {"replicas": 2, "max_restarts": 0}),
+        name="replicated",
+        heartbeat_interval_s=0.1,
+    )
+    server = start_server(cfg, tmp_path)
+    try:
+        body = wait_health(server, 200)
+        assert body["status"] == "ok" and sorted(body["stages"]) == ["map#0", "map#1", "source"]
+        assert body["stages_summary"]["map"] == {"state": "ok", "replicas": 2, "serving": 2}
+        os.kill(body["stages"]["map#1"]["pid"], signal.SIGKILL)  # dead for good
+        end = time.monotonic() + 15
+        while server.health().json()["status"] != "degraded" and time.monotonic() < end:
+            time.sleep(0.05)
+        r = server.health()
+        assert r.status_code == 200 and r.json()["status"] == "degraded"
+        assert r.json()["stages"]["map#1"]["state"] == "dead"
+        assert r.json()["stages_summary"]["map"] == {
+            "state": "degraded",
+            "replicas": 2,
+            "serving": 1,
+        }
+        os.kill(r.json()["stages"]["map#0"]["pid"], signal.SIGKILL)
+        body = wait_health(server, 503)
+        assert body["status"] == "unhealthy" and body["stages_summary"]["map"]["state"] == "failed"
+    finally:
+        stop_server(server)

@@ -210,7 +210,7 @@ class ControlLoop(PollLoop):
     # -- deaths --------------------------------------------------------------------
     def on_death(self, p: StageProc) -> None:
         """A worker exited: end or replay its requests, reclaim its slots, restart it."""
-        if self.o.closing:
+        if self.o.closing or self.o.shutting_down:  # told to stop: not a crash
             p.worker.reap()
             p.dead = True
             return
@@ -300,6 +300,7 @@ class Orchestrator:
         self.sockets: dict[str, zmq.Socket] = {}
         self.acks: dict[str, int] = {}
         self.closing = False
+        self.shutting_down = False  # workers were told to stop (close)
         self.loop: ControlLoop | None = None
         self._thread: threading.Thread | None = None
         self.trace = TraceLog(cfg.all_workers())
@@ -516,6 +517,7 @@ class Orchestrator:
     def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
         """Stop workers (draining queued work first when ``graceful``), free everything."""
         graceful = graceful and self._thread is not None and self._thread.is_alive()
+        self.shutting_down = True
         if graceful:
             deadline = time.time() + timeout_s
             for name in self.procs:

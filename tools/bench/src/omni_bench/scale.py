@@ -233,15 +233,22 @@ def dit_arm(args: argparse.Namespace) -> dict[str, Any]:
     ]
     cfg = load_config(CONFIGS / "dit_image.yaml")
     res: dict[str, Any] = {}
-    for n in (1, 2):
-        stages = [
-            msgspec.structs.replace(s, replicas=n) if s.name == "sample" and n != 1 else s
-            for s in cfg.stages
-        ]
-        with Pipeline(msgspec.structs.replace(cfg, stages=stages)) as pipe:
-            res[f"img_per_s_replicas{n}"] = round(staged(pipe, reqs, args.concurrency), 3)
-    ratio = res["img_per_s_replicas2"] / res["img_per_s_replicas1"]
-    res["replicas2_vs_1_throughput"] = round(ratio, 3)
+    # as shipped (sample batches up to 8 alike requests per forward), then with batching
+    # off (max_batch_size 1): where replicas help, and where one batching engine is better
+    for label, batch in (("", None), ("batch1_", 1)):
+        for n in (1, 2):
+            stages = []
+            for s in cfg.stages:
+                if s.name == "sample":
+                    s = msgspec.structs.replace(s, replicas=n)
+                    if batch is not None:
+                        s = msgspec.structs.replace(s, max_batch_size=batch)
+                stages.append(s)
+            with Pipeline(msgspec.structs.replace(cfg, stages=stages)) as pipe:
+                rate = staged(pipe, reqs, args.concurrency)
+            res[f"{label}img_per_s_replicas{n}"] = round(rate, 3)
+        one, two = res[f"{label}img_per_s_replicas1"], res[f"{label}img_per_s_replicas2"]
+        res[f"{label}replicas2_vs_1_throughput"] = round(two / one, 3)
     res["requests"] = len(reqs)
     return res
 
