@@ -12,6 +12,7 @@ from omni_core.events import Cancel, ReaderLost, Release
 from omni_core.serial import decode_control_frame, encode_frame
 from omni_ray.objects import OBJECT_THRESHOLD, HeldObjects, segment_name, take_releases
 from omni_ray.testing import add_node, on, wait_object_store_empty
+from omni_ray.testing import summary as reduced
 from omni_testing.configs import chain
 from omni_testing.faults import kill_stage, wait_ready
 
@@ -19,14 +20,7 @@ NBYTES = OBJECT_THRESHOLD  # the smallest array that takes the object store
 
 
 def summary(out):
-    """Per stage in order: the tokens and the arrays' byte counts and checksums."""
-    assert out.ok, out.error
-    keep = ("bytes", "check", "crc")
-    events = sorted(out.events, key=lambda e: (e.terminal, e.stage))  # stable sort
-    return [
-        (e.stage, e.event_type, e.tokens, {k: e.payload[k] for k in keep if k in e.payload})
-        for e in events
-    ]
+    return reduced(out, ("bytes", "check", "crc"))
 
 
 def fan_out(sinks: dict[str, str], *more) -> dict:

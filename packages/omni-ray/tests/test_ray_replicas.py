@@ -15,6 +15,7 @@ from omni_core.collector import collect
 from omni_core.shm import list_segments
 from omni_ray.objects import OBJECT_THRESHOLD
 from omni_ray.testing import add_node, on, one_per_node, wait_object_store_empty
+from omni_ray.testing import summary as reduced
 from omni_testing.configs import chain
 
 # rep's placement takes a node's one node_slot: its two replicas land on the two nodes
@@ -38,14 +39,7 @@ CFG = chain(
 
 
 def summary(out):
-    """Per stage in order: tokens and window facts (not pids or times)."""
-    assert out.ok, out.error
-    keep = ("edge", "window", "context")
-    events = sorted(out.events, key=lambda e: (e.terminal, e.stage))  # stable sort
-    return [
-        (e.stage, e.event_type, e.tokens, {k: e.payload[k] for k in keep if k in e.payload})
-        for e in events
-    ]
+    return reduced(out, ("edge", "window", "context"))
 
 
 def tokens(out, stage):

@@ -135,3 +135,14 @@ def split_ar_config(
             {"from": "decode", "to": "postprocess", "window": {"size": window}},
         ],
     }
+
+
+def summary(out: Any, keep: tuple[str, ...]) -> list[tuple[Any, ...]]:
+    """An output reduced to what two backends must agree on: per stage in order, each
+    event's type, tokens and the payload keys ``keep`` (not pids or times)."""
+    assert out.ok, out.error
+    events = sorted(out.events, key=lambda e: (e.terminal, e.stage))  # stable sort
+    return [
+        (e.stage, e.event_type, e.tokens, {k: e.payload[k] for k in keep if k in e.payload})
+        for e in events
+    ]

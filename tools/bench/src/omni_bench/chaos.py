@@ -100,6 +100,15 @@ class Books:
                 self.errors[code] += 1
                 self.examples.setdefault(code, example[:300])
 
+    def end_with(self, i: int, ev: Any) -> None:
+        """Book request ``i`` by its terminal event."""
+        if ev.event_type == "completed":
+            self.end(i, "completed")
+        elif ev.event_type == "cancelled":
+            self.end(i, "errored", ev.reason, ev.reason)
+        else:
+            self.end(i, "errored", ev.code, ev.message)
+
     def lost(self, now: float, final: bool = False) -> int:
         with self.lock:
             late = [i for i, d in self.open.items() if final or now > d + GRACE_LOST_S]
@@ -130,12 +139,7 @@ class PythonTarget:
             if slow_s:
                 time.sleep(slow_s)
             if ev.terminal:
-                if ev.event_type == "completed":
-                    books.end(i, "completed")
-                elif ev.event_type == "cancelled":
-                    books.end(i, "errored", ev.reason, ev.reason)
-                else:
-                    books.end(i, "errored", ev.code, ev.message)
+                books.end_with(i, ev)
                 return
 
     def health(self) -> tuple[bool, dict[str, int | None]]:

@@ -131,11 +131,7 @@ class Load:
                 with self.lock:
                     self.done.append(time.monotonic())
                     self.pids[pid] += 1
-                books.end(i, "completed")
-            elif ev.event_type == "cancelled":
-                books.end(i, "errored", ev.reason, ev.reason)
-            else:
-                books.end(i, "errored", ev.code, ev.message)
+            books.end_with(i, ev)
             return
         books.end(i, "errored", "no_terminal", "the stream ended without a terminal event")
 
