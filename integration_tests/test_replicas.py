@@ -57,6 +57,8 @@ def test_windows_stay_on_the_bound_replica_and_outputs_equal_one_replica(no_leak
     requests = [{"n": 10 + 3 * i, "start": 100 * i} for i in range(12)]
     with Pipeline(windowed(1)) as one:
         want = one.generate(requests)
+    with Pipeline({**windowed(3), "mrs": {"enabled": False}}) as inline:  # one of each
+        assert [windows_of(o) for o in inline.generate(requests)] == [windows_of(o) for o in want]
     with Pipeline(windowed(3)) as pipe:
         assert sorted(pipe.health()) == ["map#0", "map#1", "map#2", "sink", "src"]
         got = pipe.generate(requests)
@@ -293,3 +295,28 @@ def test_an_added_replica_that_cannot_start_is_reported_not_restarted(tmp_path):
         assert all(terminal(h).event_type == "completed" for h in hs)
         assert sorted(pipe.health()) == ["f#0", "src"]  # let go, not restarting
         assert pipe.stage_health()["f"]["state"] == "ok" and pipe.healthy
+
+
+def test_a_replica_drained_while_its_output_waits_downstream_fails_nothing(no_leaked_segments):
+    """The drained replica is stopped only once its requests' output has arrived at the
+    (slow, backlogged) next stage, not merely once it sent it."""
+    spec = {"min": 1, "max": 2, "target": 1, "upscale_delay_s": 0, "downscale_delay_s": 0.2}
+    cfg = chain(
+        ("src", "synthetic.source", {"segment": 4}),
+        ("map", "synthetic.map", {"delay_s": 0.03}, {"replicas": spec}),
+        ("sink", "synthetic.sleep", {"hold_s": 0.05}, {"queue_capacity": 2}),
+        **FAST,
+    )
+    with Pipeline(cfg) as pipe:
+        hs = [pipe.submit({"n": 8}) for _ in range(8)]  # map is fast, sink backs up
+        wait_for(lambda: pipe.metrics()["replicas"]["map"]["ready"] == 2, 20, "scale up")
+        hs += [pipe.submit({"n": 8}) for _ in range(16)]
+        assert {h.routes["map"] for h in hs[8:]} == {0, 1}
+        events = pipe.backend.autoscaler.events
+        wait_for(lambda: any(e["event"] == "drain" for e in events), 20, "a drain")
+        ends = [terminal(h) for h in hs]
+        assert [e.event_type for e in ends] == ["completed"] * 24, [
+            getattr(e, "message", "") for e in ends if e.event_type != "completed"
+        ]
+        wait_for(lambda: len(pipe.health()) == 3, 20, "the drained replica to stop")
+        assert pipe.metrics()["counts"]["error"] == 0

@@ -161,7 +161,7 @@ class Collector:
         until its stage completes the request or the request ends."""
         self.unbind(h)
         h.routes = routes
-        if routes:
+        if routes and not h.done:
             h.bound = set(routes)
             for key in routes.items():
                 self.outstanding[key] = self.outstanding.get(key, 0) + 1

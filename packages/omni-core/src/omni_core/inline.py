@@ -14,6 +14,8 @@ import uuid
 from collections import deque
 from typing import Any
 
+import msgspec
+
 from omni_core.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
 from omni_core.events import Cancelled, Event, Submit
@@ -24,7 +26,9 @@ from omni_core.serial import ArrayCodec, decode_event_frame, encode_frame
 
 class InlineRunner:
     def __init__(self, cfg: PipelineConfig) -> None:
-        self.cfg = cfg
+        # every stage once, in this process: replicas are a matter of worker processes
+        one = [msgspec.structs.replace(s, replicas=1) for s in cfg.stages]
+        self.cfg = cfg = msgspec.structs.replace(cfg, stages=one)
         self.order = cfg.topological_order()
         self.hosts: dict[str, StageHost] = {}
         self.collector = Collector(

@@ -172,13 +172,23 @@ class ControlLoop(PollLoop):
 
     # -- replicas coming and going -------------------------------------------------
     def scale(self) -> None:
-        """Carry out the autoscaler's decisions; stop drained replicas."""
+        """Carry out the autoscaler's decisions; stop drained replicas. Under the request
+        table's lock: ``submit`` binds requests to replicas under it, so no request is
+        bound to a replica that is being stopped, and the replica set does not change
+        while a caller reads it."""
+        if self.o.shutting_down:
+            return
+        with self.table.lock:
+            self._scale()
+
+    def _scale(self) -> None:
         if self.o.autoscaler.specs:
             start, drain = self.o.autoscaler.tick()
             for name in start:
                 self.add_replica(name)
             for p in drain:
                 p.state = "draining"  # no new bindings from now on
+                p.retiring = True
                 self.o.autoscaler.record("drain", p.stage, worker=p.name)
                 log.info("stage %s: draining replica %s", p.stage, p.name, extra={"stage": p.stage})
         now = self.sup.clock()
@@ -189,9 +199,12 @@ class ControlLoop(PollLoop):
                 why = self.o.launcher.waiting(p.name) or "not ready within ready_timeout_s"
                 self.o.autoscaler.cannot_place(p.stage, why)
                 p.state = "stopping"
+                p.retiring = True
                 p.worker.kill()
-            if p.state == "draining" and not self.collector.outstanding.get((p.stage, p.replica)):
-                p.state = "stopping"  # its requests are past it: let it go
+            if p.state == "draining" and not self.table.holds(
+                p.stage, p.replica, [e.target for e in self.cfg.outbound(p.stage)]
+            ):
+                p.state = "stopping"  # its requests are past it, their output arrived
                 msg = Shutdown(drain=True, deadline=time.time() + 30.0)
                 self.outbox.put(f"ctl:{p.name}", msg, block=False)
 
@@ -216,7 +229,7 @@ class ControlLoop(PollLoop):
             return
         never_up = p.scaled and p.state == "starting"  # an added replica that failed
         if never_up:
-            p.state = "stopping"  # not restarted: the autoscaler tries again later
+            p.retiring = True  # not restarted: the autoscaler tries again later
         self.sup.on_death(p)
         why, code = self.sup.why(p)
         if never_up:
@@ -224,7 +237,8 @@ class ControlLoop(PollLoop):
         if p.state == "stopped":  # a replica scaled down, or one that never came up
             log.info("%s after draining", why, extra={"stage": p.stage})
             self.o.autoscaler.record("stopped", p.stage, worker=p.name)
-            del self.sup.procs[p.name]
+            with self.table.lock:  # the replica set changes: not while submit reads it
+                del self.sup.procs[p.name]
         else:
             log.error("%s", why, extra={"stage": p.stage})
         # slots the dead worker was reading go back to its producers; its own arena goes
@@ -232,7 +246,8 @@ class ControlLoop(PollLoop):
             for source in self.cfg.workers(e.source):
                 self.outbox.put(f"ctl:{source}", ReaderLost(reader=p.name), block=False)
         downstream = [e.target for e in self.cfg.outbound(p.stage)]
-        replayable = p.idempotent and p.state == "restarting"
+        # a replica scaled down had nothing left; one that crashed while draining may have
+        replayable = p.idempotent and p.state in ("restarting", "stopped")
         replica = p.replica if self.cfg.replicated(p.stage) else None
         cancel, replay = self.table.on_stage_death(
             p.stage, replica, downstream, replayable, why, code
@@ -309,7 +324,8 @@ class Orchestrator:
 
     @property
     def procs(self) -> dict[str, StageProc]:
-        return self.supervisor.procs
+        """The workers now (a copy: the autoscaler adds and removes replicas)."""
+        return dict(self.supervisor.procs)
 
     @property
     def retired(self) -> list[tuple[str, WorkerHandle, set[str]]]:
@@ -448,6 +464,8 @@ class Orchestrator:
         """A new attempt of a request (its idempotent stage died), bound anew: the
         replica that died takes no new requests until it is back. (The loop's thread.)"""
         with self.requests.lock:
+            if h.done:  # ended (cancelled, timed out) meanwhile
+                return
             try:
                 routes = self.router.bind()
             except StageDeadError as e:

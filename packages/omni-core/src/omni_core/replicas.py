@@ -89,7 +89,7 @@ class Router:
         """0: serving; 2: late with its heartbeats; 4: starting or restarting (requests
         wait for it); None: never (dead, hung, being scaled down). A full replica ranks
         one worse."""
-        if p.state in GONE or p.state == "hung":
+        if p.state in GONE or p.state == "hung" or p.retiring:
             return None
         if p.state == "ready" and not p.dead:
             return 2 if self.sup.late(p, self.sup.clock()) else 0
@@ -123,7 +123,11 @@ class Autoscaler:
         return sum(v for (s, _), v in self.collector.outstanding.items() if s == stage)
 
     def live(self, stage: str) -> list[StageProc]:
-        return [p for p in self.sup.procs.values() if p.stage == stage and p.state not in GONE]
+        return [
+            p
+            for p in self.sup.procs.values()
+            if p.stage == stage and p.state not in GONE and not p.retiring
+        ]
 
     def desired(self, stage: str) -> int:
         spec = self.specs[stage]

@@ -97,10 +97,8 @@ class RequestTable:
             for h in list(self.collector.handles.values()):
                 if replica is not None and (h.routes or {}).get(stage) != replica:
                     continue  # bound to another replica
-                if stage in h.stages_done and all(
-                    (stage, d) in h.edges_done or d in h.stages_done for d in downstream
-                ):
-                    continue  # it went past this stage, and its output arrived downstream
+                if self._past(h, stage, downstream):
+                    continue
                 cancel.append(h.wire_id)
                 if replayable and self.collector.replay(h):
                     replay.append(h)
@@ -108,6 +106,22 @@ class RequestTable:
                     err = Error(request_id=h.request_id, stage=stage, message=why, code=code)
                     self.collector.finish(h, err)
         return cancel, replay
+
+    @staticmethod
+    def _past(h: RequestHandle, stage: str, downstream: list[str]) -> bool:
+        """``h`` went past ``stage``, and its output arrived downstream: the stage's worker
+        may go away without touching it."""
+        return stage in h.stages_done and all(
+            (stage, d) in h.edges_done or d in h.stages_done for d in downstream
+        )
+
+    def holds(self, stage: str, replica: int, downstream: list[str]) -> bool:
+        """Some open request bound to ``replica`` of ``stage`` still needs that worker."""
+        with self.lock:
+            return any(
+                (h.routes or {}).get(stage) == replica and not self._past(h, stage, downstream)
+                for h in self.collector.handles.values()
+            )
 
     def wire_ids(self) -> set[str]:
         with self.lock:

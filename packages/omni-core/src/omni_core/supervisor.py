@@ -48,6 +48,7 @@ class StageProc:
     # draining (no new requests), then stopping (told to shut down), then gone
     state: str = "starting"
     scaled: bool = False  # started by the autoscaler (not with the pipeline)
+    retiring: bool = False  # being scaled down (or never came up): never restarted
     restarts: int = 0  # over the stage's whole life (metrics)
     recent: deque[float] = field(default_factory=deque)  # restart times within the window
     spawned_at: float = 0.0
@@ -129,7 +130,7 @@ class Supervisor:
         p.exit_reason = p.worker.reap()
         p.dead = True
         p.ready = False
-        if p.state in ("draining", "stopping"):  # scaled down: gone, not restarted
+        if p.retiring:  # scaled down (a crash or hang while draining too): not restarted
             p.state = "stopped"
             return
         st = self.cfg.stage(p.stage)
@@ -217,7 +218,7 @@ class Supervisor:
         """Per stage: alive, healthy, state, pid, restarts, why it last ended."""
         now = self.clock()
         out = {}
-        for n, p in self.procs.items():
+        for n, p in list(self.procs.items()):
             late = self.late(p, now)
             out[n] = {
                 "stage": p.stage,
