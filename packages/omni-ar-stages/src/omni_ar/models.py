@@ -63,6 +63,16 @@ def resolve_model(model: str, report: Reporter | None = None) -> str:
     return str(build_once(model, convert, "config.json"))
 
 
+def packaged_model_ready(name: str) -> bool:
+    """Named model ``name`` (``smollm2``) can be loaded offline: converted already (``omni
+    models pull`` then installs nothing), or its package and ``gguf`` are installed to
+    convert it on first use."""
+    if cached(name, "config.json") is not None:
+        return True
+    _, _, module, _ = NAMED[name]
+    return all(importlib.util.find_spec(m) is not None for m in (module, "gguf"))
+
+
 def _pull_packaged(name: str, report: Reporter) -> Path:
     """Install the package that carries ``name`` (no dependencies) if missing, then
     convert it once."""

@@ -27,7 +27,7 @@ from omni_core import Stage, StageEvent, StageInput
 from omni_core.devices import place
 
 from omni_ar.detokenizer import IncrementalDetokenizer
-from omni_ar.engines import load_engine
+from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
 from omni_ar.models import resolve_model
 from omni_ar.params import RequestError, Sampled, SamplingParams, parse_request
 
@@ -57,12 +57,21 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class _ModelStage(Stage):
     Options = ModelOptions
+    preload = TRANSFORMERS_PRELOAD
     images: ClassVar[bool] = False  # requests may carry image parts (the ar.mm_* stages)
     kv_role: ClassVar[str | None] = None  # the vLLM engine's KV connector role
     # why this stage cannot sample under a response_format's grammar ("": it can, on vLLM)
     unstructured: ClassVar[str] = (
         "the prefill -> decode split restarts the grammar at decode's first token"
     )
+
+    @classmethod
+    def preload_modules(cls, options: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM reads its environment (set per stage, before its import) when it loads:
+        it is imported in the worker, the tokenizer's modules in the zygote."""
+        if options.get("engine") == "vllm":
+            return ("torch", "transformers.models.auto.tokenization_auto")
+        return cls.preload
 
     def _engine(self, model: bool = True):  # type: ignore[no-untyped-def]
         """The stage's engine; ``model``: it will load the model, on the device and in

@@ -25,7 +25,7 @@ import numpy as np
 from omni_core import Stage, StageEvent, StageInput
 from omni_core.devices import place
 
-from omni_ar.engines import load_engine
+from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
 from omni_ar.models import resolve_model
 
 
@@ -45,6 +45,7 @@ class TextEncode(Stage):
     segment per request (see the module's description)."""
 
     Options = TextEncodeOptions
+    preload = TRANSFORMERS_PRELOAD
 
     def load(self) -> None:
         o = self.options

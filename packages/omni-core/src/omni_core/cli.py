@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -124,6 +125,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
 
 
+def show_start() -> None:
+    """Print each step of a pipeline's start on stderr as it happens (the zygote's
+    preload, each worker's start and ready), one line each."""
+    start = logging.getLogger("omni.start")
+    if not start.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("  start: %(message)s"))
+        start.addHandler(handler)
+        start.setLevel(logging.INFO)
+        start.propagate = False
+
+
 def _run(args: argparse.Namespace, cfg: Any) -> int:
     from omni_core.pipeline import Pipeline
 
@@ -134,6 +147,7 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
     written: list[Path] = []
     t0 = time.monotonic()
     status = 0
+    show_start()
     with Pipeline(cfg) as pipe:
         started = view.started = time.monotonic()
         if not args.json:

@@ -99,6 +99,10 @@ class BackendSpec(_Spec, kw_only=True):
     ``ray start`` on this machine, else a new one here; ``"local"``: always a new one here."""
     namespace: str | None = None
     """ray: the namespace of the pipeline's actors."""
+    start: Literal["zygote", "spawn"] = "zygote"
+    """local: how workers start. ``zygote``: forked from one process per pipeline that
+    imported the stages' libraries once (a start or restart then costs the stage's own
+    load only); ``spawn``: a fresh interpreter per worker, importing everything itself."""
 
 
 class ReplicaSpec(_Spec, kw_only=True):

@@ -9,17 +9,43 @@ process per stage on this machine; other backends register a launcher class unde
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import select
+import signal
 import subprocess
 import sys
+import threading
+import time
 from abc import ABC, abstractmethod
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from omni_core.config import PipelineConfig, split_worker
 from omni_core.devices import resolve_devices
+from omni_core.registry import load_stage_class
 from omni_core.serial import encode_json
 from omni_core.shm import SegmentOwner
 from omni_core.transport import make_socket_dir, remove_socket_dir
 from omni_core.worker import WorkerSpec
+from omni_core.zygote import (
+    Fork,
+    ForkRefused,
+    Zygote,
+    ZygoteGone,
+    clone_unsupported,
+    import_time_keys,
+)
+
+log = logging.getLogger("omni.launcher")
+start_log = logging.getLogger("omni.start")  # a line per step of a start (`omni run` shows them)
+
+
+def report(line: str) -> None:
+    start_log.info("%s", line)
+
 
 # The worker dies with the orchestrator (PR_SET_PDEATHSIG) from its first statement, not
 # only once its imports are done; a worker whose parent is already gone exits at once.
@@ -36,8 +62,6 @@ def exit_reason(code: int | None) -> str:
     if code is None:
         return "running"
     if code < 0:
-        import signal
-
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
@@ -115,39 +139,52 @@ class Launcher(ABC):
         """Free every segment and the socket directory (workers have been stopped)."""
 
 
-class _Process(WorkerHandle):
-    def __init__(self, proc: subprocess.Popen[bytes], segment: str) -> None:
-        self.proc = proc
-        self.pid = proc.pid
+class _ChildProcess(WorkerHandle):
+    """A worker that is this process's child (spawned, or forked by the zygote with this
+    process as its parent): watched through a pidfd, reaped with its exit status."""
+
+    started = "spawned"  # or "forked" (from the zygote)
+
+    def __init__(self, pid: int, segment: str) -> None:
+        self.pid = pid
         self.segment = segment
-        self.pidfd: int | None = os.pidfd_open(proc.pid)
+        self.pidfd: int | None = os.pidfd_open(pid)
 
     def fileno(self) -> int | None:
         return self.pidfd
 
+    @abstractmethod
+    def poll(self) -> int | None:
+        """Its return code once it ended (negative: the signal), else None."""
+
+    @abstractmethod
+    def wait(self, timeout_s: float | None) -> int | None:
+        """Wait up to ``timeout_s`` (None: for ever) for its end; its return code or None."""
+
     def exited(self) -> bool:
-        return self.proc.poll() is not None
+        return self.poll() is not None
 
     def reap(self) -> str:
-        self.proc.wait()
+        code = self.wait(None)
         self._close_fd()
-        return exit_reason(self.proc.returncode)
+        return exit_reason(code)
 
     def stop(self, grace_s: float) -> None:
-        try:
-            self.proc.wait(timeout=max(grace_s, 0.001))
-        except subprocess.TimeoutExpired:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.wait(max(grace_s, 0.001)) is None:
+            self._signal(signal.SIGTERM)
+            if self.wait(2) is None:
+                self._signal(signal.SIGKILL)
+                self.wait(None)
         self._close_fd()
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()  # SIGKILL also ends a SIGSTOPped process
+        if self.poll() is None:
+            self._signal(signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
+
+    def _signal(self, sig: int) -> None:
+        if self.pidfd is not None:  # by pidfd: never a recycled pid
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, sig)
 
     def _close_fd(self) -> None:
         if self.pidfd is not None:
@@ -155,8 +192,56 @@ class _Process(WorkerHandle):
             self.pidfd = None
 
 
+class _Spawned(_ChildProcess):
+    def __init__(self, proc: subprocess.Popen[bytes], segment: str) -> None:
+        super().__init__(proc.pid, segment)
+        self.proc = proc
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout_s: float | None) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class _Forked(_ChildProcess):
+    started = "forked"
+
+    def __init__(self, pid: int, segment: str) -> None:
+        super().__init__(pid, segment)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout_s: float | None) -> int | None:
+        if self.returncode is None and self.pidfd is not None and timeout_s is not None:
+            select.select([self.pidfd], [], [], timeout_s)  # readable once it ended
+        if timeout_s is None and self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.poll()
+
+
 class ProcessLauncher(Launcher):
-    """The ``local`` backend: one spawned OS process per stage, segments under /dev/shm."""
+    """The ``local`` backend: one OS process per stage worker, segments under /dev/shm.
+
+    Workers are forked from the pipeline's zygote (:mod:`omni_core.zygote`) with
+    ``backend.start: zygote`` (the default), else spawned as fresh interpreters; a worker
+    that cannot be forked is spawned, and the log says why. Every process is started from
+    one long-lived thread of the launcher's: a worker's death signal is tied to the
+    thread that started it (``PR_SET_PDEATHSIG``), which must outlive it.
+    """
+
+    MAX_ZYGOTE_RESTARTS = 3  # within ZYGOTE_RESTART_WINDOW_S, then workers are spawned
+    ZYGOTE_RESTART_WINDOW_S = 60.0
 
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
@@ -168,47 +253,195 @@ class ProcessLauncher(Launcher):
         except BaseException:
             remove_socket_dir(self.socket_dir)
             raise
+        self.starter = ThreadPoolExecutor(1, thread_name_prefix="omni-starter")
+        self.lock = threading.Lock()  # the zygote's socket and state
+        self.zygote: Zygote | None = None
+        self.zygote_state = "off"  # off | preloading | ready | restarting | failed
+        self.zygote_note = ""  # why workers are spawned, or what happened to the zygote
+        self.zygote_restarts: deque[float] = deque()
+        self.spawn_reasons: dict[str, str] = {}  # stage -> why it is never forked
+        if cfg.backend.start == "zygote":
+            self._plan_zygote()
 
+    # -- the zygote -------------------------------------------------------------------
+    def _plan_zygote(self) -> None:
+        """Which modules the zygote preloads, and which stages are spawned instead."""
+        why_not = clone_unsupported()
+        if why_not:
+            self.zygote_note = f"workers are spawned: {why_not}"
+            log.warning("%s", self.zygote_note)
+            return
+        modules = ["omni_core.worker.process"]
+        for st in self.cfg.stages:
+            cls = load_stage_class(st.kind)
+            keys = import_time_keys(st.extra_env, dict(os.environ))
+            if not getattr(cls, "forkable", True):
+                self.spawn_reasons[st.name] = f"its kind {st.kind!r} is not forkable"
+            elif keys:
+                self.spawn_reasons[st.name] = (
+                    f"its extra_env sets {', '.join(keys)}, read when libraries load"
+                )
+            else:
+                modules += [*cls.preload_modules(dict(st.options)), cls.__module__]
+        for name, why in self.spawn_reasons.items():
+            log.warning("stage %s: spawned, not forked: %s", name, why, extra={"stage": name})
+        if len(self.spawn_reasons) < len(self.cfg.stages):
+            self.zygote = Zygote(list(dict.fromkeys(modules)), report)  # started at the first spawn
+
+    def _start_zygote(self) -> None:
+        assert self.zygote is not None
+        self.starter.submit(self.zygote.start).result()
+        self.zygote_state = "preloading"
+        report(f"zygote: started (pid {self.zygote.pid}), preloading")
+
+    def _zygote_ready(self, wait_s: float) -> bool:
+        """(Lock held.) The zygote can fork now, following its preload for up to
+        ``wait_s``; a zygote found dead is started again (a few times)."""
+        z = self.zygote
+        if z is None or self.zygote_state == "failed":
+            return False
+        try:
+            if self.zygote_state in ("preloading", "restarting") and z.follow(wait_s):
+                self.zygote_state = "ready"
+                p = z.preloaded
+                assert p is not None
+                report(f"zygote: preloaded {len(p.modules)} modules in {p.seconds:.1f} s")
+                if p.failed:
+                    self.zygote_note = "preloading failed: " + "; ".join(
+                        f"{m}: {e}" for m, e in p.failed.items()
+                    )
+                if p.threads > 1:
+                    self._zygote_failed(f"it has {p.threads} threads after its preload")
+            elif self.zygote_state == "ready" and not z.alive():
+                raise ZygoteGone(f"zygote (pid {z.pid}) {z.exit_reason()}")
+        except ZygoteGone as e:
+            self._restart_zygote(str(e))
+        return self.zygote_state == "ready"
+
+    def _restart_zygote(self, why: str) -> None:
+        """(Lock held.) The zygote ended: start it again (workers are spawned while it
+        preloads), unless it ended too often lately."""
+        assert self.zygote is not None
+        self.zygote.close()
+        now = time.monotonic()
+        while self.zygote_restarts and now - self.zygote_restarts[0] > self.ZYGOTE_RESTART_WINDOW_S:
+            self.zygote_restarts.popleft()
+        if len(self.zygote_restarts) >= self.MAX_ZYGOTE_RESTARTS:
+            self._zygote_failed(
+                f"{why}, {len(self.zygote_restarts)} times within "
+                f"{self.ZYGOTE_RESTART_WINDOW_S:g} s"
+            )
+            return
+        self.zygote_restarts.append(now)
+        self.zygote_note = f"{why}; started again"
+        log.error("%s: starting it again (workers are spawned meanwhile)", why)
+        self._start_zygote()
+        self.zygote_state = "restarting"
+
+    def _zygote_failed(self, why: str) -> None:
+        self.zygote_state = "failed"
+        self.zygote_note = f"workers are spawned: the zygote cannot fork: {why}"
+        log.error("%s", self.zygote_note)
+        if self.zygote is not None:
+            self.zygote.close()
+
+    def describe(self) -> dict[str, Any]:
+        """How workers start, for health: the zygote's state, pid, restarts, preload."""
+        z = self.zygote
+        p = z.preloaded if z is not None else None
+        return {
+            "start": self.cfg.backend.start,
+            "state": self.zygote_state,
+            "pid": z.pid if z is not None and z.alive() else None,
+            "restarts": len(self.zygote_restarts),
+            "preload_s": p.seconds if p is not None else None,
+            "preloaded": sorted(p.modules) if p is not None else [],
+            "note": self.zygote_note,
+            "spawned_stages": dict(self.spawn_reasons),
+        }
+
+    def tick(self) -> None:
+        """Follow a (re)starting zygote's preload, notice its death."""
+        if self.zygote is not None and self.lock.acquire(blocking=False):
+            try:
+                self._zygote_ready(0.0)
+            finally:
+                self.lock.release()
+
+    # -- workers ----------------------------------------------------------------------
     def spawn(self, worker: str) -> WorkerHandle:
         stage, index = split_worker(worker)
         st = self.cfg.stage(stage)
         segment = self.segments.create(worker, self.cfg.shm_pool_bytes)
-        devices = worker_devices(self.cfg, worker)
-        spec = WorkerSpec(
-            stage=stage,
-            worker=worker,
-            config=self.cfg,
-            socket_dir=self.socket_dir,
-            arena=segment,
-            owner_pid=os.getpid(),
-            devices=devices,
-        )
-        spec_path = os.path.join(self.socket_dir, f"{segment}.spec.json")  # one per process
-        fd = os.open(spec_path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(encode_json(spec))
-        env = dict(os.environ)
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices  # before any import in the worker
-        env.update(st.extra_env)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_BOOT, spec_path, str(os.getpid())],
-                env=env,
-                close_fds=True,
+            devices = worker_devices(self.cfg, worker)
+            spec = WorkerSpec(
+                stage=stage,
+                worker=worker,
+                config=self.cfg,
+                socket_dir=self.socket_dir,
+                arena=segment,
+                owner_pid=os.getpid(),
+                devices=devices,
             )
+            spec_path = os.path.join(self.socket_dir, f"{segment}.spec.json")  # one per life
+            fd = os.open(spec_path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(encode_json(spec))
+            env = dict(os.environ)
+            if devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = devices  # before any import in the worker
+            env.update(st.extra_env)
+            handle = self._fork(worker, spec_path, env) if stage not in self.spawn_reasons else None
+            if handle is None:
+                handle = self.starter.submit(self._spawn, spec_path, env, segment).result()
         except BaseException:
             self.segments.unlink(segment)
             raise
-        return _Process(proc, segment)
+        model = st.options.get("model")
+        what = f"{st.kind} ({model})" if isinstance(model, str) else st.kind
+        report(f"{worker}: {handle.started} (pid {handle.pid}), loading {what}")
+        return handle
+
+    def _fork(self, worker: str, spec_path: str, env: dict[str, str]) -> WorkerHandle | None:
+        """The worker forked from the zygote; None where it cannot be (then spawned)."""
+        with self.lock:
+            if self.zygote is not None and self.zygote_state == "off":
+                self._start_zygote()
+            # the pipeline's first start waits for the preload; a restart or an added
+            # replica does not: spawned while the zygote (re)starts
+            wait = self.cfg.ready_timeout_s if self.zygote_state == "preloading" else 0.0
+            if not self._zygote_ready(wait):
+                return None
+            assert self.zygote is not None
+            segment = os.path.basename(spec_path).removesuffix(".spec.json")
+            try:
+                return _Forked(self.zygote.fork(Fork(worker, spec_path, env)), segment)
+            except ForkRefused as e:
+                self._zygote_failed(str(e))
+            except ZygoteGone as e:
+                self._restart_zygote(str(e))
+        return None
+
+    def _spawn(self, spec_path: str, env: dict[str, str], segment: str) -> WorkerHandle:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_BOOT, spec_path, str(os.getpid())],
+            env=env,
+            close_fds=True,
+        )
+        return _Spawned(proc, segment)
 
     def unlink_segment(self, handle: WorkerHandle) -> None:
         self.segments.unlink(handle.segment)
 
     def close(self) -> None:
-        """Unlink every segment, remove the socket directory with its sockets and the
-        workers' spec files, and let go of their owner locks."""
+        """End the zygote, unlink every segment, remove the socket directory with its
+        sockets and the workers' spec files, and let go of their owner locks."""
         try:
+            with self.lock:
+                if self.zygote is not None:
+                    self.zygote.close()
+            self.starter.shutdown(wait=True)
             self.segments.unlink_all()
         finally:
             remove_socket_dir(self.socket_dir)

@@ -60,6 +60,7 @@ from omni_core.trace import TraceLog
 from omni_core.transport import Addresses, Outbox, Waker, pull_socket, push_socket
 
 log = logging.getLogger("omni.orchestrator")
+start_log = logging.getLogger("omni.start")
 
 __all__ = ["Orchestrator", "StageDeadError", "StageStartError"]
 
@@ -333,11 +334,12 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
+        t0 = time.monotonic()
         try:
             for st in self.cfg.stages:  # a replicated stage starts with its minimum
                 for name in self.cfg.workers(st.name)[: self.cfg.replica_range(st.name)[0]]:
                     self.supervisor.spawn(name)
-            self._wait_ready()
+            self._wait_ready(t0)
         except BaseException:
             self.close(graceful=False)
             raise
@@ -356,7 +358,7 @@ class Orchestrator:
         )
         self._thread.start()
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, t0: float) -> None:
         deadline = time.monotonic() + self.cfg.ready_timeout_s
         poller = zmq.Poller()
         poller.register(self.status, zmq.POLLIN)
@@ -389,6 +391,7 @@ class Orchestrator:
                     raise StageStartError(
                         f"stage {p.name!r} (kind {p.kind!r}) failed to start: {detail}"
                     )
+        start_log.info("%d workers ready in %.1f s", len(self.procs), time.monotonic() - t0)
 
     def drain_status(self) -> None:
         """Every waiting status message (ready, load failure, heartbeat, ack); one that
@@ -507,6 +510,12 @@ class Orchestrator:
             for h in out.values():
                 h.update(healthy=False, state="failed")
         return out
+
+    def zygote(self) -> dict[str, Any] | None:
+        """How workers start (the launcher's ``describe()``: the zygote's state, pid,
+        restarts, what it preloaded); None for a launcher without one."""
+        describe = getattr(self.launcher, "describe", None)
+        return describe() if describe is not None else None
 
     def metrics(self) -> dict[str, Any]:
         """Stage counters (from heartbeats) with rates, and request latencies and counts."""

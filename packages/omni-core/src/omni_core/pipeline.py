@@ -178,6 +178,14 @@ class Pipeline:
         serving."""
         return stage_health(self.health())
 
+    def zygote(self) -> dict[str, Any] | None:
+        """How this pipeline's workers start (the local backend): ``start`` (zygote or
+        spawn), the zygote's ``state`` (preloading | ready | restarting | failed | off),
+        ``pid``, ``restarts``, ``preload_s``, ``preloaded`` modules, a ``note`` on what
+        happened to it, and the stages always spawned with why. None on other backends."""
+        describe = getattr(self.backend, "zygote", None)
+        return describe() if describe is not None else None
+
     @property
     def failure(self) -> dict[str, str] | None:
         """Set once the runtime itself failed for good: ``{"part", "error"}``; every

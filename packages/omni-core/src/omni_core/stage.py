@@ -143,12 +143,27 @@ class Stage:
     idempotent: ClassVar[bool] = False
     """``True``: requests this stage loses in a crash are replayed after its restart
     instead of failed; only where running a request again gives the same events."""
+    preload: ClassVar[tuple[str, ...]] = ()
+    """Modules the pipeline's zygote imports before it forks this stage's workers (the
+    heavy libraries :meth:`load` needs: ``("torch", "diffusers")``), so that a worker
+    starts with them in memory. See :meth:`preload_modules`."""
+    forkable: ClassVar[bool] = True
+    """``False``: this stage's workers are always spawned as fresh interpreters, never
+    forked from the zygote (a stage whose libraries cannot survive a fork)."""
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.options: Any = (
             msgspec.convert(ctx.options, self.Options) if self.Options is not None else ctx.options
         )
+
+    @classmethod
+    def preload_modules(cls, options: dict[str, Any]) -> tuple[str, ...]:
+        """What the zygote imports for a stage of this kind with these ``options`` (as
+        written in the config): :attr:`preload` unless a subclass decides by its options
+        (the engine it will run, say). Importing must start no thread and touch no
+        device."""
+        return cls.preload
 
     def load(self) -> None:
         """Load models and warm up; runs once, inside the worker process."""

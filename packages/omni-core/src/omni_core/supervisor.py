@@ -27,6 +27,7 @@ from omni_core.launcher import Launcher, WorkerHandle
 from omni_core.registry import load_stage_class
 
 log = logging.getLogger("omni.supervisor")
+start_log = logging.getLogger("omni.start")
 MAX_BACKOFF_S = 10.0
 LATE_HEARTBEATS = 3  # heartbeats missed before health calls a stage unresponsive
 MIN_LATE_S = 1.0
@@ -109,6 +110,7 @@ class Supervisor:
             p.state = "ready"
             p.load_s = msg.load_s
             p.last_heartbeat = now
+            start_log.info("%s: ready, loaded in %.1f s", p.name, msg.load_s)
         elif isinstance(msg, LoadFailed):
             p.load_error = msg.message
 
@@ -233,6 +235,7 @@ class Supervisor:
                 "heartbeat_age_s": now - p.last_heartbeat if p.last_heartbeat else None,
                 "busy_s": p.stats.busy_s,
                 "load_s": p.load_s,
+                "started": getattr(p.worker, "started", None),
             }
         return out
 

@@ -39,6 +39,19 @@ _COMPLETE = {"tiny-sd3-full": embedded.build_tiny_sd3_full, "tiny-flux": embedde
 EMBEDDED = (SHAPES, TINY, *_COMPLETE)
 
 
+# What the zygote imports for the model stages (diffusers' top level is lazy: the modules
+# that build transformers, VAEs and schedulers are named; the text encoders are transformers').
+PRELOAD = (
+    "torch",
+    "diffusers.models.modeling_utils",
+    "diffusers.models.transformers",
+    "diffusers.models.autoencoders.autoencoder_kl",
+    "diffusers.schedulers.scheduling_flow_match_euler_discrete",
+    "diffusers.image_processor",
+    "transformers.modeling_utils",
+)
+
+
 class ModelError(RuntimeError):
     """A ``model`` that cannot be resolved or loaded; the message names it and why."""
 

@@ -123,6 +123,7 @@ class Plan(Stage):
     """Conditioning + request -> initial latents, conditioning batch and schedule."""
 
     Options = PlanOptions
+    preload = models.PRELOAD
 
     def load(self) -> None:
         check_image_defaults(self.options.image_defaults)
@@ -232,6 +233,7 @@ class Sample(Stage):
     """The denoising loop; previews every ``image.preview_every`` steps."""
 
     Options = ModelOptions
+    preload = models.PRELOAD
 
     def load(self) -> None:
         o = self.options
@@ -332,6 +334,7 @@ class VaeDecode(Stage):
     """Final latents -> an RGB image, float32 ``(height, width, 3)`` in [0, 1]."""
 
     Options = ModelOptions
+    preload = models.PRELOAD
 
     def load(self) -> None:
         o = self.options

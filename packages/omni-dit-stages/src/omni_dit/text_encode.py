@@ -23,7 +23,7 @@ import numpy as np
 from omni_core import Stage, StageEvent, StageInput
 
 from omni_dit.architectures import TextOptions, architecture
-from omni_dit.models import ModelError, resolve_model
+from omni_dit.models import PRELOAD, ModelError, resolve_model
 from omni_dit.params import image_fields
 from omni_dit.stages import check_image_defaults, placement
 
@@ -47,6 +47,7 @@ class TextEncode(Stage):
     docstring above)."""
 
     Options = TextEncodeOptions
+    preload = PRELOAD
 
     def load(self) -> None:
         import torch

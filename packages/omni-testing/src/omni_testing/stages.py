@@ -8,6 +8,7 @@ prove from timestamps that stages overlap.
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -219,6 +220,7 @@ class FailOptions(msgspec.Struct, forbid_unknown_fields=True):
     fail_on_load: bool = False  # load raises
     exit_on_load: bool = False  # the worker process exits during load
     fail_on_load_if: str = ""  # load raises while a file of this path exists
+    imports: list[str] = []  # modules the zygote preloads and load imports (one may be missing)
 
 
 class Faulty(Stage):
@@ -227,7 +229,13 @@ class Faulty(Stage):
 
     Options = FailOptions
 
+    @classmethod
+    def preload_modules(cls, options: dict[str, Any]) -> tuple[str, ...]:
+        return tuple(options.get("imports", ()))
+
     def load(self) -> None:
+        for module in self.options.imports:
+            importlib.import_module(module)
         if self.options.fail_on_load:
             raise RuntimeError("synthetic load failure")
         if self.options.exit_on_load:

@@ -7,6 +7,17 @@ from typing import Any
 
 ENGINES = ("transformers", "vllm")
 
+# What the zygote imports for a stage on the transformers engine (transformers' top level
+# is lazy: the modules that load a model and a tokenizer are named); SmolLM2 is a Llama.
+TRANSFORMERS_PRELOAD = (
+    "torch",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.llama.modeling_llama",
+    "omni_ar.engines.transformers_engine",
+)
+
 
 def load_engine(
     name: str,

@@ -78,6 +78,9 @@ async def health(server: ServerDep) -> Response:
         else "unhealthy"
     )
     body: dict[str, Any] = {"status": status, "stages": stages, "stages_summary": summary}
+    zygote = getattr(server.pipe, "zygote", lambda: None)()
+    if zygote is not None:  # how workers (re)start: a restart waits less with it ready
+        body["zygote"] = {k: zygote.get(k) for k in ("start", "state", "restarts")}
     if failure is not None:
         body["failure"] = {"part": failure.get("part"), "error": failure.get("error")}
     return JSONResponse(body, status_code=200 if serving else 503)

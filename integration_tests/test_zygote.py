@@ -1,0 +1,157 @@
+"""Workers forked from the zygote (the default start): they serve as spawned ones do, their
+parent is the caller's process, per-stage environments hold, a failed import names its
+stage, a killed zygote takes no worker with it and comes back, and nothing outlives the
+caller."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgspec
+import psutil
+import pytest
+from omni_core import Pipeline
+from omni_core.errors import StageStartError
+from omni_core.config import parse_config
+from omni_testing.configs import chain
+
+
+def config(start: str = "zygote", **top):
+    cfg = chain(
+        ("source", "synthetic.source", {"segment": 4}),
+        ("double", "synthetic.map", {"scale": 2}),
+        **top,
+    )
+    cfg["backend"] = {"start": start}
+    return cfg
+
+
+def tokens(pipe: Pipeline, n: int = 4) -> list[list[int]]:
+    outs = pipe.generate([{"n": 12} for _ in range(n)])
+    assert all(o.finish_reason == "completed" for o in outs), [o.error for o in outs]
+    return [[t for e in o.events for t in e.tokens] for o in outs]
+
+
+def wait_for(what, timeout_s: float = 60.0, every_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_forked_workers_serve_like_spawned_ones_and_are_the_callers_children():
+    with Pipeline(config("spawn")) as pipe:
+        assert {h["started"] for h in pipe.health().values()} == {"spawned"}
+        assert pipe.zygote()["state"] == "off"
+        spawned = tokens(pipe)
+    with Pipeline(config()) as pipe:
+        z = pipe.zygote()
+        assert z["state"] == "ready" and z["start"] == "zygote"
+        assert "omni_testing.stages" in z["preloaded"]
+        assert {h["started"] for h in pipe.health().values()} == {"forked"}
+        for pid in pipe.pids().values():  # CLONE_PARENT: ours, not the zygote's
+            assert psutil.Process(pid).ppid() == os.getpid()
+        assert tokens(pipe) == spawned
+        zygote_pid = z["pid"]
+    assert not psutil.pid_exists(zygote_pid) or psutil.Process(zygote_pid).status() == "zombie"
+
+
+def test_extra_env_reaches_a_forked_worker_and_an_import_time_variable_spawns():
+    env = {"OMNI_ZYGOTE_T": "a", "OMP_NUM_THREADS": "1"}
+    cfg = chain(
+        ("env", "synthetic.env", {}, {"extra_env": env, "client_stream": True}),
+        ("hub", "synthetic.env", {}, {"extra_env": {"HF_HUB_OFFLINE": "1"}, "client_stream": True}),
+    )
+    with Pipeline(cfg) as pipe:
+        h = pipe.health()
+        assert h["env"]["started"] == "forked" and h["hub"]["started"] == "spawned"
+        assert "HF_HUB_OFFLINE" in pipe.zygote()["spawned_stages"]["hub"]
+        out = pipe.generate([{"env": ["OMNI_ZYGOTE_T", "OMP_NUM_THREADS", "HF_HUB_OFFLINE"]}])[0]
+        seen = {e.stage: e.payload["env"] for e in out.events}
+        assert seen["env"]["OMNI_ZYGOTE_T"] == "a" and seen["env"]["OMP_NUM_THREADS"] == "1"
+        assert seen["hub"]["HF_HUB_OFFLINE"] == "1"
+        assert seen["env"]["HF_HUB_OFFLINE"] == os.environ.get("HF_HUB_OFFLINE")
+
+
+def test_a_stage_whose_import_fails_names_itself_and_leaves_no_process():
+    cfg = config()
+    cfg["stages"].append(
+        {"name": "broken", "kind": "synthetic.faulty", "options": {"imports": ["omni_no_such_mod"]}}
+    )
+    cfg["edges"].append({"from": "double", "to": "broken"})
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(StageStartError, match=r"'broken'.*No module named 'omni_no_such_mod'"):
+        Pipeline(cfg).start()
+    left = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE
+    ]
+    assert left == []
+
+
+def test_a_killed_zygote_takes_no_worker_and_comes_back():
+    cfg = parse_config(config())
+    stages = [msgspec.structs.replace(s, restart_backoff_s=0.0) for s in cfg.stages]
+    with Pipeline(msgspec.structs.replace(cfg, stages=stages)) as pipe:
+        first = pipe.zygote()["pid"]
+        workers = pipe.pids()
+        os.kill(first, signal.SIGKILL)
+        assert len(tokens(pipe)) == 4  # the workers serve on
+        assert pipe.pids() == workers
+        # a stage that dies while the zygote is down or preloading is spawned
+        os.kill(workers["double"], signal.SIGKILL)
+        wait_for(lambda: pipe.health()["double"]["state"] == "ready")
+        assert pipe.health()["double"]["started"] in ("spawned", "forked")
+        z = wait_for(lambda: (z := pipe.zygote())["state"] == "ready" and z)
+        assert z["pid"] != first and z["restarts"] == 1
+        assert "killed by SIGKILL" in z["note"]
+        # and once it is back, restarts fork again
+        os.kill(pipe.pids()["double"], signal.SIGKILL)
+        wait_for(lambda: (h := pipe.health()["double"])["state"] == "ready" and h["restarts"] == 2)
+        assert pipe.health()["double"]["started"] == "forked"
+        assert len(tokens(pipe)) == 4
+
+
+def test_nothing_outlives_a_sigkilled_caller(tmp_path):
+    script = textwrap.dedent(
+        """
+        import json, sys, time
+        from omni_core import Pipeline
+        from omni_testing.configs import chain
+        cfg = chain(("source", "synthetic.source", {}), ("double", "synthetic.map", {}))
+        pipe = Pipeline(cfg).start()
+        pids = list(pipe.pids().values()) + [pipe.zygote()["pid"]]
+        print(json.dumps(pids), flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        import json
+
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+
+    def gone():
+        alive = []
+        for p in pids:
+            try:
+                if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return not alive
+
+    wait_for(gone, timeout_s=10)

@@ -1,0 +1,410 @@
+"""The zygote: one preloaded process per pipeline that forks the stage workers.
+
+A fresh interpreter pays for its imports (torch, transformers, diffusers: seconds each)
+before a stage can load, at every start, every restart and every replica added. The
+zygote imports what the pipeline's stage kinds declare (:meth:`Stage.preload_modules`)
+once, before any thread or device context exists, and then forks a worker per request:
+the child starts with those modules in memory (shared with the zygote, copy-on-write).
+
+The fork is ``clone(CLONE_PARENT)``: the worker's parent is the orchestrator, not the
+zygote. So the worker dies with the orchestrator (``PR_SET_PDEATHSIG``, as a spawned
+worker does), the orchestrator reaps it and reads its exit status, and a zygote that dies
+takes no worker with it (it is started again; meanwhile workers are spawned). CPython's
+own fork hooks run around the clone (``PyOS_BeforeFork`` and the after-fork calls), as in
+``os.fork``. Forking is refused, and the launcher spawns instead and says so in the log,
+when the zygote is not single-threaded (a preloaded module started a thread: a fork would
+copy its locks, not it), on a platform without ``clone``, or when the kernel refuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import logging
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
+
+import msgspec
+
+log = logging.getLogger("omni.zygote")
+
+CLONE_PARENT = 0x00008000
+SYS_CLONE = {"x86_64": 56, "aarch64": 220}  # clone(2); its first argument is the flags
+PR_SET_PDEATHSIG = 1
+MAX_MESSAGE = 1 << 20
+
+# Read by a library when it loads, so a stage's ``extra_env`` setting one of these cannot
+# take effect in a worker forked after the zygote imported that library: such a stage is
+# spawned. OMP_NUM_THREADS and MKL_NUM_THREADS are applied after the fork instead, with
+# torch.set_num_threads (torch's way once it is imported).
+IMPORT_TIME_ENV = (
+    "LD_",
+    "PYTHON",
+    "MALLOC_",
+    "GLIBC_",
+    "OPENBLAS_",
+    "MKL_",
+    "KMP_",
+    "GOMP_",
+    "OMP_",
+    "HF_",
+    "HUGGINGFACE_",
+    "TRANSFORMERS_",
+    "DIFFUSERS_",
+    "TORCH",
+    "PYTORCH_",
+    "VLLM_",
+)
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+# -- the wire between the launcher and the zygote (a SOCK_SEQPACKET pair) ---------------
+class Preload(msgspec.Struct, tag=True):
+    modules: list[str]
+
+
+class Importing(msgspec.Struct, tag=True):
+    module: str
+
+
+class Preloaded(msgspec.Struct, tag=True):
+    seconds: float
+    modules: dict[str, float]  # module -> seconds its import took
+    failed: dict[str, str]  # module -> the error (the stage that needs it reports it too)
+    threads: int
+
+
+class Fork(msgspec.Struct, tag=True):
+    worker: str
+    spec_path: str
+    env: dict[str, str]
+
+
+class Forked(msgspec.Struct, tag=True):
+    pid: int
+
+
+class Refused(msgspec.Struct, tag=True):
+    error: str
+
+
+Message = Preload | Importing | Preloaded | Fork | Forked | Refused
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def send(sock: socket.socket, msg: Message) -> None:
+    sock.send(_encoder.encode(msg))
+
+
+def recv(sock: socket.socket) -> Message | None:
+    """The next message; None at end of stream (the peer closed or died)."""
+    data = sock.recv(MAX_MESSAGE)
+    return _decoder.decode(data) if data else None
+
+
+# -- forking --------------------------------------------------------------------------
+def clone_unsupported() -> str:
+    """Why this platform cannot ``clone(CLONE_PARENT)`` ("" when it can)."""
+    if not sys.platform.startswith("linux"):
+        return f"no clone(2) on {sys.platform}"
+    if platform.machine() not in SYS_CLONE:
+        return f"clone(2) is not wired for {platform.machine()}"
+    return ""
+
+
+def thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def stop_blas_threads() -> None:
+    """OpenBLAS (numpy's) starts its thread pool when it loads; stop it, as its own
+    pre-fork handler does (that handler does not run around a raw clone). The pool
+    starts again, in the zygote and in each child, at its next parallel call."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "openblas" in line and ".so" in line}
+    except OSError:
+        return
+    for path in libs:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(path).blas_thread_shutdown_()
+
+
+def fork_unsafe() -> str:
+    """Why forking this process now would be unsafe ("" when it is not)."""
+    stop_blas_threads()
+    n = thread_count()
+    if n > 1:
+        return f"the zygote has {n} threads (a preloaded module started them)"
+    return clone_unsupported()
+
+
+def clone_parent() -> int:
+    """Fork this (single-threaded) process with ``CLONE_PARENT``: the child's parent is
+    this process's parent. Returns 0 in the child, the child's pid here; CPython's fork
+    hooks run as in :func:`os.fork`."""
+    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held, as in os.fork
+    libc.syscall.restype = ctypes.c_long
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    pid = libc.syscall(
+        ctypes.c_long(SYS_CLONE[platform.machine()]),
+        ctypes.c_ulong(CLONE_PARENT | signal.SIGCHLD),
+        ctypes.c_void_p(0),
+        ctypes.c_void_p(0),
+        ctypes.c_void_p(0),
+        ctypes.c_ulong(0),
+    )
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+        return 0
+    err = ctypes.get_errno()
+    api.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
+    return pid
+
+
+# -- the zygote process -----------------------------------------------------------------
+def main(argv: list[str]) -> int:
+    """``argv``: the socket's fd and the orchestrator's pid. Preload, then fork on demand
+    until the launcher closes the socket."""
+    from omni_core.logs import configure_logging
+    from omni_core.worker.process import name_process
+
+    configure_logging()
+    sock = socket.socket(fileno=int(argv[0]))
+    owner = int(argv[1])
+    name_process("omni:zygote")
+    # Ctrl-C at a terminal reaches the whole process group: the orchestrator decides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    first = recv(sock)
+    if not isinstance(first, Preload):
+        return 2
+    send(sock, _preload(sock, first.modules))
+    while True:
+        msg = recv(sock)
+        if msg is None:  # the launcher closed: done
+            return 0
+        if not isinstance(msg, Fork):
+            continue
+        why = fork_unsafe()
+        if why:
+            send(sock, Refused(why))
+            continue
+        try:
+            pid = clone_parent()
+        except OSError as e:
+            send(sock, Refused(str(e)))
+            continue
+        if pid == 0:
+            sock.close()
+            _become_worker(msg, owner)
+        send(sock, Forked(pid))
+
+
+def _preload(sock: socket.socket, modules: list[str]) -> Preloaded:
+    t0 = time.monotonic()
+    took: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    for name in modules:
+        send(sock, Importing(name))
+        t = time.monotonic()
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # noqa: BLE001 - the stage that needs it fails at its load
+            failed[name] = "".join(traceback.format_exception_only(type(e), e)).strip()
+            log.warning("zygote: preloading %s failed: %s", name, failed[name])
+        took[name] = time.monotonic() - t
+    # what the preload made is long-lived: keep the collector off those pages in every
+    # child (a collection writes to each object it visits, which would copy the page)
+    gc.collect()
+    gc.freeze()
+    stop_blas_threads()
+    return Preloaded(time.monotonic() - t0, took, failed, thread_count())
+
+
+def _become_worker(fork: Fork, owner: int) -> NoReturn:
+    """The child: the worker's environment, death with the orchestrator, then the worker's
+    own main; never returns to the zygote's loop."""
+    code: int = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != owner:  # the orchestrator is already gone
+            os._exit(3)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(fork.env)
+        apply_thread_env()
+        from omni_core.worker.process import main as worker_main
+
+        code = worker_main([fork.spec_path])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the worker's own errors are reported by it
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(BaseException):
+            import atexit
+
+            atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code)
+
+
+def apply_thread_env() -> None:
+    """OpenMP read ``OMP_NUM_THREADS`` when torch loaded in the zygote: set a worker's
+    own count the way torch allows after import."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for key in THREAD_ENV:
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            torch.set_num_threads(int(value))
+            return
+
+
+def import_time_keys(extra_env: dict[str, str], base: dict[str, str]) -> list[str]:
+    """The keys of ``extra_env`` that change a variable libraries read when they load
+    (those in :data:`THREAD_ENV` are applied after the fork, so they do not count)."""
+    return sorted(
+        k
+        for k, v in extra_env.items()
+        if k.startswith(IMPORT_TIME_ENV) and k not in THREAD_ENV and base.get(k) != v
+    )
+
+
+# -- the launcher's end ------------------------------------------------------------------
+ZYGOTE_BOOT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
+    "os.getppid() == int(sys.argv[2]) or sys.exit(3); "
+    "from omni_core.zygote import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+class ZygoteGone(Exception):
+    """The zygote ended (or stopped answering); the launcher spawns meanwhile."""
+
+
+class ForkRefused(Exception):
+    """The zygote cannot fork safely (its message says why); spawn instead."""
+
+
+class Zygote:
+    """The launcher's handle on its zygote process: start it, follow its preload, ask it
+    for a worker. Not thread-safe: the launcher serialises calls."""
+
+    def __init__(self, modules: list[str], report: Callable[[str], None]) -> None:
+        self.modules = modules
+        self.report = report  # start progress, one line each
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self.preloaded: Preloaded | None = None
+        self.started_at = 0.0
+
+    def start(self) -> None:
+        """Start the process and hand it the modules (returns at once; the preload goes
+        on there). Call on the thread the workers' death signal is tied to."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", ZYGOTE_BOOT, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),),
+                close_fds=True,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock, self.preloaded, self.started_at = ours, None, time.monotonic()
+        send(ours, Preload(self.modules))
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_reason(self) -> str:
+        from omni_core.launcher import exit_reason
+
+        return exit_reason(self.proc.poll()) if self.proc is not None else "not started"
+
+    def follow(self, timeout_s: float) -> bool:
+        """Read its preload progress for up to ``timeout_s``; True once preloaded.
+        :class:`ZygoteGone` if it ended."""
+        deadline = time.monotonic() + timeout_s
+        while self.preloaded is None:
+            msg = self._recv(max(0.0, deadline - time.monotonic()))
+            if msg is False:
+                return False
+            if isinstance(msg, Importing):
+                self.report(f"zygote: importing {msg.module}")
+            elif isinstance(msg, Preloaded):
+                self.preloaded = msg
+        return True
+
+    def fork(self, fork: Fork, timeout_s: float = 30.0) -> int:
+        """A worker forked from the preloaded zygote; its pid."""
+        assert self.sock is not None and self.preloaded is not None
+        try:
+            send(self.sock, fork)
+        except OSError as e:
+            raise ZygoteGone(f"zygote: {e}") from None
+        msg = self._recv(timeout_s)
+        if isinstance(msg, Forked):
+            return msg.pid
+        if isinstance(msg, Refused):
+            raise ForkRefused(msg.error)
+        raise ZygoteGone(f"zygote did not answer a fork within {timeout_s:g} s")
+
+    def _recv(self, timeout_s: float) -> Message | bool:
+        """The next message; False on timeout; :class:`ZygoteGone` at its end."""
+        assert self.sock is not None
+        self.sock.settimeout(max(timeout_s, 0.0) or 0.000001)
+        try:
+            msg = recv(self.sock)
+        except TimeoutError:
+            return False
+        except OSError as e:
+            raise ZygoteGone(f"zygote: {e}") from None
+        if msg is None:
+            if self.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=1)
+            raise ZygoteGone(f"zygote (pid {self.pid}) {self.exit_reason()}")
+        return msg
+
+    def close(self) -> None:
+        """End it: closing its socket ends its loop; killed if it does not exit."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
