@@ -125,12 +125,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """To whatever ``sys.stderr`` is when a record comes (not the one at its creation)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def show_start() -> None:
     """Print each step of a pipeline's start on stderr as it happens (the zygote's
     preload, each worker's start and ready), one line each."""
     start = logging.getLogger("omni.start")
     if not start.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("  start: %(message)s"))
         start.addHandler(handler)
         start.setLevel(logging.INFO)

@@ -240,8 +240,9 @@ def _preload(sock: socket.socket, modules: list[str]) -> Preloaded:
 
 def _become_worker(fork: Fork, owner: int) -> NoReturn:
     """The child: the worker's environment, death with the orchestrator, then the worker's
-    own main; never returns to the zygote's loop."""
-    code: int = 1
+    own main. It never returns to the zygote's loop: its exit unwinds the zygote's frames
+    (none catches it) and the interpreter ends as a spawned worker's does (atexit, zmq
+    flushing what a closing socket still holds: a load failure's report)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -254,20 +255,12 @@ def _become_worker(fork: Fork, owner: int) -> NoReturn:
         from omni_core.worker.process import main as worker_main
 
         code = worker_main([fork.spec_path])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001 - the worker's own errors are reported by it
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - the worker reports its own errors; this is a bug
         traceback.print_exc()
         code = 1
-    finally:
-        with contextlib.suppress(BaseException):
-            import atexit
-
-            atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(BaseException):
-                stream.flush()
-        os._exit(code)
+    raise SystemExit(code)
 
 
 def apply_thread_env() -> None:
