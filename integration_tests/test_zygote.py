@@ -16,8 +16,8 @@ import msgspec
 import psutil
 import pytest
 from omni_core import Pipeline
-from omni_core.errors import StageStartError
 from omni_core.config import parse_config
+from omni_core.errors import StageStartError
 from omni_testing.configs import chain
 
 

