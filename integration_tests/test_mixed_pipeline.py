@@ -121,3 +121,33 @@ def test_mixed_pipeline_several_requests_in_flight(llm, dit, tmp_path, monkeypat
     assert bad[0].finish_reason == "error" and "field 'image.width'" in bad[0].error
     assert "'plan'" in bad[0].error
     assert bad[1].finish_reason == "error" and "max_tokens" in bad[1].error
+
+
+def test_forked_and_spawned_workers_give_the_same_tokens_and_images(
+    llm, dit, tmp_path, monkeypatch
+):
+    """The zygote changes how a worker starts, not what it computes: AR tokens and the
+    encoded image bytes are equal with ``backend.start`` zygote and spawn."""
+    monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path))
+    seen = {}
+    for start in ("zygote", "spawn"):
+        with Pipeline(mixed_config(llm, dit, backend={"start": start})) as pipe:
+            assert {h["started"] for h in pipe.health().values()} == {
+                "forked" if start == "zygote" else "spawned"
+            }
+            outs = pipe.generate(REQUESTS[:2])
+        assert all(o.finish_reason == "completed" for o in outs), [o.error for o in outs]
+        seen[start] = [
+            (
+                [(e.tokens, e.payload.get("text")) for e in o.events if e.stage == "postprocess"],
+                [
+                    bytes(e.arrays["image"])
+                    for e in o.events
+                    if e.event_type == "image" and e.stage == "encode"
+                ],
+                [e.arrays["image"].tobytes() for e in o.events if e.stage == "vae"],
+            )
+            for o in outs
+        ]
+    assert seen["zygote"] == seen["spawn"]
+    assert all(tokens and images for tokens, images, _ in seen["zygote"])
