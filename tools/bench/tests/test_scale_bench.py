@@ -5,24 +5,11 @@ Figures are not asserted (shared machines are noisy); the keys, their sanity and
 ``lost == 0`` are.
 """
 
-import json
-import subprocess
-import sys
 
-OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
-
-
-def test_scale_cpu_and_kill_arms_lose_nothing():
+def test_scale_cpu_and_kill_arms_lose_nothing(bench_json):
     args = ["--arms", "cpu,kill", "--requests", "24", "--concurrency", "8"]
     args += ["--kill-before-s", "2", "--kill-after-s", "1", "--restart-limit-s", "30"]
-    out = subprocess.run(
-        [*OMNI, "bench", "scale", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = bench_json("scale", args)
 
     cpu = r["cpu"]
     assert cpu["rps_replicas1"] > 0 and cpu["rps_replicas2"] > 0
