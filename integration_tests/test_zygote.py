@@ -5,6 +5,7 @@ caller."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -60,8 +61,9 @@ def test_forked_workers_serve_like_spawned_ones_and_are_the_callers_children():
         for pid in pipe.pids().values():  # CLONE_PARENT: ours, not the zygote's
             assert psutil.Process(pid).ppid() == os.getpid()
         assert tokens(pipe) == spawned
-        zygote_pid = z["pid"]
-    assert not psutil.pid_exists(zygote_pid) or psutil.Process(zygote_pid).status() == "zombie"
+        ours = [z["pid"], *pipe.pids().values()]
+    # closed: the zygote and every worker ended and were reaped (no zombie either)
+    assert [p for p in ours if psutil.pid_exists(p)] == []
 
 
 def test_extra_env_reaches_a_forked_worker_and_an_import_time_variable_spawns():
@@ -136,8 +138,6 @@ def test_nothing_outlives_a_sigkilled_caller(tmp_path):
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        import json
-
         pids = json.loads(proc.stdout.readline())
         assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
     finally:
@@ -155,3 +155,28 @@ def test_nothing_outlives_a_sigkilled_caller(tmp_path):
         return not alive
 
     wait_for(gone, timeout_s=10)
+
+
+def test_a_pipeline_left_open_serves_until_the_interpreter_exits():
+    """No ``with``, no close: the workers live until the pipelines' own close at exit
+    (the thread their death signal is tied to is not ended before it)."""
+    script = textwrap.dedent(
+        """
+        import atexit, json, sys
+        from omni_core import Pipeline
+        from omni_testing.configs import chain
+        pipe = Pipeline(chain(("source", "synthetic.source", {}), ("m", "synthetic.map", {})))
+        pipe.start()
+        pids = list(pipe.pids().values())
+        def last_request():  # runs before the pipelines are closed (atexit is LIFO)
+            out = pipe.generate([{"n": 3}])[0]
+            print(json.dumps([out.finish_reason, pids]), flush=True)
+        atexit.register(last_request)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    reason, pids = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reason == "completed", out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert not any(psutil.pid_exists(p) for p in pids)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import select
 import signal
 import subprocess
@@ -20,7 +21,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from omni_core.config import PipelineConfig, split_worker
@@ -33,6 +35,7 @@ from omni_core.worker import WorkerSpec
 from omni_core.zygote import (
     Fork,
     ForkRefused,
+    ForkUnsent,
     Zygote,
     ZygoteGone,
     clone_unsupported,
@@ -167,6 +170,8 @@ class _ChildProcess(WorkerHandle):
     def reap(self) -> str:
         code = self.wait(None)
         self._close_fd()
+        if getattr(self, "status_lost", False):
+            return "exited (its status was reaped by another part of this process)"
         return exit_reason(code)
 
     def stop(self, grace_s: float) -> None:
@@ -213,6 +218,7 @@ class _Forked(_ChildProcess):
     def __init__(self, pid: int, segment: str) -> None:
         super().__init__(pid, segment)
         self.returncode: int | None = None
+        self.status_lost = False
         self._reaping = threading.Lock()  # health() polls from the caller's thread
 
     def poll(self) -> int | None:
@@ -222,7 +228,9 @@ class _Forked(_ChildProcess):
         if timeout_s is None:
             return self._reap(0)
         if self.returncode is None and self.pidfd is not None:
-            select.select([self.pidfd], [], [], timeout_s)  # readable once it ended
+            ended = select.poll()  # readable once it ended (poll: any fd number)
+            ended.register(self.pidfd, select.POLLIN)
+            ended.poll(timeout_s * 1000)
         return self.poll()
 
     def _reap(self, flags: int) -> int | None:
@@ -232,10 +240,45 @@ class _Forked(_ChildProcess):
                     pid, status = os.waitpid(self.pid, flags)
                 except ChildProcessError:  # reaped by someone else: its status is lost
                     self.returncode = 0
+                    self.status_lost = True
                 else:
                     if pid == self.pid:
                         self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
+
+
+class Starter:
+    """One long-lived daemon thread that starts processes. Linux ties a child's death
+    signal (``PR_SET_PDEATHSIG``) to the thread that started it, so it must outlive the
+    workers: a daemon thread lives until the process ends (an executor's thread would
+    end at interpreter shutdown, before the pipelines' own close)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self.thread = threading.Thread(target=self._run, name="omni-starter", daemon=True)
+        self.thread.start()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on the starter thread; its result, or its exception raised here."""
+        if not self.thread.is_alive():
+            raise RuntimeError("the launcher's starter thread has ended")
+        done: Future[Any] = Future()
+        self.jobs.put((fn, done))
+        return done.result()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            fn, done = job
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=5)
 
 
 class ProcessLauncher(Launcher):
@@ -261,7 +304,8 @@ class ProcessLauncher(Launcher):
         except BaseException:
             remove_socket_dir(self.socket_dir)
             raise
-        self.starter = ThreadPoolExecutor(1, thread_name_prefix="omni-starter")
+        self.starter = Starter()
+        self.closed = False  # set under the lock by close(): no zygote is started after it
         self.lock = threading.Lock()  # the zygote's socket and state
         self.zygote: Zygote | None = None
         self.zygote_state = "off"  # off | preloading | ready | restarting | failed
@@ -296,20 +340,29 @@ class ProcessLauncher(Launcher):
         if len(self.spawn_reasons) < len(self.cfg.stages):
             self.zygote = Zygote(list(dict.fromkeys(modules)), report)  # started at the first spawn
 
-    def _start_zygote(self) -> None:
+    def _start_zygote(self, state: str = "preloading") -> None:
+        """(Lock held.) Start the zygote process; it cannot start: workers are spawned."""
         assert self.zygote is not None
-        self.starter.submit(self.zygote.start).result()
-        self.zygote_state = "preloading"
+        try:
+            self.starter.call(self.zygote.start)
+        except OSError as e:
+            self._zygote_failed(f"it could not be started: {e}")
+            return
+        self.zygote_state = state
         report(f"zygote: started (pid {self.zygote.pid}), preloading")
 
     def _zygote_ready(self, wait_s: float) -> bool:
         """(Lock held.) The zygote can fork now, following its preload for up to
         ``wait_s``; a zygote found dead is started again (a few times)."""
         z = self.zygote
-        if z is None or self.zygote_state == "failed":
+        if z is None or self.closed or self.zygote_state in ("failed", "off"):
             return False
         try:
-            if self.zygote_state in ("preloading", "restarting") and z.follow(wait_s):
+            if self.zygote_state == "restarting" and z.overdue(self.cfg.ready_timeout_s):
+                self._zygote_failed(
+                    f"its preload took more than ready_timeout_s={self.cfg.ready_timeout_s:g}"
+                )
+            elif self.zygote_state in ("preloading", "restarting") and z.follow(wait_s):
                 self.zygote_state = "ready"
                 p = z.preloaded
                 assert p is not None
@@ -330,7 +383,7 @@ class ProcessLauncher(Launcher):
         """(Lock held.) The zygote ended: start it again (workers are spawned while it
         preloads), unless it ended too often lately."""
         assert self.zygote is not None
-        self.zygote.close()
+        self._close_zygote()
         now = time.monotonic()
         while self.zygote_restarts and now - self.zygote_restarts[0] > self.ZYGOTE_RESTART_WINDOW_S:
             self.zygote_restarts.popleft()
@@ -343,15 +396,22 @@ class ProcessLauncher(Launcher):
         self.zygote_restarts.append(now)
         self.zygote_note = f"{why}; started again"
         log.error("%s: starting it again (workers are spawned meanwhile)", why)
-        self._start_zygote()
-        self.zygote_state = "restarting"
+        self._start_zygote("restarting")
 
     def _zygote_failed(self, why: str) -> None:
         self.zygote_state = "failed"
         self.zygote_note = f"workers are spawned: the zygote cannot fork: {why}"
         log.error("%s", self.zygote_note)
-        if self.zygote is not None:
-            self.zygote.close()
+        self._close_zygote()
+
+    def _close_zygote(self) -> None:
+        """(Lock held.) End the zygote process and reap the children it forked that never
+        became workers (they exit once it is gone)."""
+        if self.zygote is None:
+            return
+        for pid in self.zygote.close():
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
     def describe(self) -> dict[str, Any]:
         """How workers start, for health: the zygote's state, pid, restarts, preload."""
@@ -370,7 +430,7 @@ class ProcessLauncher(Launcher):
 
     def tick(self) -> None:
         """Follow a (re)starting zygote's preload, notice its death."""
-        if self.zygote is not None and self.lock.acquire(blocking=False):
+        if self.zygote is not None and not self.closed and self.lock.acquire(blocking=False):
             try:
                 self._zygote_ready(0.0)
             finally:
@@ -402,7 +462,7 @@ class ProcessLauncher(Launcher):
             env.update(st.extra_env)
             handle = self._fork(worker, spec_path, env) if stage not in self.spawn_reasons else None
             if handle is None:
-                handle = self.starter.submit(self._spawn, spec_path, env, segment).result()
+                handle = self.starter.call(lambda: self._spawn(spec_path, env, segment))
         except BaseException:
             self.segments.unlink(segment)
             raise
@@ -414,6 +474,8 @@ class ProcessLauncher(Launcher):
     def _fork(self, worker: str, spec_path: str, env: dict[str, str]) -> WorkerHandle | None:
         """The worker forked from the zygote; None where it cannot be (then spawned)."""
         with self.lock:
+            if self.closed:
+                return None
             if self.zygote is not None and self.zygote_state == "off":
                 self._start_zygote()
             # the pipeline's first start waits for the preload; a restart or an added
@@ -426,11 +488,21 @@ class ProcessLauncher(Launcher):
             assert self.zygote is not None
             segment = os.path.basename(spec_path).removesuffix(".spec.json")
             try:
-                return _Forked(self.zygote.fork(Fork(worker, spec_path, env)), segment)
+                pid = self.zygote.fork(Fork(worker, spec_path, env, os.getcwd()))
+            except ForkUnsent as e:
+                log.warning("%s: spawned, not forked: %s", worker, e, extra={"stage": worker})
             except ForkRefused as e:
                 self._zygote_failed(str(e))
             except ZygoteGone as e:
                 self._restart_zygote(str(e))
+            else:
+                try:
+                    return _Forked(pid, segment)
+                except BaseException:  # no handle (pidfd_open failed): end it here
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    raise
         return None
 
     def _spawn(self, spec_path: str, env: dict[str, str], segment: str) -> WorkerHandle:
@@ -449,9 +521,9 @@ class ProcessLauncher(Launcher):
         sockets and the workers' spec files, and let go of their owner locks."""
         try:
             with self.lock:
-                if self.zygote is not None:
-                    self.zygote.close()
-            self.starter.shutdown(wait=True)
+                self.closed = True
+                self._close_zygote()
+            self.starter.close()
             self.segments.unlink_all()
         finally:
             remove_socket_dir(self.socket_dir)

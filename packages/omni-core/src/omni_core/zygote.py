@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import gc
 import importlib
 import logging
@@ -46,7 +47,7 @@ MAX_MESSAGE = 1 << 20
 # Read by a library when it loads, so a stage's ``extra_env`` setting one of these cannot
 # take effect in a worker forked after the zygote imported that library: such a stage is
 # spawned. OMP_NUM_THREADS and MKL_NUM_THREADS are applied after the fork instead, with
-# torch.set_num_threads (torch's way once it is imported).
+# torch.set_num_threads and OpenBLAS's setter (their ways once loaded).
 IMPORT_TIME_ENV = (
     "LD_",
     "PYTHON",
@@ -66,6 +67,13 @@ IMPORT_TIME_ENV = (
     "VLLM_",
 )
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# OpenBLAS's thread-count setter, by build (plain, 64-bit interface, numpy's scipy-openblas)
+BLAS_SET_THREADS = (
+    "openblas_set_num_threads",
+    "openblas_set_num_threads64_",
+    "scipy_openblas_set_num_threads64_",
+    "scipy_openblas_set_num_threads",
+)
 
 
 # -- the wire between the launcher and the zygote (a SOCK_SEQPACKET pair) ---------------
@@ -88,9 +96,16 @@ class Fork(msgspec.Struct, tag=True):
     worker: str
     spec_path: str
     env: dict[str, str]
+    cwd: str = "/"  # the orchestrator's, now (a spawned worker's would be)
 
 
 class Forked(msgspec.Struct, tag=True):
+    pid: int
+
+
+class Go(msgspec.Struct, tag=True):
+    """The launcher has the child's pid: it may become the worker."""
+
     pid: int
 
 
@@ -98,7 +113,7 @@ class Refused(msgspec.Struct, tag=True):
     error: str
 
 
-Message = Preload | Importing | Preloaded | Fork | Forked | Refused
+Message = Preload | Importing | Preloaded | Fork | Forked | Go | Refused
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -130,18 +145,27 @@ def thread_count() -> int:
         return 1
 
 
+def _openblas_libs() -> list[ctypes.CDLL]:
+    """The OpenBLAS builds loaded in this process (numpy's, scipy's)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line and ".so" in line}
+    except OSError:
+        return []
+    libs = []
+    for path in sorted(paths):
+        with contextlib.suppress(OSError):
+            libs.append(ctypes.CDLL(path))
+    return libs
+
+
 def stop_blas_threads() -> None:
     """OpenBLAS (numpy's) starts its thread pool when it loads; stop it, as its own
     pre-fork handler does (that handler does not run around a raw clone). The pool
     starts again, in the zygote and in each child, at its next parallel call."""
-    try:
-        with open("/proc/self/maps") as f:
-            libs = {line.split()[-1] for line in f if "openblas" in line and ".so" in line}
-    except OSError:
-        return
-    for path in libs:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(path).blas_thread_shutdown_()
+    for lib in _openblas_libs():
+        with contextlib.suppress(AttributeError):
+            lib.blas_thread_shutdown_()
 
 
 def fork_unsafe() -> str:
@@ -155,13 +179,23 @@ def fork_unsafe() -> str:
 
 def clone_parent() -> int:
     """Fork this (single-threaded) process with ``CLONE_PARENT``: the child's parent is
-    this process's parent. Returns 0 in the child, the child's pid here; CPython's fork
-    hooks run as in :func:`os.fork`."""
+    this process's parent. Returns 0 in the child, the child's pid here.
+
+    CPython's fork hooks run around it as in :func:`os.fork` (the import lock, the
+    ``os.register_at_fork`` callbacks, the thread state); every function and argument is
+    looked up before the window and the collector is off in it, so no Python code of
+    its own runs there. What glibc's ``fork()`` adds does not happen: its
+    ``pthread_atfork`` handlers (none that matter in a single-threaded zygote that never
+    touched a device), and the child's main thread keeps the zygote's thread id in its
+    ``pthread_t`` (``pthread_kill`` of the worker's main thread from another thread, and
+    priority-inheritance or robust mutexes held by it, are not supported)."""
     libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held, as in os.fork
-    libc.syscall.restype = ctypes.c_long
-    api = ctypes.pythonapi
-    api.PyOS_BeforeFork()
-    pid = libc.syscall(
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    before = ctypes.pythonapi.PyOS_BeforeFork
+    after_child = ctypes.pythonapi.PyOS_AfterFork_Child
+    after_parent = ctypes.pythonapi.PyOS_AfterFork_Parent
+    args = (
         ctypes.c_long(SYS_CLONE[platform.machine()]),
         ctypes.c_ulong(CLONE_PARENT | signal.SIGCHLD),
         ctypes.c_void_p(0),
@@ -169,11 +203,17 @@ def clone_parent() -> int:
         ctypes.c_void_p(0),
         ctypes.c_ulong(0),
     )
+    collecting = gc.isenabled()
+    gc.disable()
+    before()
+    pid = syscall(*args)
     if pid == 0:
-        api.PyOS_AfterFork_Child()
-        return 0
-    err = ctypes.get_errno()
-    api.PyOS_AfterFork_Parent()
+        after_child()
+    else:
+        err = ctypes.get_errno()
+        after_parent()
+    if collecting:
+        gc.enable()
     if pid < 0:
         raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
     return pid
@@ -213,15 +253,32 @@ def _serve(sock: socket.socket, owner: int) -> int:
         if why:
             send(sock, Refused(why))
             continue
+        # The child waits for a byte on this pipe before it becomes the worker, written
+        # once the launcher says it has the child's pid (Go). If it never does (it gave
+        # up waiting, this process dies), the pipe closes unwritten and the child exits:
+        # no worker runs that nobody manages.
+        go_read, go_write = os.pipe()
         try:
             pid = clone_parent()
         except OSError as e:
+            os.close(go_read)
+            os.close(go_write)
             send(sock, Refused(str(e)))
             continue
         if pid == 0:
             sock.close()
-            _become_worker(msg, owner)
-        send(sock, Forked(pid))
+            os.close(go_write)
+            _become_worker(msg, owner, go_read)
+        os.close(go_read)
+        try:
+            send(sock, Forked(pid))
+            answer = recv(sock)
+            if isinstance(answer, Go) and answer.pid == pid:
+                os.write(go_write, b"g")
+            elif answer is None:
+                return 0
+        finally:
+            os.close(go_write)
 
 
 def _preload(sock: socket.socket, modules: list[str]) -> Preloaded:
@@ -245,7 +302,7 @@ def _preload(sock: socket.socket, modules: list[str]) -> Preloaded:
     return Preloaded(time.monotonic() - t0, took, failed, thread_count())
 
 
-def _become_worker(fork: Fork, owner: int) -> NoReturn:
+def _become_worker(fork: Fork, owner: int, go: int) -> NoReturn:
     """The child: the worker's environment, death with the orchestrator, then the worker's
     own main. It never returns to the zygote's loop: its exit unwinds the zygote's frames
     (none catches it) and the interpreter ends as a spawned worker's does (atexit, zmq
@@ -255,7 +312,11 @@ def _become_worker(fork: Fork, owner: int) -> NoReturn:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != owner:  # the orchestrator is already gone
             os._exit(3)
+        if os.read(go, 1) != b"g":  # the launcher never learnt of this process
+            os._exit(3)
+        os.close(go)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(fork.cwd)
         os.environ.clear()
         os.environ.update(fork.env)
         apply_thread_env()
@@ -271,16 +332,23 @@ def _become_worker(fork: Fork, owner: int) -> NoReturn:
 
 
 def apply_thread_env() -> None:
-    """OpenMP read ``OMP_NUM_THREADS`` when torch loaded in the zygote: set a worker's
-    own count the way torch allows after import."""
-    torch = sys.modules.get("torch")
-    if torch is None:
+    """OpenMP and OpenBLAS read ``OMP_NUM_THREADS`` when they loaded in the zygote: set
+    a worker's own count the ways torch and OpenBLAS allow after loading."""
+    n = next(
+        (int(v) for k in THREAD_ENV if (v := os.environ.get(k, "")).isdigit() and int(v) > 0),
+        None,
+    )
+    if n is None:
         return
-    for key in THREAD_ENV:
-        value = os.environ.get(key, "")
-        if value.isdigit() and int(value) > 0:
-            torch.set_num_threads(int(value))
-            return
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(n)
+    for lib in _openblas_libs():
+        for name in BLAS_SET_THREADS:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn(n)
+                break
 
 
 def import_time_keys(extra_env: dict[str, str], base: dict[str, str]) -> list[str]:
@@ -310,6 +378,11 @@ class ForkRefused(Exception):
     """The zygote cannot fork safely (its message says why); spawn instead."""
 
 
+class ForkUnsent(Exception):
+    """This one request could not be sent (an environment too large for a message):
+    spawn this worker; the zygote is fine."""
+
+
 class Zygote:
     """The launcher's handle on its zygote process: start it, follow its preload, ask it
     for a worker. Not thread-safe: the launcher serialises calls."""
@@ -321,6 +394,7 @@ class Zygote:
         self.sock: socket.socket | None = None
         self.preloaded: Preloaded | None = None
         self.started_at = 0.0
+        self.lost: list[int] = []  # children that will not become workers, to reap
 
     def start(self) -> None:
         """Start the process and hand it the modules (returns at once; the preload goes
@@ -366,19 +440,26 @@ class Zygote:
                 self.preloaded = msg
         return True
 
-    def fork(self, fork: Fork, timeout_s: float = 30.0) -> int:
+    def fork(self, fork: Fork, timeout_s: float = 10.0) -> int:
         """A worker forked from the preloaded zygote; its pid."""
         assert self.sock is not None and self.preloaded is not None
         try:
             send(self.sock, fork)
         except OSError as e:
+            if e.errno == errno.EMSGSIZE:
+                raise ForkUnsent(f"its fork request is too large ({e})") from None
             raise ZygoteGone(f"zygote: {e}") from None
         msg = self._recv(timeout_s)
-        if isinstance(msg, Forked):
-            return msg.pid
         if isinstance(msg, Refused):
             raise ForkRefused(msg.error)
-        raise ZygoteGone(f"zygote did not answer a fork within {timeout_s:g} s")
+        if not isinstance(msg, Forked):
+            raise ZygoteGone(f"zygote did not answer a fork within {timeout_s:g} s")
+        try:
+            send(self.sock, Go(msg.pid))
+        except OSError as e:
+            self.lost.append(msg.pid)  # it exits on its own; the caller reaps it
+            raise ZygoteGone(f"zygote: {e}") from None
+        return msg.pid
 
     def _recv(self, timeout_s: float) -> Message | bool:
         """The next message; False on timeout; :class:`ZygoteGone` at its end."""
@@ -397,9 +478,18 @@ class Zygote:
             raise ZygoteGone(f"zygote (pid {self.pid}) {self.exit_reason()}")
         return msg
 
-    def close(self) -> None:
-        """End it: closing its socket ends its loop; killed if it does not exit."""
+    def close(self) -> list[int]:
+        """End it: closing its socket ends its loop; killed if it does not exit. The pids
+        of children it forked whose replies were never read (the caller lost them to a
+        timeout or the zygote's death): they exit without becoming workers, and are the
+        caller's to reap."""
+        lost, self.lost = self.lost, []
         if self.sock is not None:
+            self.sock.setblocking(False)
+            with contextlib.suppress(OSError, msgspec.DecodeError):
+                while (msg := recv(self.sock)) is not None:
+                    if isinstance(msg, Forked):
+                        lost.append(msg.pid)
             self.sock.close()
             self.sock = None
         if self.proc is not None:
@@ -408,3 +498,8 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        return lost
+
+    def overdue(self, limit_s: float) -> bool:
+        """Still preloading ``limit_s`` after its start."""
+        return self.preloaded is None and time.monotonic() - self.started_at > limit_s
