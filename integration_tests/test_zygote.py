@@ -66,21 +66,33 @@ def test_forked_workers_serve_like_spawned_ones_and_are_the_callers_children():
     assert [p for p in ours if psutil.pid_exists(p)] == []
 
 
-def test_extra_env_reaches_a_forked_worker_and_an_import_time_variable_spawns():
-    env = {"OMNI_ZYGOTE_T": "a", "OMP_NUM_THREADS": "1"}
+def test_extra_env_reaches_a_forked_worker_and_an_import_time_variable_spawns(monkeypatch):
+    # HF_* is read when huggingface_hub loads: a stage changing one is spawned; one
+    # setting it to the caller's own value is forked
+    monkeypatch.setenv("HF_OMNI_ZYGOTE_SAME", "1")
+    monkeypatch.delenv("HF_OMNI_ZYGOTE_NEW", raising=False)
+    env = {"OMNI_ZYGOTE_T": "a", "OMP_NUM_THREADS": "1", "HF_OMNI_ZYGOTE_SAME": "1"}
     cfg = chain(
         ("env", "synthetic.env", {}, {"extra_env": env, "client_stream": True}),
-        ("hub", "synthetic.env", {}, {"extra_env": {"HF_HUB_OFFLINE": "1"}, "client_stream": True}),
+        (
+            "hub",
+            "synthetic.env",
+            {},
+            {"extra_env": {"HF_OMNI_ZYGOTE_NEW": "b"}, "client_stream": True},
+        ),
     )
     with Pipeline(cfg) as pipe:
         h = pipe.health()
         assert h["env"]["started"] == "forked" and h["hub"]["started"] == "spawned"
-        assert "HF_HUB_OFFLINE" in pipe.zygote()["spawned_stages"]["hub"]
-        out = pipe.generate([{"env": ["OMNI_ZYGOTE_T", "OMP_NUM_THREADS", "HF_HUB_OFFLINE"]}])[0]
+        assert "HF_OMNI_ZYGOTE_NEW" in pipe.zygote()["spawned_stages"]["hub"]
+        names = ["OMNI_ZYGOTE_T", "OMP_NUM_THREADS", "HF_OMNI_ZYGOTE_NEW", "HF_OMNI_ZYGOTE_SAME"]
+        out = pipe.generate([{"env": names}])[0]
         seen = {e.stage: e.payload["env"] for e in out.events}
         assert seen["env"]["OMNI_ZYGOTE_T"] == "a" and seen["env"]["OMP_NUM_THREADS"] == "1"
-        assert seen["hub"]["HF_HUB_OFFLINE"] == "1"
-        assert seen["env"]["HF_HUB_OFFLINE"] == os.environ.get("HF_HUB_OFFLINE")
+        assert (
+            seen["env"]["HF_OMNI_ZYGOTE_SAME"] == "1" and seen["env"]["HF_OMNI_ZYGOTE_NEW"] is None
+        )
+        assert seen["hub"]["HF_OMNI_ZYGOTE_NEW"] == "b"
 
 
 def test_a_stage_whose_import_fails_names_itself_and_leaves_no_process():
