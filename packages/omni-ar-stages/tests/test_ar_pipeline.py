@@ -271,10 +271,17 @@ def test_split_pipeline_across_replicas_equals_the_model(tiny_model, reference):
     cfg = ar_config(tiny_model, post_window=4, decode={"replicas": 2})
     cfg["stages"][1]["replicas"] = 2
     cfg["stages"][3]["replicas"] = 2
+    replicas = [f"{stage}#{i}" for stage in ("prefill", "decode", "postprocess") for i in (0, 1)]
     with Pipeline(cfg) as pipe:
         outs = pipe.generate(PROMPTS * 2)
-        stats = pipe.metrics()["stages"]
+        # the counters come with heartbeats: wait for those sent after the last request
+        deadline = time.monotonic() + 10
+        while True:
+            stats = pipe.metrics()["stages"]
+            served = all(stats[r]["completed"] >= 1 for r in replicas)
+            if served or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     check_outputs(outs[: len(PROMPTS)], tok, expected)
     check_outputs(outs[len(PROMPTS) :], tok, expected)
-    for stage in ("prefill", "decode", "postprocess"):
-        assert all(stats[f"{stage}#{i}"]["completed"] >= 1 for i in (0, 1)), stats
+    assert served, {r: stats[r] for r in replicas}
