@@ -7,10 +7,13 @@ GPU side itself (models on ``cuda:0``, bfloat16 by default) needs a GPU to run.
 """
 
 import os
+import subprocess
+import sys
 
 import msgspec
 import pytest
 import torch
+from omni_ar.engines import vllm_engine
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.engines.vllm_engine import engine_settings, set_vllm_env
 from omni_ar.multimodal.stages import MMDecode, MMPrefill
@@ -84,6 +87,8 @@ def test_vllm_gpu_memory_utilization_must_be_a_share(bad):
 def test_vllm_environment_by_device(monkeypatch):
     for var in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
+    # not this test process's thread counts (their own test follows)
+    monkeypatch.setattr(vllm_engine, "apply_thread_env", lambda: None)
     set_vllm_env(None, "cuda:0")
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # a CPU-only setting
@@ -92,6 +97,22 @@ def test_vllm_environment_by_device(monkeypatch):
     assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
     set_vllm_env(None, "cpu")
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_vllm_environment_sets_one_thread_where_torch_is_already_loaded():
+    """A worker forked from the zygote has torch loaded before the engine sets
+    OMP_NUM_THREADS: the count is applied anyway (as a spawned worker's would be)."""
+    code = (
+        "import torch; torch.set_num_threads(2); "
+        "from omni_ar.engines.vllm_engine import set_vllm_env; set_vllm_env(); "
+        "print(torch.get_num_threads())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1"]
 
 
 @no_gpu

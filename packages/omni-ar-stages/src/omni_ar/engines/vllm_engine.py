@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from omni_core.zygote import apply_thread_env
 from omni_hf import quiet_offline
 
 from omni_ar.engines.cpu_turns import cpu_turn
@@ -65,6 +66,9 @@ def set_vllm_env(
     if device == "cpu" and not kv_cache_sized:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # torch may be loaded already (a worker forked from the zygote): its OpenMP read the
+    # variable then, so apply the count the way torch allows after loading
+    apply_thread_env()
 
 
 def engine_settings(device: str, dtype: str, gpu_memory_utilization: float = 0.9) -> dict[str, Any]:
