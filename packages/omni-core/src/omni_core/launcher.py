@@ -147,6 +147,7 @@ class _ChildProcess(WorkerHandle):
     process as its parent): watched through a pidfd, reaped with its exit status."""
 
     started = "spawned"  # or "forked" (from the zygote)
+    status_lost = False  # reaped by another part of this process: its exit status is unknown
 
     def __init__(self, pid: int, segment: str) -> None:
         self.pid = pid
@@ -170,7 +171,7 @@ class _ChildProcess(WorkerHandle):
     def reap(self) -> str:
         code = self.wait(None)
         self._close_fd()
-        if getattr(self, "status_lost", False):
+        if self.status_lost:
             return "exited (its status was reaped by another part of this process)"
         return exit_reason(code)
 
@@ -218,7 +219,6 @@ class _Forked(_ChildProcess):
     def __init__(self, pid: int, segment: str) -> None:
         super().__init__(pid, segment)
         self.returncode: int | None = None
-        self.status_lost = False
         self._reaping = threading.Lock()  # health() polls from the caller's thread
 
     def poll(self) -> int | None:

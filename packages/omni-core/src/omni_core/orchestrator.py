@@ -43,7 +43,7 @@ from omni_core.events import (
     Submit,
 )
 from omni_core.host import CLIENT
-from omni_core.launcher import Launcher, ProcessLauncher, WorkerHandle
+from omni_core.launcher import Launcher, ProcessLauncher, WorkerHandle, report
 from omni_core.poll_loop import PollLoop
 from omni_core.replicas import Autoscaler, Router
 from omni_core.request_table import RequestTable
@@ -60,7 +60,6 @@ from omni_core.trace import TraceLog
 from omni_core.transport import Addresses, Outbox, Waker, pull_socket, push_socket
 
 log = logging.getLogger("omni.orchestrator")
-start_log = logging.getLogger("omni.start")
 
 __all__ = ["Orchestrator", "StageDeadError", "StageStartError"]
 
@@ -391,7 +390,7 @@ class Orchestrator:
                     raise StageStartError(
                         f"stage {p.name!r} (kind {p.kind!r}) failed to start: {detail}"
                     )
-        start_log.info("%d workers ready in %.1f s", len(self.procs), time.monotonic() - t0)
+        report(f"{len(self.procs)} workers ready in {time.monotonic() - t0:.1f} s")
 
     def drain_status(self) -> None:
         """Every waiting status message (ready, load failure, heartbeat, ack); one that

@@ -23,11 +23,10 @@ from typing import Any
 
 from omni_core.config import PipelineConfig, split_worker
 from omni_core.events import Heartbeat, LoadFailed, Ready, StageStats
-from omni_core.launcher import Launcher, WorkerHandle
+from omni_core.launcher import Launcher, WorkerHandle, report
 from omni_core.registry import load_stage_class
 
 log = logging.getLogger("omni.supervisor")
-start_log = logging.getLogger("omni.start")
 MAX_BACKOFF_S = 10.0
 LATE_HEARTBEATS = 3  # heartbeats missed before health calls a stage unresponsive
 MIN_LATE_S = 1.0
@@ -110,7 +109,7 @@ class Supervisor:
             p.state = "ready"
             p.load_s = msg.load_s
             p.last_heartbeat = now
-            start_log.info("%s: ready, loaded in %.1f s", p.name, msg.load_s)
+            report(f"{p.name}: ready, loaded in {msg.load_s:.1f} s")
         elif isinstance(msg, LoadFailed):
             p.load_error = msg.message
 

@@ -36,6 +36,7 @@ request bound to one of them. Arms (``--arms``, all by default):
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import signal
@@ -51,7 +52,7 @@ from omni_testing.configs import chain
 
 from omni_bench.chaos import GRACE_LOST_S, Books
 from omni_bench.dit import CONFIGS, staged
-from omni_bench.report import emit
+from omni_bench.report import emit, run_arms
 
 ARMS = ("cpu", "dit", "kill", "autoscale")
 STAGE = "work"  # the replicated stage of the synthetic arms
@@ -381,19 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-clients", type=int, default=16, help="autoscale arm: the step")
     ap.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline")
     args = ap.parse_args(argv)
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(arms) - set(ARMS))
-    if unknown:
-        ap.error(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
-    run = {"cpu": cpu_arm, "dit": dit_arm, "kill": kill_arm, "autoscale": autoscale_arm}
-    res: dict[str, Any] = {}
-    failed = False
-    for arm in arms:
-        try:
-            res[arm] = run[arm](args)
-        except Exception as e:  # one arm's failure is reported; the others still run
-            res[arm] = {"error": f"{type(e).__name__}: {e}"}
-            failed = True
+    arm_fns = {"cpu": cpu_arm, "dit": dit_arm, "kill": kill_arm, "autoscale": autoscale_arm}
+    run = {name: functools.partial(fn, args) for name, fn in arm_fns.items()}
+    res, failed = run_arms(args.arms, run, ap.error)
     targets = {}
     if "cpu" in res and "error" not in res["cpu"]:
         targets["cpu.replicas2_vs_1_throughput >= 1.7"] = res["cpu"]["target_met"]

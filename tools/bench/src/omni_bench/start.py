@@ -38,9 +38,10 @@ import msgspec
 from omni_core import Pipeline, load_config
 from omni_core.config import PipelineConfig
 
-from omni_bench.report import emit
+from omni_bench.report import emit, run_arms
 
 ARMS = ("mixed", "restart", "demo")
+MIXED, CHAT, DEMO = "configs/mixed_ar_dit.yaml", "configs/ar_chat.yaml", "configs/demo.yaml"
 METHODS = ("zygote", "spawn")
 TARGETS = {"ready": 0.35, "restart": 0.3, "pss": 0.6}
 
@@ -168,34 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--starts", type=int, default=3, help="starts (kills) per way")
     ap.add_argument("--restart-limit-s", type=float, default=120.0)
     args = ap.parse_args(argv)
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(arms) - set(ARMS))
-    if unknown:
-        ap.error(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
-    res: dict[str, Any] = {}
-    failed = False
-    for arm in arms:
-        try:
-            if arm == "mixed":
-                why = missing("omni_ar", "omni_dit", "diffusers")
-                prompt = {"prompt": "draw me a red square on green"}
-                res[arm] = (
-                    {"skipped": why}
-                    if why
-                    else (start_arm("configs/mixed_ar_dit.yaml", args.starts, prompt))
-                )
-            elif arm == "restart":
-                why = missing("omni_ar")
-                res[arm] = (
-                    {"skipped": why}
-                    if why
-                    else (restart_arm("configs/ar_chat.yaml", args.starts, args.restart_limit_s))
-                )
-            else:
-                res[arm] = start_arm("configs/demo.yaml", args.starts, None)
-        except Exception as e:  # one arm's failure is reported; the others still run
-            res[arm] = {"error": f"{type(e).__name__}: {e}"}
-            failed = True
+
+    def mixed() -> dict[str, Any]:
+        why = missing("omni_ar", "omni_dit", "diffusers")
+        prompt = {"prompt": "draw me a red square on green"}
+        return {"skipped": why} if why else start_arm(MIXED, args.starts, prompt)
+
+    def restart() -> dict[str, Any]:
+        why = missing("omni_ar")
+        return {"skipped": why} if why else restart_arm(CHAT, args.starts, args.restart_limit_s)
+
+    def demo() -> dict[str, Any]:
+        return start_arm(DEMO, args.starts, None)
+
+    res, failed = run_arms(args.arms, {"mixed": mixed, "restart": restart, "demo": demo}, ap.error)
     met = {
         "ready": res.get("mixed", {}).get("zygote_vs_spawn_ready"),
         "restart": res.get("restart", {}).get("zygote_vs_spawn_restart"),
