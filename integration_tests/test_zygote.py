@@ -5,6 +5,7 @@ caller."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -192,3 +193,32 @@ def test_a_pipeline_left_open_serves_until_the_interpreter_exits():
     assert reason == "completed", out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     assert not any(psutil.pid_exists(p) for p in pids)
+
+
+def test_a_stopped_zygote_is_replaced_and_the_restart_spawned():
+    """SIGSTOP: the zygote is alive but does not answer. The next restart's fork times
+    out (2 s), the stopped zygote is killed and started again, the worker is spawned, and
+    requests go on meanwhile; /health's view (Pipeline.zygote) says what happened."""
+    cfg = parse_config(config())
+    stages = [msgspec.structs.replace(s, restart_backoff_s=0.0) for s in cfg.stages]
+    with Pipeline(msgspec.structs.replace(cfg, stages=stages)) as pipe:
+        stopped = pipe.zygote()["pid"]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            old = pipe.pids()["double"]
+            os.kill(old, signal.SIGKILL)
+            t0 = time.monotonic()
+            wait_for(
+                lambda: (h := pipe.health()["double"])["pid"] != old and h["state"] == "ready",
+                timeout_s=30,
+            )
+            assert time.monotonic() - t0 < 15  # one fork timeout, not a hung control loop
+            assert pipe.health()["double"]["started"] == "spawned"
+            assert len(tokens(pipe)) == 4
+            z = wait_for(lambda: (z := pipe.zygote())["state"] == "ready" and z)
+            assert z["pid"] != stopped and z["restarts"] == 1
+            assert "did not answer a fork" in z["note"]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        assert not psutil.pid_exists(stopped)  # killed and reaped, not left stopped

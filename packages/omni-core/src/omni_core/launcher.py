@@ -404,12 +404,12 @@ class ProcessLauncher(Launcher):
         log.error("%s", self.zygote_note)
         self._close_zygote()
 
-    def _close_zygote(self) -> None:
-        """(Lock held.) End the zygote process and reap the children it forked that never
-        became workers (they exit once it is gone)."""
+    def _close_zygote(self, kill: bool = True) -> None:
+        """(Lock held.) End the zygote process (``kill``: at once, it failed) and reap the
+        children it forked that never became workers (they exit once it is gone)."""
         if self.zygote is None:
             return
-        for pid in self.zygote.close():
+        for pid in self.zygote.close(kill):
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
 
@@ -522,7 +522,7 @@ class ProcessLauncher(Launcher):
         try:
             with self.lock:
                 self.closed = True
-                self._close_zygote()
+                self._close_zygote(kill=False)
             self.starter.close()
             self.segments.unlink_all()
         finally:

@@ -440,7 +440,7 @@ class Zygote:
                 self.preloaded = msg
         return True
 
-    def fork(self, fork: Fork, timeout_s: float = 10.0) -> int:
+    def fork(self, fork: Fork, timeout_s: float = 2.0) -> int:
         """A worker forked from the preloaded zygote; its pid."""
         assert self.sock is not None and self.preloaded is not None
         try:
@@ -478,8 +478,9 @@ class Zygote:
             raise ZygoteGone(f"zygote (pid {self.pid}) {self.exit_reason()}")
         return msg
 
-    def close(self) -> list[int]:
-        """End it: closing its socket ends its loop; killed if it does not exit. The pids
+    def close(self, kill: bool = False) -> list[int]:
+        """End it: closing its socket ends its loop; killed if it does not exit (at once
+        with ``kill``: it failed, maybe stopped or hung). The pids
         of children it forked whose replies were never read (the caller lost them to a
         timeout or the zygote's death): they exit without becoming workers, and are the
         caller's to reap."""
@@ -493,6 +494,8 @@ class Zygote:
             self.sock.close()
             self.sock = None
         if self.proc is not None:
+            if kill and self.proc.poll() is None:
+                self.proc.kill()
             try:
                 self.proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
