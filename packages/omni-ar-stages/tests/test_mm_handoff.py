@@ -4,8 +4,10 @@ process with the full media."""
 import base64
 import copy
 import io
+import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -85,7 +87,7 @@ def requests(images):
 def _pil(part):
     from omni_ar.multimodal.media import decode_image, source_bytes
 
-    return Image.fromarray(decode_image(source_bytes(part, "x"), "x", 10**9))
+    return Image.fromarray(decode_image(source_bytes(part, "x", allow_local=True), "x", 10**9))
 
 
 @pytest.fixture(scope="module")
@@ -112,19 +114,22 @@ def reference(llava, requests):
     return proc.tokenizer, out
 
 
+LOCAL = {"allow_local_images": True}  # the requests here name image files by path
+
+
 def mm_config(model, enabled=True, prefill=None, decode=None, decode_stage=None):
     opts = {"model": model, "threads": 1}
     return {
         "mrs": {"enabled": enabled},
         "heartbeat_interval_s": 0.1,
         "stages": [
-            {"name": "intake", "kind": "ar.mm_intake", "options": {"model": model}},
+            {"name": "intake", "kind": "ar.mm_intake", "options": {"model": model, **LOCAL}},
             {"name": "prefill", "kind": "ar.mm_prefill", "options": {**opts, **(prefill or {})}},
             {
                 "name": "decode",
                 "kind": "ar.mm_decode",
                 **(decode_stage or {}),
-                "options": {**opts, **(decode or {})},
+                "options": {**opts, **LOCAL, **(decode or {})},
             },
             {"name": "postprocess", "kind": "ar.mm_postprocess", "options": {"model": model}},
         ],
@@ -179,9 +184,9 @@ def _stage(cls, kind, model, **options):
 @pytest.fixture(scope="module")
 def stages(llava):
     return (
-        _stage(MMIntake, "ar.mm_intake", llava),
+        _stage(MMIntake, "ar.mm_intake", llava, **LOCAL),
         _stage(MMPrefill, "ar.mm_prefill", llava),
-        _stage(MMDecode, "ar.mm_decode", llava),
+        _stage(MMDecode, "ar.mm_decode", llava, **LOCAL),
     )
 
 
@@ -406,6 +411,67 @@ def test_bad_images_end_only_their_request(llava, images, tmp_path):
         assert "stage 'intake'" in out.error and "messages[0].content[1]" in out.error, out.error
         assert why in out.error, out.error
     assert outs[-1].ok and len(text_and_tokens(outs[-1])[1]) == 5
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A small PNG that decodes to ``width x height`` black pixels (the rows past the
+    first four are missing, and PIL fills them in)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(bytes(width * 3 + 1) * 4)  # 4 rows of zeros
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat)
+
+
+def test_image_budget_is_checked_from_the_header_before_decoding():
+    from omni_ar.multimodal.media import MediaError, decode_image, load_images
+
+    bomb = png_bomb(4_000, 3_000)  # 12 MP: 36 MB as RGB from a few hundred bytes
+    assert len(bomb) < 1_000
+    t0 = time.perf_counter()
+    with pytest.raises(MediaError, match=r"'m\[0\]': image of 4000x3000 pixels, over max_image"):
+        decode_image(bomb, "m[0]", 1_000_000)
+    refused_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert decode_image(bomb, "m[0]", 16_000_000).shape == (3_000, 4_000, 3)  # a real bomb
+    decoded_s = time.perf_counter() - t0
+    assert refused_s < decoded_s / 10, (refused_s, decoded_s)  # refused before decoding
+    huge = png_bomb(30_000, 30_000)  # past PIL's own limit: refused by it, named as ours
+    with pytest.raises(MediaError, match=r"'m\[0\]': image over max_image_pixels=16000000"):
+        decode_image(huge, "m[0]", 16_000_000)
+    # the request's total: three 120x90 images, 30000 pixels at most together
+    parts = [{"type": "image", "image": synthetic_image(i, 120, 90, fmt="JPEG")} for i in (1, 2, 3)]
+    msgs = [{"role": "user", "content": parts}]
+    assert len(load_images(msgs, 20_000, 40_000)) == 3
+    with pytest.raises(MediaError, match=r"content\[2\]'.*32400 pixels, over max_total_pixels"):
+        load_images(msgs, 20_000, 30_000)
+
+
+def test_local_image_files_only_with_the_stage_option(llava, images, tmp_path):
+    """From the Python API too, a request may not make the intake read its files unless
+    the stage's options allow it; even then a FIFO (which would hang it) is refused."""
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    good = chat("the quick ", img(images["url"]), " fox", max_tokens=3)
+    sources = [images["path"], "file://" + images["path"], str(fifo)]
+    asks = [chat("x ", img(src), max_tokens=3) for src in sources] + [good]
+    cfg = mm_config(llava, enabled=False)
+    del cfg["stages"][0]["options"]["allow_local_images"]
+    with Pipeline(cfg) as pipe:
+        outs = pipe.generate(asks)
+    for out in outs[:3]:
+        assert out.finish_reason == "error", out
+        assert "messages[0].content[1]" in out.error and "allow_local_images is off" in out.error
+    assert outs[-1].ok
+    with Pipeline(mm_config(llava, enabled=False)) as pipe:
+        outs = pipe.generate(asks)
+    assert outs[0].ok and outs[1].ok and outs[3].ok
+    assert "is not a regular file" in outs[2].error, outs[2].error
 
 
 def test_text_stages_refuse_image_parts_and_vllm_says_why(llava):

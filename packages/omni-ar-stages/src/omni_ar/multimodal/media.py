@@ -2,7 +2,8 @@
 
 An image part is ``{"type": "image", "image": path | bytes | data URL}`` or
 ``{"type": "image_url", "image_url": {"url": path | data URL}}``. Nothing is fetched
-over the network. Every error names the part (``messages[0].content[1]``).
+over the network, and a path (or ``file://``) is read only where the stage option
+``allow_local_images`` allows it. Every error names the part (``messages[0].content[1]``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import base64
 import binascii
 import hashlib
 import io
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,8 +59,10 @@ def has_media(messages: list[dict[str, Any]]) -> bool:
     return any("hash" not in part for _, part in image_parts(messages))
 
 
-def source_bytes(part: dict[str, Any], where: str) -> bytes:
-    """The encoded image of a part, from bytes, a base64 data URL or a local file."""
+def source_bytes(part: dict[str, Any], where: str, allow_local: bool = False) -> bytes:
+    """The encoded image of a part, from bytes or a base64 data URL; from a local file
+    (a path or ``file://``) only with ``allow_local`` (the stage option
+    ``allow_local_images``): a request must not make a worker read its files."""
     if "hash" in part:
         raise MediaError(f"field {where!r}: only a content hash, no image to read")
     src = part["image"] if part["type"] == "image" else part["image_url"]["url"]
@@ -73,18 +78,33 @@ def source_bytes(part: dict[str, Any], where: str) -> bytes:
             raise MediaError(f"field {where!r}: invalid base64 in the data URL: {e}") from None
     if src.startswith(("http://", "https://")):
         raise MediaError(
-            f"field {where!r}: remote URLs are not fetched; pass a local path, bytes or a "
-            "base64 data URL"
+            f"field {where!r}: remote URLs are not fetched; pass bytes or a base64 data URL"
         )
-    path = Path(src.removeprefix("file://"))
+    if not allow_local:
+        raise MediaError(
+            f"field {where!r}: local image files are not read (the stage option "
+            "allow_local_images is off); pass bytes or a base64 data URL"
+        )
+    return _read_file(Path(src.removeprefix("file://")), where)
+
+
+def _read_file(path: Path, where: str) -> bytes:
+    """A regular file's bytes (a FIFO or a device would hang or never end)."""
     try:
-        return path.read_bytes()
+        with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK)) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise MediaError(f"field {where!r}: {str(path)!r} is not a regular file")
+            return f.read()
     except OSError as e:
         raise MediaError(f"field {where!r}: cannot read image file {str(path)!r}: {e}") from None
 
 
-def decode_image(data: bytes, where: str, max_pixels: int) -> np.ndarray:
-    """RGB pixels ``(H, W, 3)`` uint8 of an encoded image."""
+def decode_image(
+    data: bytes, where: str, max_pixels: int, max_total_pixels: int | None = None, used: int = 0
+) -> np.ndarray:
+    """RGB pixels ``(H, W, 3)`` uint8 of an encoded image. Its size is read from the
+    header and checked before any pixel is decoded: at most ``max_pixels``, and at most
+    ``max_total_pixels`` with the ``used`` pixels of the request's earlier images."""
     from PIL import Image
 
     try:
@@ -94,19 +114,41 @@ def decode_image(data: bytes, where: str, max_pixels: int) -> np.ndarray:
                 raise MediaError(
                     f"field {where!r}: image of {w}x{h} pixels, over max_image_pixels={max_pixels}"
                 )
-            return np.asarray(img.convert("RGB"))
+            if max_total_pixels is not None and used + w * h > max_total_pixels:
+                raise MediaError(
+                    f"field {where!r}: image of {w}x{h} pixels; with the request's earlier "
+                    f"images {used + w * h} pixels, over max_total_pixels={max_total_pixels}"
+                )
+            if img.mode == "RGB":
+                return np.asarray(img)
+            with img.convert("RGB") as rgb:  # loads the source once, converts once
+                return np.asarray(rgb)
     except MediaError:
         raise
+    except Image.DecompressionBombError:  # over PIL's own limit, before our check
+        raise MediaError(
+            f"field {where!r}: image over max_image_pixels={max_pixels} (from its header)"
+        ) from None
     except Exception as e:  # PIL raises many kinds for bad data
         raise MediaError(f"field {where!r}: cannot decode image: {e}") from None
 
 
-def load_images(messages: list[dict[str, Any]], max_pixels: int) -> list[np.ndarray]:
-    """Every image part of the messages, decoded, in prompt order."""
-    return [
-        decode_image(source_bytes(part, where), where, max_pixels)
-        for where, part in image_parts(messages)
-    ]
+def load_images(
+    messages: list[dict[str, Any]],
+    max_pixels: int,
+    max_total_pixels: int | None = None,
+    allow_local: bool = False,
+) -> list[np.ndarray]:
+    """Every image part of the messages, decoded once each, in prompt order; each is
+    checked against the limits from its header before it is decoded."""
+    out: list[np.ndarray] = []
+    used = 0
+    for where, part in image_parts(messages):
+        data = source_bytes(part, where, allow_local)
+        px = decode_image(data, where, max_pixels, max_total_pixels, used)
+        used += px.shape[0] * px.shape[1]
+        out.append(px)
+    return out
 
 
 def image_hash(pixels: np.ndarray) -> str:

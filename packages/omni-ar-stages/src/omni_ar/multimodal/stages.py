@@ -1,7 +1,9 @@
 """The multimodal AR stages: ar.mm_intake -> ar.mm_prefill -> ar.mm_decode -> ar.mm_postprocess.
 
-* mm_intake (source): validates the request, reads and decodes its images (a local
-  path, bytes or a base64 data URL; never the network), hashes each, tokenizes with one
+* mm_intake (source): validates the request, reads and decodes its images (bytes or a
+  base64 data URL; a local path only with ``allow_local_images``; never the network),
+  each checked against ``max_image_pixels`` and ``max_total_pixels`` from its header
+  before it is decoded, hashes each, tokenizes with one
   placeholder run per image; emits the ids, the decoded pixels as arrays and per image
   ``{"hash", "offset", "length"}``. A bad image ends that request with an error naming
   the part.
@@ -54,7 +56,9 @@ class MMOptions(ModelOptions, kw_only=True):
 
     block_size: int = 16  # tokens per KV block; prefill and decode must agree
     max_images: int = 8  # images per request at most
-    max_image_pixels: int = 64_000_000  # width x height of one image at most
+    max_image_pixels: int = 16_000_000  # width x height of one image at most
+    max_total_pixels: int = 32_000_000  # of all a request's images (~96 MB as RGB)
+    allow_local_images: bool = False  # read paths and file:// URLs (the Python API's)
 
 
 class _MMStage(_ModelStage):
@@ -95,7 +99,9 @@ class MMIntake(_MMStage):
                         raise RequestError(
                             f"field 'messages': {count} images, over max_images={o.max_images}"
                         )
-                    pixels = load_images(messages, o.max_image_pixels)
+                    pixels = load_images(
+                        messages, o.max_image_pixels, o.max_total_pixels, o.allow_local_images
+                    )
             except RequestError as e:
                 yield inp.fail(str(e))
                 continue
@@ -177,7 +183,10 @@ class MMDecodeOptions(DecodeOptions, kw_only=True):
     """``ar.mm_decode``'s options."""
 
     block_size: int = 16  # tokens per KV block; as prefill's
-    max_image_pixels: int = 64_000_000  # with media: reprocess, as prefill's
+    # with media: reprocess, the image limits of mm_intake's options
+    max_image_pixels: int = 16_000_000
+    max_total_pixels: int = 32_000_000
+    allow_local_images: bool = False
     # "none": the requires_kv handoff; "reprocess": the full-media baseline (decode gets
     # the media and renders the prompt from it again, as a decode without the contract must)
     media: Literal["none", "reprocess"] = "none"
@@ -238,7 +247,10 @@ class MMDecode(_MMStage, Decode):
         if messages is None or handoff is None:
             return handoff
         try:
-            pixels = load_images(messages, self.options.max_image_pixels)
+            o = self.options
+            pixels = load_images(
+                messages, o.max_image_pixels, o.max_total_pixels, o.allow_local_images
+            )
         except RequestError as e:
             raise AdmissionError(f"media payload: {e}") from None
         if pixels:
