@@ -306,10 +306,10 @@ class ArrayCodec:
                 if copy or h.torch:
                     raw = raw.copy()
             else:
-                # the reader maps the segment read-only: a view that cannot be made writeable
-                raw = np.frombuffer(
-                    self.reader.buffer(h.segment), dtype=np.uint8, count=h.nbytes, offset=h.offset
-                )
+                # the reader maps the segment read-only: a view that cannot be made writeable;
+                # the handle came off a socket: its segment and span are checked first
+                buf = self.reader.checked(h.segment, h.offset, h.nbytes, h.producer)
+                raw = np.frombuffer(buf, dtype=np.uint8, count=h.nbytes, offset=h.offset)
                 if copy or h.torch:  # a tensor is a copy: torch has no read-only tensors
                     raw = raw.copy()
                 elif raw.flags.writeable:  # fan-out peers share the slot

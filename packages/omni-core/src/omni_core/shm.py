@@ -12,6 +12,14 @@
   read-only views; it never copies, and a reader cannot write into a slot its fan-out
   peers share (a write through the mapping raises, a view is not writeable).
 
+A segment name and span that arrive in a message are not trusted (:func:`open_segment`,
+:meth:`SegmentReader.checked`): only a name this runtime makes (:data:`SEGMENT_NAME`: no
+path separator, so never outside the directory), opened without following a link and
+without blocking (a FIFO), a private regular file of this user, and a span inside it are
+mapped; anything else is a :class:`BadSegment` naming the segment. Each name carries fresh
+randomness, so another user cannot guess the next one, and a name found taken is retried
+under another (:meth:`SegmentOwner.create`).
+
 Plain ``open``/``mmap`` are used rather than ``multiprocessing.shared_memory`` because on
 Python < 3.13 the latter registers every attach with a resource tracker that may unlink a
 segment behind the owner's back.
@@ -36,8 +44,16 @@ from typing import Any, Protocol
 SHM_DIR = "/dev/shm"
 PREFIX = "omni-"
 ALIGN = 64
-# omni-<owner pid>-<token>-<label>-<serial>: how SegmentOwner.create names a segment
-SEGMENT_NAME = re.compile(r"omni-(\d+)-([0-9A-Za-z]+)-(.+)-(\d+)")
+# a segment's label: a worker's name (config NAME_RE, "#i" for a replica)
+LABEL = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.#-]*")
+# omni-<owner pid>-<token>-<label>-<serial>-<16 random hex digits>: how SegmentOwner.create
+# names a segment, and the only names a reader maps
+SEGMENT_NAME = re.compile(r"(omni-\d+-[0-9A-Za-z]+-)(" + LABEL.pattern + r")-(\d+)-([0-9a-f]{16})")
+# what a sweep takes for a segment of this runtime (earlier runtimes' names, without the
+# random part, included)
+STALE_NAME = re.compile(r"omni-(\d+)-([0-9A-Za-z]+)-(.+)-(\d+)(?:-[0-9a-f]{16})?")
+NAME_MAX = 255
+CREATE_TRIES = 100
 
 log = logging.getLogger("omni.shm")
 
@@ -67,6 +83,45 @@ EXTERNAL_WRITERS: dict[str, ExternalWriter] = {}
 
 class ShmPoolExhausted(RuntimeError):
     """A payload could not get a slot before its deadline."""
+
+
+class BadSegment(ValueError):
+    """A segment a message names, or a span of it, that is not mapped: not a name this
+    runtime makes, not its producer's, not a private regular file of this user, or a span
+    past its end. Fails only the message's request."""
+
+    def __init__(self, segment: str, why: str) -> None:
+        super().__init__(f"segment {segment!r}: {why}")
+        self.segment = segment
+
+
+def fresh_suffix() -> str:
+    """The random part of a new segment's name (a test may replace it to force a clash)."""
+    return secrets.token_hex(8)
+
+
+def check_segment_name(name: str) -> re.Match[str]:
+    """The match of ``name`` against :data:`SEGMENT_NAME`; :class:`BadSegment` else."""
+    m = SEGMENT_NAME.fullmatch(name) if len(name) <= NAME_MAX else None
+    if m is None:
+        raise BadSegment(name[:NAME_MAX], "not a name this runtime gives its segments")
+    return m
+
+
+def owner_prefix(name: str) -> str:
+    """``omni-<pid>-<token>-``: what every segment of ``name``'s owner starts with."""
+    return check_segment_name(name).group(1)
+
+
+def segment_label(name: str) -> str:
+    """The label (the producer worker's name) of a segment this runtime named."""
+    return check_segment_name(name).group(2)
+
+
+def check_span(segment: str, offset: int, nbytes: int, size: int) -> None:
+    """:class:`BadSegment` unless ``nbytes`` bytes at ``offset`` lie inside ``size``."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise BadSegment(segment, f"{nbytes} bytes at offset {offset} lie outside its {size} bytes")
 
 
 def create_locked(path: str, mode: int = 0o600) -> int | None:
@@ -139,7 +194,7 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        if not SEGMENT_NAME.fullmatch(name):
+        if not STALE_NAME.fullmatch(name):
             continue
         path = os.path.join(directory, name)
         fd = lock_orphan(path)
@@ -181,15 +236,31 @@ class SegmentOwner:
         sweep_stale(directory)
 
     def create(self, label: str, size: int) -> str:
-        """Create a sparse segment of ``size`` bytes; pages cost memory only once written."""
-        for _ in range(100):
-            name = f"{PREFIX}{os.getpid()}-{self.token}-{label}-{next(self._serial)}"
+        """Create a sparse segment of ``size`` bytes; pages cost memory only once written.
+
+        A name found taken (a file another process or user made under it) is logged and
+        retried under a fresh name: never fatal unless every try fails."""
+        if not LABEL.fullmatch(label):
+            raise ValueError(f"segment label {label!r} is not a worker name")
+        taken = 0
+        for _ in range(CREATE_TRIES):
+            name = (
+                f"{PREFIX}{os.getpid()}-{self.token}-{label}-{next(self._serial)}-{fresh_suffix()}"
+            )
             path = os.path.join(self.directory, name)
-            fd = create_locked(path)
+            try:
+                fd = create_locked(path)
+            except FileExistsError:
+                taken += 1
+                log.warning("shared-memory segment name %s is taken; trying another", path)
+                continue
             if fd is not None:
                 break
-        else:  # another process's sweep kept taking it: something is badly wrong
-            raise OSError(f"cannot create shared-memory segment {path}: removed as it was made")
+        else:  # taken, or another process's sweep kept removing it: something is badly wrong
+            raise OSError(
+                f"cannot create a shared-memory segment for {label!r} in {self.directory}: "
+                f"{CREATE_TRIES} names tried ({taken} taken, the others removed as made)"
+            )
         try:
             os.ftruncate(fd, size)
         except BaseException:
@@ -222,9 +293,30 @@ class SegmentOwner:
 
 def map_segment(name: str, directory: str = SHM_DIR, readonly: bool = False) -> mmap.mmap:
     """Map a whole segment: read-write for its producer, read-only (``PROT_READ``) for a
-    reader, so a reader's write through the mapping raises instead of reaching the slot."""
-    fd = os.open(os.path.join(directory, name), os.O_RDONLY if readonly else os.O_RDWR)
+    reader, so a reader's write through the mapping raises instead of reaching the slot.
+
+    Only a name this runtime makes, opened without following a link or blocking, that is a
+    private non-empty regular file of this user: else :class:`BadSegment` (a segment that
+    is gone stays a ``FileNotFoundError``: its producer died)."""
+    check_segment_name(name)
+    path = os.path.join(directory, name)
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
+        fd = os.open(path, flags | (os.O_RDONLY if readonly else os.O_RDWR))
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ELOOP: a link; EACCES: another user's; ENXIO: a socket
+        raise BadSegment(name, f"cannot be opened: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadSegment(name, "not a regular file")
+        if st.st_uid != os.geteuid():
+            raise BadSegment(name, f"owned by uid {st.st_uid}, not this user")
+        if st.st_mode & 0o077:
+            raise BadSegment(name, f"mode {stat.S_IMODE(st.st_mode):o} is not private (0600)")
+        if st.st_size == 0:
+            raise BadSegment(name, "empty")
         return mmap.mmap(fd, 0, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
     finally:
         os.close(fd)
@@ -379,8 +471,11 @@ class SegmentReader:
     release reaches the producer, the producer may write another payload there.
     """
 
-    def __init__(self, directory: str = SHM_DIR) -> None:
+    def __init__(self, directory: str = SHM_DIR, scope: str | None = None) -> None:
+        """``scope``: the prefix (:func:`owner_prefix`) of the only segments (besides
+        :data:`EXTERNAL_SEGMENTS`) this reader maps: its pipeline's on this node."""
         self.directory = directory
+        self.scope = scope
         self._maps: dict[str, mmap.mmap] = {}
 
     def buffer(self, name: str) -> Any:
@@ -389,7 +484,20 @@ class SegmentReader:
             for prefix, resolve in EXTERNAL_SEGMENTS.items():
                 if name.startswith(prefix):
                     return resolve(name)  # read once (not cached): its reader lends it
+            if self.scope is not None and not name.startswith(self.scope):
+                raise BadSegment(name[:NAME_MAX], "not a segment of this pipeline")
             buf = self._maps[name] = map_segment(name, self.directory, readonly=True)
+        return buf
+
+    def checked(self, name: str, offset: int, nbytes: int, producer: str | None = None) -> Any:
+        """:meth:`buffer` of a segment a message names, once the message's claims are
+        checked: a segment here is ``producer``'s own (its label), and the span lies
+        inside it."""
+        external = any(name.startswith(p) for p in EXTERNAL_SEGMENTS)
+        if producer is not None and not external and segment_label(name) != producer:
+            raise BadSegment(name, f"not a segment of its producer {producer!r}")
+        buf = self.buffer(name)
+        check_span(name, offset, nbytes, len(buf))
         return buf
 
     def forget(self, name: str) -> None:

@@ -23,7 +23,7 @@ from omni_core.host import CLIENT, StageHost, stage_context
 from omni_core.logs import configure_logging
 from omni_core.registry import load_stage_class
 from omni_core.serial import ArrayCodec, decode_json, encode_frame, releases
-from omni_core.shm import EXTERNAL_WRITERS, Arena
+from omni_core.shm import EXTERNAL_WRITERS, Arena, SegmentReader, owner_prefix
 from omni_core.transport import Addresses, Outbox, Sender, Waker, pull_socket, push_socket
 from omni_core.worker.admission import WorkQueue
 from omni_core.worker.control_io import WorkerIO
@@ -66,7 +66,9 @@ class Worker:
         cls = load_stage_class(st.kind)
         self.stage = cls(stage_context(cfg, self.stage_name, spec.devices))
         self.arena = Arena(spec.arena)
-        self.codec = ArrayCodec(self.name, self.arena, threshold=cfg.shm_threshold_bytes)
+        # the segments this worker maps: its pipeline's on this node (its own arena's owner)
+        reader = SegmentReader(scope=owner_prefix(spec.arena))
+        self.codec = ArrayCodec(self.name, self.arena, reader, threshold=cfg.shm_threshold_bytes)
         self.host = StageHost(cfg, self.stage_name, self.stage, self.codec)
         self.lock = threading.Lock()  # guards host state (both threads touch it)
         self.work = threading.Condition(self.lock)

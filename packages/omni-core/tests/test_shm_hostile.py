@@ -1,0 +1,296 @@
+"""Segment names and spans from the wire are not trusted.
+
+A handle names a segment and a span of it; a reader maps only a name this runtime makes
+(of its own pipeline, of the handle's producer), opened without following a link or
+blocking, a private regular file of this user, and a span inside it. Anything else fails
+the one request the message belongs to, quickly, with an error naming the segment, and
+the stage keeps serving. A segment name found taken at creation is retried under another.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from omni_core import Pipeline
+from omni_core import shm as shm_module
+from omni_core.events import Segment, ShmHandle
+from omni_core.serial import ArrayCodec, encode_frame
+from omni_core.shm import (
+    SHM_DIR,
+    Arena,
+    BadSegment,
+    SegmentOwner,
+    SegmentReader,
+    owner_prefix,
+)
+from omni_testing.configs import chain
+
+ROOT = os.geteuid() == 0
+NOBODY = 65534
+
+
+@pytest.fixture
+def owner() -> Iterator[SegmentOwner]:
+    o = SegmentOwner()
+    yield o
+    o.unlink_all()
+
+
+class Planted:
+    """Files planted in /dev/shm under names a reader would accept; removed at the end."""
+
+    def __init__(self, prefix: str, label: str) -> None:
+        self.prefix = prefix
+        self.label = label
+        self.paths: list[str] = []
+        self.serial = 900
+
+    def name(self) -> str:
+        self.serial += 1
+        return f"{self.prefix}{self.label}-{self.serial}-{os.urandom(8).hex()}"
+
+    def _path(self, name: str) -> str:
+        path = os.path.join(SHM_DIR, name)
+        self.paths.append(path)
+        return path
+
+    def symlink(self, target: str = "/etc/passwd") -> str:
+        name = self.name()
+        os.symlink(target, self._path(name))
+        return name
+
+    def fifo(self) -> str:
+        name = self.name()
+        os.mkfifo(self._path(name), 0o600)
+        return name
+
+    def file(self, mode: int = 0o600, uid: int | None = None) -> str:
+        name = self.name()
+        path = self._path(name)
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+        os.chmod(path, mode)
+        if uid is not None:
+            os.chown(path, uid, uid)
+        return name
+
+    def remove(self) -> None:
+        for p in self.paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+def hostile_names(prefix: str, label: str, planted: Planted) -> dict[str, str]:
+    """Case -> a segment name a hostile message may carry (reached through the checks)."""
+    cases = {
+        "absolute": "/etc/passwd",
+        "dotdot": "../../etc/passwd",
+        "slash": f"{prefix}{label}/../../../etc/passwd-0-{'0' * 16}",
+        "not_ours": "omni-config",
+        "symlink": planted.symlink(),
+        "fifo": planted.fifo(),
+        "wrong_mode": planted.file(mode=0o644),
+        "empty_private": planted.name(),  # does not exist: FileNotFoundError
+    }
+    if ROOT:  # only root can make another user's file
+        cases["other_user"] = planted.file(uid=NOBODY)
+    return cases
+
+
+def unpack_in_thread(codec: ArrayCodec, handle: ShmHandle) -> BaseException | None:
+    """Unpack ``handle`` in a thread that must finish within 2 s (a FIFO must not hang)."""
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            codec.unpack({"x": handle})
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(2.0)
+    assert not t.is_alive(), f"unpacking {handle.segment!r} hangs"
+    return out[0]
+
+
+def test_hostile_segment_names_are_refused_quickly_naming_the_segment(owner):
+    seg = owner.create("p", 1 << 16)
+    prefix = owner_prefix(seg)
+    planted = Planted(prefix, "p")
+    try:
+        codec = ArrayCodec("r", reader=SegmentReader(scope=prefix))
+        for case, name in hostile_names(prefix, "p", planted).items():
+            t0 = time.monotonic()
+            err = unpack_in_thread(codec, ShmHandle(name, 0, 16, "|u1", (16,), "p", 1))
+            assert time.monotonic() - t0 < 1.0, case
+            if case == "empty_private":
+                assert isinstance(err, FileNotFoundError), (case, err)
+                continue
+            assert isinstance(err, BadSegment), (case, err)
+            assert repr(name[:255]) in str(err), (case, str(err))
+        # the real segment still reads
+        arrays, _ = codec.unpack({"x": ShmHandle(seg, 64, 16, "|u1", (16,), "p", 1)})
+        assert arrays["x"].tolist() == [0] * 16
+    finally:
+        planted.remove()
+
+
+@pytest.mark.parametrize(
+    ("offset", "nbytes", "producer", "why"),
+    [
+        ((1 << 16) - 8, 16, "p", "outside"),  # runs past the end
+        (1 << 20, 1, "p", "outside"),  # starts past the end
+        (-64, 16, "p", "outside"),
+        (0, -1, "p", "outside"),  # "count=-1" would read to the end
+        (0, 16, "q", "not a segment of its producer 'q'"),
+    ],
+)
+def test_a_span_outside_the_segment_or_another_producers_segment_is_refused(
+    owner, offset, nbytes, producer, why
+):
+    seg = owner.create("p", 1 << 16)
+    codec = ArrayCodec("r", reader=SegmentReader(scope=owner_prefix(seg)))
+    with pytest.raises(BadSegment, match=why) as e:
+        codec.unpack({"x": ShmHandle(seg, offset, nbytes, "|u1", (max(nbytes, 0),), producer, 1)})
+    assert seg in str(e.value)
+
+
+def test_another_pipelines_segment_is_out_of_scope(owner):
+    mine = owner.create("p", 4096)
+    other = SegmentOwner()
+    try:
+        theirs = other.create("p", 4096)
+        codec = ArrayCodec("r", reader=SegmentReader(scope=owner_prefix(mine)))
+        with pytest.raises(BadSegment, match="not a segment of this pipeline"):
+            codec.unpack({"x": ShmHandle(theirs, 0, 16, "|u1", (16,), "p", 1)})
+    finally:
+        other.unlink_all()
+
+
+def test_names_carry_fresh_randomness(owner):
+    a, b = owner.create("p", 4096), owner.create("p", 4096)
+    ra, rb = a.rsplit("-", 1)[1], b.rsplit("-", 1)[1]
+    assert len(ra) == 16 and ra != rb
+    with pytest.raises(ValueError, match="not a worker name"):
+        owner.create("../x", 4096)
+
+
+def squat_next_create(monkeypatch: pytest.MonkeyPatch, label: str, times: int = 1) -> list[str]:
+    """The next ``times`` segments made for ``label`` find their name taken: a file (another
+    user's, as root) appears under it just before. Returns the squatted paths."""
+    real = shm_module.create_locked
+    squatted: list[str] = []
+
+    def create_locked(path: str, mode: int = 0o600) -> int | None:
+        if f"-{label}-" in os.path.basename(path) and len(squatted) < times:
+            with open(path, "wb") as f:
+                f.write(b"squatted")
+            if ROOT:
+                os.chown(path, NOBODY, NOBODY)
+            squatted.append(path)
+        return real(path, mode)
+
+    monkeypatch.setattr(shm_module, "create_locked", create_locked)
+    return squatted
+
+
+def test_a_taken_name_is_retried_under_another(owner, monkeypatch, caplog):
+    squatted = squat_next_create(monkeypatch, "p", times=3)
+    try:
+        name = owner.create("p", 4096)
+        assert len(squatted) == 3 and os.path.join(SHM_DIR, name) not in squatted
+        Arena(name).close()  # a segment like any other
+        for path in squatted:  # left as they were
+            with open(path, "rb") as f:
+                assert f.read() == b"squatted"
+        assert sum("is taken" in r.getMessage() for r in caplog.records) == 3
+    finally:
+        for path in squatted:
+            os.unlink(path)
+
+
+# ---------------------------------------------------------------------- a live pipeline
+SLOW_SRC = chain(
+    ("src", "synthetic.sleep", {"hold_s": 0.3}),
+    ("sink", "synthetic.array_sink", {}),
+    heartbeat_interval_s=0.1,
+)
+
+
+def push(address: str, frame: bytes) -> None:
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(address)
+    sock.send(frame)
+    sock.close(linger=1000)
+
+
+def forged(rid: str, name: str, producer: str = "src", offset: int = 0, nbytes: int = 16) -> Any:
+    handle = ShmHandle(name, offset, nbytes, "|u1", (max(nbytes, 0),), producer, 1)
+    return Segment(request_id=rid, sequence=0, stage="src", device_handles={"data": handle})
+
+
+def test_a_pipeline_refuses_hostile_frames_and_keeps_serving(monkeypatch):
+    """Each hostile handle is pushed into the sink's data socket as the first event of a
+    request in flight (src holds it): that request fails naming the segment; the sink is
+    not restarted and later requests complete. The sink's own segment was squatted at
+    start: the stage started anyway."""
+    squatted = squat_next_create(monkeypatch, "sink")
+    planted: Planted | None = None
+    try:
+        with Pipeline(SLOW_SRC) as pipe:
+            assert len(squatted) == 1 and pipe.health()["sink"]["state"] == "ready"
+            assert pipe.generate([{}], timeout_s=20)[0].ok
+            segments = pipe.backend.launcher.segments.names
+            src_arena = next(n for n in segments if "-src-" in n)
+            prefix = owner_prefix(src_arena)
+            planted = Planted(prefix, "src")
+            cases = hostile_names(prefix, "src", planted)
+            messages = {case: forged(f"attack-{case}", name) for case, name in cases.items()}
+            messages["past_end"] = forged("attack-past_end", src_arena, offset=(1 << 40))
+            messages["foreign_producer"] = forged("attack-foreign", src_arena, producer="other")
+            sink_pid = pipe.pids()["sink"]
+            handles = {
+                c: pipe.submit({}, request_id=m.request_id, timeout_s=20)
+                for c, m in messages.items()
+            }
+            address = pipe.backend.addr.data("sink")
+            for m in messages.values():
+                push(address, encode_frame([m]))
+            for case, h in handles.items():
+                events = list(h)
+                last = events[-1]
+                assert last.event_type == "error", (case, last)
+                segment = messages[case].device_handles["data"].segment
+                assert segment[:60] in last.message, (case, last.message)
+            outs = pipe.generate([{} for _ in range(3)], timeout_s=20)
+            assert [o.ok for o in outs] == [True] * 3, [o.error for o in outs]
+            assert pipe.pids()["sink"] == sink_pid  # never restarted
+            assert pipe.healthy
+    finally:
+        if planted is not None:
+            planted.remove()
+        for path in squatted:
+            os.unlink(path)
+
+
+def test_a_real_array_still_goes_through_the_checks(owner):
+    arena = Arena(owner.create("p", 1 << 20))
+    producer = ArrayCodec("p", arena, threshold=1024)
+    handles = producer.pack({"x": np.arange(4096, dtype=np.int32)}, {"r": 1})
+    arrays, shm = ArrayCodec("r", reader=SegmentReader(scope=owner_prefix(arena.name))).unpack(
+        handles
+    )
+    assert arrays["x"].tolist() == list(range(4096)) and len(shm) == 1
+    arena.close()
