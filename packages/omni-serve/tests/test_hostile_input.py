@@ -83,7 +83,8 @@ COMPLETION_CASES = [
     (b'{"prompt": "x", "timeout_s": 1e9}', "timeout_s"),  # over 7 days
     (b'{"prompt": "x", "timeout_s": "soon"}', "timeout_s"),
     (json.dumps(DEEP).encode(), "user"),  # nested past 64 levels
-    (b'{"prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "body"),
+    # (past 100,000 brackets a body is a 413 unparsed: test_server_limits.py)
+    (b'{"prompt": "x", "user": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "body"),
 ]
 
 

@@ -13,9 +13,18 @@ import sys
 from omni_core.cli import add_backend_args
 from omni_core.logs import configure_logging
 
-from omni_serve.settings import MAX_BODY_BYTES, MAX_TIMEOUT_S, ServeSettings, SettingsError
+from omni_serve.connections import ConnectionLimits, protocol_class
+from omni_serve.settings import (
+    MAX_BODY_BYTES,
+    MAX_TIMEOUT_S,
+    IPNetwork,
+    ServeSettings,
+    SettingsError,
+    networks,
+)
 
 log = logging.getLogger("omni.serve")
+KEY_ENV = "OMNI_API_KEY"
 
 
 def positive_int(text: str) -> int:
@@ -40,6 +49,13 @@ def seconds(text: str) -> float:
     return value
 
 
+def cidrs(text: str) -> tuple[IPNetwork, ...]:
+    try:
+        return networks(text)
+    except SettingsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ``omni serve`` (``omni serve --help`` prints it)."""
     p = argparse.ArgumentParser(
@@ -50,11 +66,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="pipeline YAML file")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one; default 8000)")
-    p.add_argument(
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
         "--api-key",
-        default=os.environ.get("OMNI_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-        "(default: $OMNI_API_KEY)",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health's status "
+        "(default: $OMNI_API_KEY). Visible to every local user in ps: prefer "
+        "$OMNI_API_KEY or --api-key-file",
+    )
+    key.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        default=None,
+        help="the API key as the first line of a file (keep it mode 0600)",
     )
     p.add_argument("--served-model-name", help="the model id clients use (default: config name)")
     p.add_argument(
@@ -98,18 +122,86 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allow-remote-images",
         action="store_true",
-        help="let chat image parts give http(s) URLs, which the server fetches (up to "
-        "--max-body-bytes each): any URL the server can reach, internal ones included "
-        "(default: off, base64 data URLs only)",
+        help="let chat image parts give http(s) URLs, which the server fetches: public "
+        "addresses only, checked at every redirect (default: off, base64 data URLs only)",
+    )
+    p.add_argument(
+        "--remote-images-allow",
+        action="append",
+        default=[],
+        type=cidrs,
+        metavar="CIDR[,CIDR...]",
+        help="networks remote images may come from although internal (loopback, private, "
+        "link-local...; repeatable; default: none)",
+    )
+    p.add_argument(
+        "--remote-image-timeout",
+        type=seconds,
+        default=10.0,
+        help="the whole of one remote image's fetch, redirects and body included (s; default: 10)",
+    )
+    p.add_argument(
+        "--remote-image-concurrency",
+        type=positive_int,
+        default=8,
+        help="remote image fetches at once in the whole server (default: 8)",
+    )
+    p.add_argument(
+        "--max-chat-images",
+        type=positive_int,
+        default=4,
+        help="image parts in one chat request (default: 4)",
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=positive_int,
+        default=10 << 20,
+        help="encoded bytes of one chat request's images together, data URLs and fetched "
+        "(default: 10485760 = 10 MiB)",
     )
     p.add_argument(
         "--max-tokens", type=positive_int, default=4096, help="limit of a request's max_tokens"
     )
     p.add_argument(
-        "--max-image-pixels", type=positive_int, default=1024 * 1024, help="limit of width x height"
+        "--max-image-pixels",
+        type=positive_int,
+        default=1024 * 1024,
+        help="limit of width x height of a generated image and of a chat image (default: 1048576)",
     )
     p.add_argument(
         "--max-images", type=positive_int, default=4, help="limit of an image request's n"
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=1024,
+        help="open connections past which a request is answered 503 (default: 1024)",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=positive_int,
+        default=32 << 10,
+        help="the largest request head; a bigger one is a 431 (default: 32768)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=seconds,
+        default=10.0,
+        help="a request's headers must arrive within this of its first byte, else 408 "
+        "and the connection closed (default: 10 s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=seconds,
+        default=30.0,
+        help="a request's body must arrive within this of its headers, else the "
+        "connection is closed (default: 30 s)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=seconds,
+        default=5.0,
+        help="an idle kept-alive connection is closed after this (default: 5 s)",
     )
     add_backend_args(p)
     p.add_argument("--log-level", default=None, help="default: $OMNI_LOG_LEVEL or INFO")
@@ -119,13 +211,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """The API key: ``--api-key``, else ``--api-key-file``'s first line, else
+    ``$OMNI_API_KEY``, which is then taken out of this process's environment, so that no
+    worker (spawned, or forked from the zygote) inherits it. SettingsError when the file
+    cannot be read."""
+    from_env = os.environ.pop(KEY_ENV, None)
+    if args.api_key is not None:
+        return str(args.api_key)
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                return f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SettingsError(f"--api-key-file {args.api_key_file}: {e}") from None
+    return from_env
+
+
 def settings_of(args: argparse.Namespace, model_name: str) -> ServeSettings:
     """The server's settings from the command line (SettingsError when one cannot work)."""
     from omni_serve.middleware import allowed_hosts
 
     return ServeSettings(
         model_name=args.served_model_name or model_name,
-        api_key=args.api_key,  # "" (an empty --api-key or OMNI_API_KEY) is refused
+        api_key=api_key_of(args),  # "" (an empty flag, file or variable) is refused
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         max_tokens=args.max_tokens,
@@ -134,6 +243,16 @@ def settings_of(args: argparse.Namespace, model_name: str) -> ServeSettings:
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
         cors_origins=tuple(args.cors_origin),
         allow_remote_images=args.allow_remote_images,
+        remote_images_allow=tuple(n for spec in args.remote_images_allow for n in spec),
+        remote_image_timeout_s=args.remote_image_timeout,
+        remote_image_concurrency=args.remote_image_concurrency,
+        max_chat_images=args.max_chat_images,
+        max_image_bytes=args.max_image_bytes,
+        max_connections=args.max_connections,
+        max_header_bytes=args.max_header_bytes,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
     )
 
 
@@ -197,6 +316,18 @@ def main(argv: list[str]) -> int:
             "any" if hosts is None else ", ".join(hosts),
         )
         print(f"omni serve: listening on http://{shown}:{port}", file=sys.stderr, flush=True)
-        config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=5)
+        limits = ConnectionLimits(
+            settings.header_timeout_s, settings.body_timeout_s, settings.max_header_bytes
+        )
+        config = uvicorn.Config(
+            app,
+            http=protocol_class(limits),  # type: ignore[arg-type]
+            limit_concurrency=settings.max_connections,
+            timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
+            h11_max_incomplete_event_size=settings.max_header_bytes,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
         uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from omni_serve.body import INT_MAX, INT_MIN
 from omni_serve.errors import APIError, bad_field
@@ -30,11 +30,29 @@ from omni_serve.settings import MAX_TIMEOUT_S
 Int64 = Annotated[int, Field(ge=INT_MIN, le=INT_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT_MAX)]
 Positive = Annotated[int, Field(ge=1, le=INT_MAX)]
+# a list stops at its first bad item: 100,000 bad items cost one error, not 100,000
+# (which pydantic collects with the GIL held, stalling the server)
+Strings = Annotated[list[str], Field(fail_fast=True)]
+
+
+def _at_most(n: int) -> BeforeValidator:
+    """A mapping of at most ``n`` entries, counted before its values are checked."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, dict) and len(value) > n:
+            raise ValueError(f"at most {n} entries, got {len(value)}")
+        return value
+
+    return BeforeValidator(check)
+
+
 _SIZE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})")  # ASCII digits only: not "²x16"
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict, as OpenAI's API is: "10" is not a number nor 1 a boolean (an int is a
+    # float, though)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     # OpenAI fields this endpoint does not support -> why (a 400 naming the field, not
     # "unknown field"); sent as null, [] or {} they are taken as absent
     unsupported: ClassVar[dict[str, str]] = {}
@@ -69,7 +87,7 @@ _TEXT_UNSUPPORTED = {
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # json_schema: {"json_schema": {...}}
+    model_config = ConfigDict(extra="allow", strict=True)  # json_schema: {"json_schema": {...}}
     type: str
 
 
@@ -79,7 +97,7 @@ class _TextBody(_Body):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: str | Strings | None = None
     n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -88,7 +106,8 @@ class _TextBody(_Body):
     ignore_eos: bool | None = None  # omni (as vLLM): decode to max_tokens
     response_format: ResponseFormat | None = None
     store: bool | None = None  # accepted (OpenAI's stored completions): nothing is stored
-    metadata: dict[str, str] | None = None  # with store: accepted, unused
+    # with store: accepted, unused (OpenAI's limit: 16 pairs)
+    metadata: Annotated[dict[str, str], _at_most(16)] | None = None
     service_tier: str | None = None  # accepted, unused: one tier here
 
 
@@ -113,19 +132,19 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: str | Annotated[list[ContentPart], Field(fail_fast=True)]
     name: str | None = None
 
 
 class ChatRequest(_TextBody):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class CompletionRequest(_TextBody):
-    prompt: str | list[str]
+    prompt: str | Strings
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None

@@ -3,6 +3,7 @@ pipeline serves; read by routes through the :func:`server_of` dependency."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ class Server:
     served: list[str] = field(init=False)
     images: bool = field(init=False)  # chat requests may carry images
     created: int = field(default_factory=lambda: int(time.time()))
+    # big bodies are parsed off the event loop one at a time (omni_serve.body.off_loop)
+    parsing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.pipe)

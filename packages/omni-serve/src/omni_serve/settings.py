@@ -3,6 +3,7 @@ at startup: a setting that cannot work is an error there, never a quiet default.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import dataclass
 
@@ -11,8 +12,23 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout past a week is a mistake, not a wis
 MAX_BODY_BYTES = 20 << 20
 
 
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
 class SettingsError(ValueError):
     """A setting ``omni serve`` cannot start with."""
+
+
+def networks(spec: str) -> tuple[IPNetwork, ...]:
+    """``CIDR[,CIDR...]`` (``--remote-images-allow``) as networks; SettingsError names a
+    bad one."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        try:
+            out.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise SettingsError(f"expected a CIDR network (10.0.0.0/8), got {item!r}") from None
+    return tuple(out)
 
 
 def check_timeout(value: float | None, what: str) -> None:
@@ -36,11 +52,12 @@ class ServeSettings:
     """The cap of a request's timeout: a body's ``timeout_s`` may lower it, never raise
     it (None: the pipeline config's ``request_timeout_s``)."""
     max_body_bytes: int = MAX_BODY_BYTES
-    """The largest request body, and the limit of a fetched remote image."""
+    """The largest request body."""
     max_tokens: int = 4096
     """The largest ``max_tokens`` a text request may ask for."""
     max_image_pixels: int = 1024 * 1024
-    """The largest image (width x height) an image request may ask for (``size``)."""
+    """The largest image (width x height) an image request may ask for (``size``),
+    and the largest chat image (read from its header)."""
     max_images: int = 4
     """The most images one image request may ask for (``n``)."""
     allowed_hosts: tuple[str, ...] | None = None
@@ -51,6 +68,28 @@ class ServeSettings:
     allow_remote_images: bool = False
     """Chat image parts with http(s) URLs are fetched by the server (off: only data
     URLs)."""
+    remote_images_allow: tuple[IPNetwork, ...] = ()
+    """Networks remote images may come from although they are internal (loopback,
+    private, link-local...: refused otherwise)."""
+    remote_image_timeout_s: float = 10.0
+    """The whole of one remote image's fetch (connect, redirects, body)."""
+    remote_image_concurrency: int = 8
+    """Remote image fetches running at once in the whole server (the others wait)."""
+    max_chat_images: int = 4
+    """Image parts in one chat request."""
+    max_image_bytes: int = 10 << 20
+    """Encoded bytes of one chat request's images together (data URLs and fetched)."""
+    max_connections: int = 1024
+    """Open connections (and requests) past which uvicorn answers 503."""
+    max_header_bytes: int = 32 << 10
+    """The largest request head (request line and headers); past it: 431."""
+    header_timeout_s: float = 10.0
+    """A request's head must arrive within this of its first byte (else 408, closed)."""
+    body_timeout_s: float = 30.0
+    """A request's body must arrive within this of its head (else the connection is
+    closed): 20 MiB needs some 700 KB/s."""
+    keep_alive_timeout_s: float = 5.0
+    """An idle kept-alive connection is closed after this."""
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -59,6 +98,16 @@ class ServeSettings:
                 "server open while looking guarded): set a key, or unset OMNI_API_KEY"
             )
         check_timeout(self.request_timeout_s, "--request-timeout")
+        check_timeout(self.header_timeout_s, "--header-timeout")
+        check_timeout(self.body_timeout_s, "--body-timeout")
+        check_timeout(self.keep_alive_timeout_s, "--keep-alive-timeout")
+        for name in ("max_connections", "max_header_bytes"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name}: expected a positive number")
+        check_timeout(self.remote_image_timeout_s, "--remote-image-timeout")
+        for name in ("remote_image_concurrency", "max_chat_images", "max_image_bytes"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name}: expected a positive number")
         for name in ("max_body_bytes", "max_tokens", "max_image_pixels", "max_images"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: expected a positive number")

@@ -17,7 +17,7 @@ from omni_core.image_files import png_bytes
 from omni_core.media import media_type_of, subtype
 
 from omni_serve.auth import require_api_key
-from omni_serve.body import check_values, read_json
+from omni_serve.body import check_values, off_loop, parse_json, read_json_body
 from omni_serve.errors import APIError
 from omni_serve.middleware import request_id_of, started_at
 from omni_serve.openai_api import IMAGE_PARAMS, ImageRequest, image_requests, parse
@@ -53,16 +53,23 @@ def final_of(ev: AnyEvent) -> dict[str, Any] | None:
     }
 
 
-@router.post(IMAGES)
-async def images(request: Request, server: ServerDep) -> Response:
-    t0 = started_at(request)
-    body = await read_json(request, server.settings.max_body_bytes)
-    req = parse(ImageRequest, body)
+def prepare(server: Server, raw: bytes) -> tuple[ImageRequest, list[dict[str, Any]]]:
+    """The body as the OpenAI request and its pipeline requests, every value checked
+    (run by :func:`off_loop`: in a worker thread for a big body)."""
+    req = parse(ImageRequest, parse_json(raw))
     server.check_model(req.model, IMAGES)
     s = server.settings
     preqs = image_requests(req, s.max_image_pixels, s.max_images, s.max_tokens)
     for preq in preqs:
         check_values(preq, IMAGE_PARAMS)
+    return req, preqs
+
+
+@router.post(IMAGES)
+async def images(request: Request, server: ServerDep) -> Response:
+    t0 = started_at(request)
+    raw = await read_json_body(request, server.settings.max_body_bytes)
+    req, preqs = await off_loop(request, len(raw), lambda: prepare(server, raw))
     rid = request_id_of(request)
     pid = pipeline_id(request)
     pids = [pid if len(preqs) == 1 else f"{pid}-{i}" for i in range(len(preqs))]

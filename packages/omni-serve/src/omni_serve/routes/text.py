@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from omni_core.events import AnyEvent
 
 from omni_serve.auth import require_api_key
-from omni_serve.body import check_values, read_json
-from omni_serve.media import fetch_remote
+from omni_serve.body import check_values, off_loop, parse_json, read_json_body
+from omni_serve.media import check_images
 from omni_serve.middleware import request_id_of, started_at
 from omni_serve.openai_api import (
     ChatRequest,
@@ -109,20 +109,13 @@ class TextChunks:
 async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     t0 = started_at(request)
     path = CHAT if chat else COMPLETIONS
-    body = await read_json(request, server.settings.max_body_bytes)
-    req: ChatRequest | CompletionRequest
-    if chat:
-        req = parse(ChatRequest, body)
-        server.check_model(req.model, path)
-        remote = server.settings.allow_remote_images
-        preq = chat_request(req, server.settings.max_tokens, server.images, remote)
-        if remote:
-            await fetch_remote(preq, server.settings.max_body_bytes)
-    else:
-        req = parse(CompletionRequest, body)
-        server.check_model(req.model, path)
-        preq = completion_request(req, server.settings.max_tokens)
-    check_values(preq)
+    raw = await read_json_body(request, server.settings.max_body_bytes)
+    remote = chat and server.settings.allow_remote_images
+    req, preq = await off_loop(request, len(raw), lambda: prepare(server, raw, chat))
+    if chat:  # counted, fetched (remote: the client going away cancels), sizes checked
+        await check_images(request, preq, server.settings)
+    if remote:
+        await off_loop(request, len(raw), lambda: check_values(preq))
     rid = request_id_of(request)
     pid = pipeline_id(request)
     oid = f"{'chatcmpl' if chat else 'cmpl'}-{pid}"
@@ -139,6 +132,26 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     usage = bool(req.stream_options and req.stream_options.include_usage)
     writer = TextChunks(head, rid, path, chat, max_tokens, usage, wants_logprobs, top)
     return SSEAnswer(server, path, t0, rid, {}).response(first, stream, writer)
+
+
+def prepare(
+    server: Server, raw: bytes, chat: bool
+) -> tuple[ChatRequest | CompletionRequest, dict[str, Any]]:
+    """The body as the OpenAI request and the pipeline request, every value checked
+    (run by :func:`off_loop`: in a worker thread for a big body)."""
+    body = parse_json(raw)
+    req: ChatRequest | CompletionRequest
+    if chat:
+        req = parse(ChatRequest, body)
+        server.check_model(req.model, CHAT)
+        remote = server.settings.allow_remote_images
+        preq = chat_request(req, server.settings.max_tokens, server.images, remote)
+    else:
+        req = parse(CompletionRequest, body)
+        server.check_model(req.model, COMPLETIONS)
+        preq = completion_request(req, server.settings.max_tokens)
+    check_values(preq)
+    return req, preq
 
 
 def complete(

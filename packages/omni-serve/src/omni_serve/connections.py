@@ -1,0 +1,169 @@
+"""What uvicorn does not bound on an HTTP connection: the time a request's headers and
+its body may take to arrive, and (with httptools) the size of its headers.
+
+A request's head must arrive within ``header_timeout_s`` of its first byte (or of the
+connection's start), its body within ``body_timeout_s`` of the end of its head; a
+connection past either deadline is closed (a late head gets a 408 first, a late body's
+request ends as a client that went away). A head over ``max_header_bytes`` is a 431. So a
+client sending a byte at a time (slow loris) holds a connection no longer than the
+deadlines, and an answer being written (a stream) has none. An idle keep-alive connection
+is uvicorn's (``timeout_keep_alive``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+log = logging.getLogger("omni.serve")
+
+_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_431 = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"content-length: 0\r\nconnection: close\r\n\r\n"
+)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout_s: float
+    body_timeout_s: float
+    max_header_bytes: int
+
+
+class _HeadTooBig(Exception):
+    """Raised in a parser callback: the parser stops (and uvicorn answers 400, which
+    :meth:`_Guard.send_400_response` turns into the 431)."""
+
+
+class _Guard:
+    """Mixed into uvicorn's HTTP protocol class (see :func:`protocol_class`)."""
+
+    limits: ClassVar[ConnectionLimits]
+    # these belong to uvicorn's protocol classes
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
+    client: tuple[str, int] | None
+
+    # what the connection waits for: "head" (a request's headers; deadline), "body"
+    # (its body; deadline), "busy" (the app's answer), "idle" (the next request)
+    _phase = "head"
+    _timer: asyncio.TimerHandle | None = None
+    _head_bytes = 0  # received while the head is incomplete
+    _head_parsed = 0  # the head's request line and headers as parsed
+    _head_too_big = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm(self.limits.header_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase == "idle":  # the next request on a kept-alive connection begins
+            self._phase, self._head_bytes, self._head_parsed = "head", 0, 0
+            self._arm(self.limits.header_timeout_s)
+        if self._phase == "head":
+            self._head_bytes += len(data)
+        before = self.cycle
+        super().data_received(data)  # type: ignore[misc]
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle is not before:  # a request's head arrived
+            self._phase, self._head_bytes, self._head_parsed = "body", 0, 0
+            self._arm(self.limits.body_timeout_s)
+        if self._phase == "body" and cycle is not None and not cycle.more_body:
+            self._phase = "idle" if cycle.response_complete else "busy"
+            self._disarm()
+        elif self._phase == "head" and self._head_bytes > self.limits.max_header_bytes:
+            self._refuse_head()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        if self._phase == "busy":
+            self._phase = "idle"
+
+    # httptools' callbacks: the head's size, exactly
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)  # type: ignore[misc]
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)  # type: ignore[misc]
+
+    def _count_head(self, n: int) -> None:
+        self._head_parsed += n
+        if self._head_parsed > self.limits.max_header_bytes:
+            self._head_too_big = True
+            raise _HeadTooBig
+
+    def send_400_response(self, msg: str) -> None:
+        if self._head_too_big:
+            self._refuse_head()
+        else:
+            super().send_400_response(msg)  # type: ignore[misc]
+
+    def _refuse_head(self) -> None:
+        log.info(
+            "refused a request from %s: headers over %d bytes (--max-header-bytes)",
+            _who(self.client),
+            self.limits.max_header_bytes,
+        )
+        self._disarm()
+        self.transport.write(_431)
+        self.transport.close()
+
+    def _arm(self, timeout_s: float) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        head = self._phase == "head"
+        flag, limit = (
+            ("--header-timeout", self.limits.header_timeout_s)
+            if head
+            else ("--body-timeout", self.limits.body_timeout_s)
+        )
+        log.info(
+            "closed a connection from %s: a request's %s took over %g s (%s)",
+            _who(self.client),
+            "headers" if head else "body",
+            limit,
+            flag,
+        )
+        if head and (self.cycle is None or self.cycle.response_complete):
+            self.transport.write(_408)  # no answer is being written: say why
+        self.transport.close()
+
+
+def _who(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"
+
+
+def protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools', else h11's, as uvicorn picks) with ``limits``
+    (pass it as ``uvicorn.Config(http=...)``)."""
+    base: type[asyncio.Protocol]
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = HttpToolsProtocol
+    except ImportError:  # no httptools: h11 (its own head limit is set by the caller)
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = H11Protocol
+    return type("GuardedHttpProtocol", (_Guard, base), {"limits": limits})
