@@ -18,7 +18,10 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def remote_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     where = tmp_path_factory.mktemp("mm-remote")
-    server = start_server(CONFIG, where, "--allow-remote-images")
+    # the image host is on loopback, which only an allow-list opens (test_remote_image_ssrf)
+    server = start_server(
+        CONFIG, where, "--allow-remote-images", "--remote-images-allow", "127.0.0.1/32"
+    )
     yield server
     stop_server(server)
 
@@ -34,4 +37,4 @@ def test_remote_images_when_allowed(remote_server, image_host):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(messages=ask(f"{url}/missing.png"), **kw)
     assert e.value.body["param"] == "messages[0].content[1].image_url"
-    assert "HTTP 404" in e.value.body["message"]
+    assert "could not fetch the image: HTTP 4xx" in e.value.body["message"]

@@ -1,70 +1,342 @@
-"""Remote chat images (``--allow-remote-images``): the server fetches each http(s) URL
-and passes the image on as a base64 data URL, so no stage ever touches the network and
-the multimodal intake reads every image the same way. Off by default: with it on, a
-client can make the server fetch any URL it can reach (internal addresses included)."""
+"""Chat images on the server: the limits every image part meets before the pipeline sees
+it, and remote images (``--allow-remote-images``).
+
+Before any fetch a request's image parts are counted (``--max-chat-images``) and its data
+URLs' bytes summed (``--max-image-bytes``, all the request's images together). Each http(s)
+URL is then fetched by the server and passed on as a base64 data URL, so no stage ever
+touches the network: one redirect hop at a time (at most :data:`MAX_REDIRECTS`), every
+host resolved and every address checked at connect time by :class:`GuardedBackend`, which
+connects to the very address it checked (the TLS name and ``Host`` stay the URL's), so a
+DNS answer cannot change between the check and the connection. Loopback, private,
+link-local, shared, multicast, unspecified and reserved addresses (IPv4-mapped, NAT64 and
+6to4 IPv6 forms unwrapped) are refused unless ``--remote-images-allow`` names their
+network. Each fetch has one total deadline (``--remote-image-timeout``), at most
+``--remote-image-concurrency`` run at once in the whole server, and a request's fetches
+end with it (a client that goes away cancels them). Errors say which part and what kind
+of failure, never what a host answered. Last, each image's size is read from its header
+(off the event loop) and held to ``--max-image-pixels``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
+import functools
+import io
+import ipaddress
+import logging
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urljoin, urlsplit
 
+from fastapi import Request
+
+from omni_serve.body import off_loop
 from omni_serve.errors import APIError, bad_field
 from omni_serve.openai_api import REMOTE
+from omni_serve.settings import IPNetwork, ServeSettings
+from omni_serve.streams import until_disconnect
 
-FETCH_TIMEOUT_S = 10.0
+log = logging.getLogger("omni.serve")
+
 MAX_REDIRECTS = 3
+REDIRECTS = {301, 302, 303, 307, 308}
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_SHARED = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT: not private, not public
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
-def remote_parts(request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+class RefusedAddress(Exception):
+    """A remote image's host resolves to no address the server may connect to."""
+
+
+class TooBig(Exception):
+    """The request's images are over ``--max-image-bytes`` together."""
+
+
+def _unwrap(ip: IPAddress) -> IPAddress:
+    """The IPv4 address an IPv6 one stands for (mapped, NAT64, 6to4), else ``ip``."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return ip.ipv4_mapped
+        if ip in _NAT64:
+            return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if ip.sixtofour is not None:
+            return ip.sixtofour
+    return ip
+
+
+def address_allowed(ip: IPAddress, allow: Sequence[IPNetwork] = ()) -> bool:
+    """Whether a remote image may be fetched from ``ip``: a public unicast address, or
+    one inside a network of ``allow`` (``--remote-images-allow``)."""
+    if any(a.version == n.version and a in n for a in (ip, _unwrap(ip)) for n in allow):
+        return True
+    ip = _unwrap(ip)
+    internal = (
+        ip.is_private
+        or ip.is_loopback
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_unspecified
+        or ip.is_reserved
+        or ip in _SHARED
+        or not ip.is_global
+    )
+    return not internal
+
+
+class GuardedBackend:
+    """An httpcore network backend that resolves each host itself and connects only to
+    an address :func:`address_allowed` passes: the address checked is the address
+    connected to."""
+
+    def __init__(self, allow: Sequence[IPNetwork]) -> None:
+        import httpcore
+
+        self.allow = tuple(allow)
+        self.inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> Any:
+        import httpcore
+
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        ips = dict.fromkeys(ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos)
+        good = [ip for ip in ips if address_allowed(ip, self.allow)]
+        if not good:
+            raise RefusedAddress(f"{host} resolves to no allowed address")
+        error: Exception = httpcore.ConnectError(f"cannot connect to {host}")
+        for ip in good:
+            try:
+                return await self.inner.connect_tcp(
+                    str(ip), port, timeout, local_address, socket_options
+                )
+            except httpcore.ConnectError as e:
+                error = e
+        raise error
+
+    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> Any:
+        raise RefusedAddress("unix sockets are never connected to")
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.sleep(seconds)
+
+
+@dataclass
+class RemoteImages:
+    """The server's fetching of remote images: its limits and the semaphore that bounds
+    the fetches running at once across all requests."""
+
+    allow: tuple[IPNetwork, ...]
+    timeout_s: float
+    concurrency: int
+
+    def __post_init__(self) -> None:
+        self.slots = asyncio.Semaphore(self.concurrency)
+
+
+def remote_images(request: Request, settings: ServeSettings) -> RemoteImages:
+    """The app's :class:`RemoteImages` (made on first use, on the server's loop)."""
+    state = request.app.state
+    fetcher = getattr(state, "remote_images", None)
+    if fetcher is None:
+        fetcher = RemoteImages(
+            settings.remote_images_allow,
+            settings.remote_image_timeout_s,
+            settings.remote_image_concurrency,
+        )
+        state.remote_images = fetcher
+    return fetcher
+
+
+def image_parts(request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(``messages[i].content[j].image_url``, the part's ``image_url``) of each image
-    part of a pipeline request whose URL is http(s)."""
+    part of a pipeline request."""
     out = []
     for i, m in enumerate(request.get("messages") or []):
         if isinstance(m["content"], list):
             for j, part in enumerate(m["content"]):
-                url = part.get("image_url", {}).get("url", "")
-                if part["type"] == "image_url" and url.startswith(REMOTE):
+                if part["type"] == "image_url":
                     out.append((f"messages[{i}].content[{j}].image_url", part["image_url"]))
     return out
 
 
-async def fetch_remote(request: dict[str, Any], max_bytes: int) -> None:
-    """Replace, in place, each http(s) image URL of ``request`` by a data URL of what it
-    answers (at most ``max_bytes``, within :data:`FETCH_TIMEOUT_S`); a URL that cannot
-    be fetched is a 400 naming the part."""
-    parts = remote_parts(request)
+def remote_parts(request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """:func:`image_parts` whose URL is http(s)."""
+    return [(w, p) for w, p in image_parts(request) if p["url"].startswith(REMOTE)]
+
+
+async def check_images(request: Request, preq: dict[str, Any], settings: ServeSettings) -> None:
+    """Every check of a chat request's images (see the module), in place: remote URLs
+    become data URLs; a 400 names the first part that fails. The client going away
+    cancels the fetches (:class:`~omni_serve.streams.ClientGone`)."""
+    parts = image_parts(preq)
     if not parts:
         return
-    import httpx
+    if len(parts) > settings.max_chat_images:
+        raise bad_field(
+            "messages",
+            f"{len(parts)} images, over this server's limit of {settings.max_chat_images} "
+            "(--max-chat-images)",
+        )
+    inline = sum(len(p["url"]) * 3 // 4 for _, p in parts if not p["url"].startswith(REMOTE))
+    if inline > settings.max_image_bytes:
+        raise bad_field(
+            "messages",
+            f"the request's images are over {settings.max_image_bytes} bytes together "
+            "(--max-image-bytes)",
+        )
+    fetched = {where for where, _ in remote_parts(preq)}
+    if settings.allow_remote_images and fetched:
+        fetcher = remote_images(request, settings)
+        budget = settings.max_image_bytes - inline
+        await until_disconnect(request, fetch_remote(preq, fetcher, budget))
+    size = sum(len(p["url"]) for _, p in parts)
+    check = functools.partial(check_pixels, parts, settings.max_image_pixels, fetched)
+    await off_loop(request, size, check)
 
-    async with httpx.AsyncClient(
-        follow_redirects=True, max_redirects=MAX_REDIRECTS, timeout=FETCH_TIMEOUT_S
-    ) as client:
-        urls = await asyncio.gather(*(_fetch(client, w, p["url"], max_bytes) for w, p in parts))
+
+def check_pixels(
+    parts: list[tuple[str, dict[str, Any]]], max_pixels: int, fetched: set[str]
+) -> None:
+    """Each data URL image's width x height, from its header, at most ``max_pixels``
+    (``--max-image-pixels``); nothing is decoded. A ``fetched`` part that is no image is
+    refused here; an inline one is left to the intake, which names what is wrong with
+    it. Without Pillow on the server the size is left to the intake's own
+    ``max_image_pixels``."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    for where, part in parts:
+        head, sep, data = part["url"].partition(",")
+        if not sep or not head.endswith(";base64"):
+            continue  # the intake names what is wrong with it
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            continue
+        try:
+            with Image.open(io.BytesIO(raw)) as img:
+                w, h = img.size
+        except Image.DecompressionBombError:
+            w, h = max_pixels + 1, 1
+        except Exception:  # not an image
+            if where in fetched:
+                raise _failed(where, "what it answered is not an image") from None
+            continue  # the intake answers "cannot decode image"
+        if w * h > max_pixels:
+            raise bad_field(
+                where,
+                f"image of {w}x{h} pixels, over this server's limit of {max_pixels} "
+                "(--max-image-pixels)",
+            )
+
+
+@dataclass
+class _Budget:
+    left: int  # bytes the request's fetched images may still take
+    limit: int
+
+    def take(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise TooBig
+
+
+async def fetch_remote(request: dict[str, Any], fetcher: RemoteImages, max_bytes: int) -> None:
+    """Replace, in place, each http(s) image URL of ``request`` by a data URL of what it
+    answers; the fetched images take at most ``max_bytes`` together. A URL that cannot
+    be fetched is a 400 naming the part and the kind of failure only; the others are
+    cancelled then, as all are when this is."""
+    import httpcore
+
+    parts = remote_parts(request)
+    budget = _Budget(max_bytes, max_bytes)
+    async with httpcore.AsyncConnectionPool(
+        network_backend=GuardedBackend(fetcher.allow),  # type: ignore[arg-type]
+        max_connections=len(parts),
+    ) as pool:
+        tasks = [
+            asyncio.ensure_future(_fetch(pool, fetcher, where, p["url"], budget))
+            for where, p in parts
+        ]
+        try:
+            urls = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     for (_, part), url in zip(parts, urls, strict=True):
         part["url"] = url
 
 
-async def _fetch(client: Any, where: str, url: str, max_bytes: int) -> str:
-    import httpx
+def _failed(where: str, kind: str) -> APIError:
+    return bad_field(where, f"could not fetch the image: {kind}")
 
-    shown = url if len(url) <= 200 else url[:200] + "..."
-    try:
-        async with client.stream("GET", url) as r:
-            if r.status_code != 200:
-                raise bad_field(where, f"fetching {shown} answered HTTP {r.status_code}")
+
+async def _fetch(pool: Any, fetcher: RemoteImages, where: str, url: str, budget: _Budget) -> str:
+    import httpcore
+
+    async with fetcher.slots:
+        try:
+            async with asyncio.timeout(fetcher.timeout_s):
+                mime, data = await _get(pool, where, url, budget, fetcher.timeout_s)
+        except TimeoutError:
+            raise _failed(
+                where, f"no complete answer within {fetcher.timeout_s:g} s (--remote-image-timeout)"
+            ) from None
+        except RefusedAddress:
+            raise _failed(
+                where,
+                "the address is refused (loopback, private, link-local or another internal "
+                "address; an operator can allow networks with --remote-images-allow)",
+            ) from None
+        except TooBig:
+            raise _failed(
+                where,
+                f"the request's images are over {budget.limit} bytes together (--max-image-bytes)",
+            ) from None
+        except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError) as e:
+            log.info("remote image at %s: %s: %s", where, type(e).__name__, e)
+            raise _failed(where, "the connection failed") from None
+        except httpcore.UnsupportedProtocol:
+            raise _failed(where, "a redirect to a URL that is not http(s)") from None
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+async def _get(
+    pool: Any, where: str, url: str, budget: _Budget, timeout_s: float
+) -> tuple[str, bytes]:
+    """(MIME type, body) of ``url``, redirects followed one hop at a time."""
+    timeouts = {"connect": timeout_s, "read": timeout_s, "write": timeout_s, "pool": timeout_s}
+    for _ in range(MAX_REDIRECTS + 1):
+        if urlsplit(url).scheme not in ("http", "https"):
+            raise _failed(where, "a redirect to a URL that is not http(s)")
+        headers = [(b"Accept", b"image/*"), (b"User-Agent", b"omni-serve")]
+        async with pool.stream("GET", url, headers=headers, extensions={"timeout": timeouts}) as r:
+            got = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in r.headers}
+            if r.status in REDIRECTS and "location" in got:
+                url = urljoin(url, got["location"])
+                continue
+            if r.status != 200:
+                raise _failed(where, f"HTTP {r.status // 100}xx")
+            length = got.get("content-length", "")
+            if length.isdigit() and int(length) > budget.left:
+                raise TooBig  # before a byte of the body is read
             data = bytearray()
-            async for chunk in r.aiter_bytes():
+            async for chunk in r.aiter_stream():
+                budget.take(len(chunk))
                 data += chunk
-                if len(data) > max_bytes:
-                    raise bad_field(
-                        where, f"the image at {shown} is over {max_bytes} bytes (--max-body-bytes)"
-                    )
-            mime = r.headers.get("content-type", "").split(";")[0].strip()
-    except APIError:
-        raise
-    except httpx.HTTPError as e:
-        raise bad_field(where, f"cannot fetch {shown}: {type(e).__name__}: {e}") from None
-    mime = mime if mime.startswith("image/") else "application/octet-stream"
-    return f"data:{mime};base64,{base64.b64encode(bytes(data)).decode()}"
+            mime = got.get("content-type", "").split(";")[0].strip().lower()
+            return (mime if mime.startswith("image/") else "application/octet-stream"), bytes(data)
+    raise _failed(where, f"more than {MAX_REDIRECTS} redirects")

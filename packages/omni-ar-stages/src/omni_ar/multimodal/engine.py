@@ -89,10 +89,13 @@ class VLMEngine(TransformersEngine):
         return out, spans
 
     def pixel_values(self, images: list[np.ndarray]) -> Any:
-        """The image processor's output for decoded RGB images."""
+        """The image processor's output for decoded RGB images (``(H, W, 3)``: said, not
+        guessed, as a tiny image such as 1x1 would be guessed channels-first)."""
         import torch
 
-        pv = self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        pv = self.processor.image_processor(
+            images=images, return_tensors="pt", input_data_format="channels_last"
+        )["pixel_values"]
         return pv.to(device=self.device, dtype=getattr(torch, self.dtype))
 
     # -- prefill ----------------------------------------------------------------------

@@ -93,3 +93,13 @@ def synthetic_image(seed: int, width: int = 64, height: int = 48, fmt: str = "PN
     buf = io.BytesIO()
     Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8)).save(buf, format=fmt, quality=90)
     return buf.getvalue()
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A valid PNG of ``width x height`` black pixels: some 1/1000 of its size decoded
+    (12 MP, 36 MB as RGB, in about 35 KB)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height)).save(buf, format="PNG")
+    return buf.getvalue()
