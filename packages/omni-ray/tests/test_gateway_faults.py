@@ -62,10 +62,10 @@ def make_gateway(monkeypatch=None, broken: str | None = None):
     if broken is not None:
         real = gateway_module.pull_socket
 
-        def pull_socket(ctx, address, hwm=1000):
+        def pull_socket(ctx, address, hwm=1000, setup=None):
             if address.endswith(f"/{broken}"):
                 raise zmq.ZMQError(zmq.EADDRINUSE)
-            return real(ctx, address, hwm)
+            return real(ctx, address, hwm, setup)
 
         monkeypatch.setattr(gateway_module, "pull_socket", pull_socket)
     gw = NodeGateway(f"t{uuid.uuid4().hex[:8]}", HERE, HEAD, ["a", "b"])
@@ -97,7 +97,9 @@ def test_bad_frames_and_messages_are_dropped_and_the_rest_goes_through(zctx, cap
             m[64:68] = b"\x01\x02\x03\x04"
         os.close(fd)
         good = ShmHandle(seg, 64, 4, "|u1", (4,), "a", 7)
-        gone = ShmHandle(f"{seg}-gone", 0, 4, "|u1", (4,), "a", 8)  # its segment is gone
+        # a segment of a's that is gone (its name as this runtime makes them)
+        gone_name = seg.rsplit("-", 2)[0] + "-99-" + "0" * 16
+        gone = ShmHandle(gone_name, 0, 4, "|u1", (4,), "a", 8)
         bad_message = {"event_type": "segment", "request_id": "r2", "stage": "a", "sequence": "x"}
         frames = [
             GARBAGE,  # undecodable as a whole, and not even a list of messages
@@ -126,7 +128,7 @@ def test_bad_frames_and_messages_are_dropped_and_the_rest_goes_through(zctx, cap
             rels = [m for f in rec.wait("a.ctl", 2) for m in decode_control_frame(f)]
             assert all(isinstance(r, Release) and r.reader == "b" for r in rels)
             assert sorted((r.segment, r.slots) for r in rels) == sorted(
-                [(seg, [(64, 7)]), (f"{seg}-gone", [(0, 8)])]
+                [(seg, [(64, 7)]), (gone_name, [(0, 8)])]
             )
             # r2 and r3 end with an error at the caller; r1 and r4 do not
             errors = decode_event_frame(rec.wait(RESULTS, 1)[0])

@@ -137,19 +137,31 @@ class Addresses:
         return self.endpoint(RESULTS)
 
 
-def push_socket(ctx: zmq.Context, address: str, hwm: int = 1000) -> zmq.Socket:
+# what a socket needs before it connects or binds (the Ray backend's CURVE keys, say)
+SocketSetup = Callable[[zmq.Socket], None]
+
+
+def push_socket(
+    ctx: zmq.Context, address: str, hwm: int = 1000, setup: SocketSetup | None = None
+) -> zmq.Socket:
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.SNDHWM, hwm)
     s.setsockopt(zmq.LINGER, 2000)
     s.setsockopt(zmq.IMMEDIATE, 0)
+    if setup is not None:
+        setup(s)
     s.connect(address)
     return s
 
 
-def pull_socket(ctx: zmq.Context, address: str, hwm: int = 1000) -> zmq.Socket:
+def pull_socket(
+    ctx: zmq.Context, address: str, hwm: int = 1000, setup: SocketSetup | None = None
+) -> zmq.Socket:
     s = ctx.socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, hwm)
     s.setsockopt(zmq.LINGER, 0)
+    if setup is not None:
+        setup(s)
     s.bind(address)
     return s
 

@@ -6,6 +6,9 @@ into Ray's object store (see :mod:`omni_ray.objects`), and their slots released;
 or one message of it, that cannot be handled (it does not decode, its arrays cannot be
 read) is dropped: its slots go back to their producers and its requests end with an error
 (code ``gateway_error``), so nothing waits for it. The rest of a frame always goes on.
+
+A frame that arrives over a channel, from another node's gateway, is screened first
+(:meth:`FrameGuard.screen`): a message touching what its sender may not is refused.
 """
 
 from __future__ import annotations
@@ -19,8 +22,14 @@ import msgspec
 import numpy as np
 import zmq
 from omni_core.config import split_worker
-from omni_core.events import Error, InlineArray, ShmHandle
-from omni_core.serial import decode_data_frame, encode_frame, releases, salvage_frame
+from omni_core.events import Error, InlineArray, Release, ShmHandle
+from omni_core.serial import (
+    decode_control_frame,
+    decode_data_frame,
+    encode_frame,
+    releases,
+    salvage_frame,
+)
 from omni_core.shm import SegmentReader
 from omni_core.transport import RESULTS, Addresses, push_socket
 
@@ -30,6 +39,7 @@ from omni_ray.routes import owner_of, reader_of
 log = logging.getLogger("omni.ray.gateway")
 
 _SHM_TAG = b"\xa3shm"  # msgpack of the string "shm", the tag of an array-like ShmHandle
+_RELEASE_TAG = b"\xa7release"  # msgpack of "release", the tag of a Release
 GATEWAY_ERROR = "gateway_error"  # the code of the error a dropped message's request ends with
 # (request id or None, stage or "", why) of a message that will not arrive
 Lost = tuple[str | None, str, str]
@@ -61,6 +71,7 @@ class FrameGuard:
         self.lock = threading.Lock()
         self.dropped = 0  # frames and messages dropped because they could not be handled
         self.puts = 0  # arrays this gateway put into the object store from a slot
+        self.refused = 0  # messages over channels that touched what was not their sender's
 
     def inline_all(
         self, endpoint: str, frames: list[bytes], outs: dict[str, zmq.Socket]
@@ -85,6 +96,67 @@ class FrameGuard:
             if f is not None:
                 out.append(f)
         return out, refs
+
+    def screen(self, endpoint: str, frame: bytes, outs: dict[str, zmq.Socket]) -> bytes | None:
+        """What of ``frame``, which came over ``endpoint``'s channel from another node's
+        gateway, may go on (None: nothing). Never raises but for a broken socket.
+
+        Another node never holds a slot of this node's segments (what crosses nodes is
+        copied or put into the object store, and its slot released here), nor is it lent
+        one: a ``Release`` or a handle to a segment here is forged. Such a message is
+        refused (counted, logged); a data message's request fails. An object handle must
+        name this pipeline's objects (its reader is lent only what is held for it)."""
+        try:
+            if endpoint.endswith(".ctl"):
+                return self._screen_control(endpoint, frame)
+            if _SHM_TAG not in frame:
+                return frame
+            msgs, lost = self.decode(endpoint, frame)
+            ours = segment_name(self.pipeline_id, "")
+            kept: list[Any] = []
+            for m in msgs:
+                bad = [
+                    h.segment
+                    for h in _handles(m).values()
+                    if isinstance(h, ShmHandle) and not h.segment.startswith(ours)
+                ]
+                if bad:
+                    lost.append(_lost(m, f"refused: it names segment {bad[0][:80]!r}"))
+                    self._refuse(endpoint, f"a handle to segment {bad[0][:80]!r}")
+                else:
+                    kept.append(m)
+            if len(kept) == len(msgs) and not lost:
+                return frame
+            self.fail_requests(lost, endpoint, outs)  # (no release: none was theirs)
+            return encode_frame(kept) if kept else None
+        except zmq.ZMQError:
+            raise
+        except Exception as e:
+            self._refuse(endpoint, f"a frame that cannot be screened ({type(e).__name__}: {e})")
+            return None
+
+    def _screen_control(self, endpoint: str, frame: bytes) -> bytes | None:
+        if _RELEASE_TAG not in frame:
+            return frame
+        try:
+            msgs = decode_control_frame(frame)
+        except msgspec.DecodeError:
+            msgs, _ = salvage_frame(frame, "control")  # what does not decode: dropped
+        kept = [m for m in msgs if type(m) is not Release]
+        for m in msgs:
+            if type(m) is Release:
+                self._refuse(endpoint, f"a release of {m.segment[:80]!r} for {m.reader!r}")
+        return encode_frame(kept) if kept else None
+
+    def _refuse(self, endpoint: str, what: str) -> None:
+        with self.lock:
+            self.refused += 1
+        log.warning(
+            "gateway %s: %s: refused %s from another node (not its sender's to touch)",
+            self.node_id[:8],
+            endpoint,
+            what,
+        )
 
     def out(self, outs: dict[str, zmq.Socket], endpoint: str) -> zmq.Socket:
         """This thread's socket to ``endpoint`` on this node (a producer's ``.ctl``, or

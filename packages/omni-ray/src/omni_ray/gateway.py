@@ -31,6 +31,15 @@ sockets (and channels) to its producers. The gateway also creates and unlinks th
 shared-memory segments of the workers on its node: they outlive a crashed worker, as with
 the local orchestrator.
 
+Channels are authenticated and encrypted (ZMQ CURVE with the pipeline's keys, see
+:mod:`omni_ray.channel_auth`): a peer without them never gets a message through, and its
+failed handshakes are counted (``info()["auth_failures"]``). What an admitted peer (another
+node's gateway of this pipeline) sends is still checked (:meth:`FrameGuard.screen`): another
+node never holds nor is lent a slot of this node's segments, so a slot handle or a
+``Release`` arriving over a channel is refused (``info()["refused"]``), and a data message
+holding one fails its request; an object handle must name this pipeline's objects, and a
+reader is lent only what is held for it (:meth:`HeldObjects.lend`).
+
 A forwarding thread never dies silently. A frame or message it cannot handle (one that
 does not decode, an array whose slot cannot be read, a delivery that fails unexpectedly)
 is logged (an unexpected exception with its traceback) and dropped: the shared-memory
@@ -60,6 +69,7 @@ from omni_core.transport import (
     remove_socket_dir,
 )
 
+from omni_ray.channel_auth import ChannelKeys, HandshakeWatch, ZapHandler
 from omni_ray.frames import GATEWAY_ERROR, FrameGuard
 from omni_ray.objects import HeldObjects, take_releases
 from omni_ray.routes import DRIVER, gateway_name, owner_of, reader_of
@@ -91,14 +101,18 @@ class NodeGateway:
         head_node: str,
         workers: list[str],
         channel_ip: str | None = "auto",
+        keys: ChannelKeys | None = None,
     ) -> None:
         """``workers``: every worker name of the pipeline (stages, and ``STAGE#i`` for each
         replica a stage may have). ``channel_ip``: the address this node's channels bind
         (``"auto"``: the node's IP as Ray knows it; None: no channels, every frame goes by
-        Ray actor calls)."""
+        Ray actor calls). ``keys``: the pipeline's channel keys, the same for every node's
+        gateway (None: a pair of its own, for a gateway alone: tests)."""
         if channel_ip == "auto":
             channel_ip = get_node_ip_address() if get_node_ip_address else None
         self.channel_ip = channel_ip
+        self.keys = keys or (ChannelKeys.new() if channel_ip is not None else None)
+        self.auth_failures = 0  # failed handshakes on this node's channels
         self.channels: dict[str, str] = {}  # endpoint -> its channel's TCP address
         self.peers: dict[str, dict[str, str]] = {}  # other node -> its channels
         self._tls = threading.local()  # a forwarding thread's sockets to other channels
@@ -114,13 +128,16 @@ class NodeGateway:
         self.reader = SegmentReader()
         self.zctx = zmq.Context()
         self.lock = threading.Lock()
+        self.failures: dict[str, str] = {}  # endpoint -> why its thread stopped for good
+        self.zap = None
+        if self.keys is not None:  # before any channel binds: each handshake asks it
+            self.zap = ZapHandler(self.zctx, self.keys, self._zap_failed)
         self.routes: dict[str, str | None] = dict.fromkeys(workers)  # worker -> its node
         self.routes[DRIVER] = head_node
         self.versions: dict[str, int] = {}  # route updates may arrive out of order
         self.gateways: dict[str, Any] = {}
         self.local: dict[str, tuple[threading.Lock, zmq.Socket]] = {}  # delivery sockets
         self.stop = False
-        self.failures: dict[str, str] = {}  # endpoint -> why its thread stopped for good
         self.frames = FrameGuard(
             node_id, self.addr, self.zctx, self.reader, pipeline_id, forget_objects=self._forget
         )
@@ -140,12 +157,14 @@ class NodeGateway:
         with self.lock:
             failures = dict(self.failures)
         with self.frames.lock:
-            dropped, puts = self.frames.dropped, self.frames.puts
+            dropped, puts, refused = self.frames.dropped, self.frames.puts, self.frames.refused
         return {
             "socket_dir": self.socket_dir,
             "bind_dir": self.bind_dir,
             "failures": failures,
             "dropped": dropped,
+            "auth_failures": self.auth_failures,  # handshakes refused on the channels
+            "refused": refused,  # messages over channels that touched what is not theirs
             "objects_held": len(self.held),
             "objects_put": puts,  # from slots (producers put theirs themselves)
             "channel_frames": self.channel_frames,
@@ -208,11 +227,17 @@ class NodeGateway:
         self.reader.forget(name)
         self.segments.unlink(name)
 
+    def _zap_failed(self, why: str) -> None:
+        with self.lock:
+            self.failures["channel authentication"] = why
+
     def close(self) -> None:
         """Stop forwarding, unlink this node's segments, remove the socket directory."""
         self.stop = True
         for t in self.threads:
             t.join(timeout=2)
+        if self.zap is not None:
+            self.zap.close()
         self.held.clear()
         self.segments.unlink_all()
         self.zctx.destroy(linger=0)
@@ -261,10 +286,11 @@ class NodeGateway:
             with contextlib.suppress(ValueError):  # that node's gateway is gone
                 self._gateway(node).release.remote(reader, keys)
 
-    def lend(self, keys: list[str]) -> list[Any]:
-        """A reader on this node asks for the references of objects it was sent (in
-        a list: each is passed in-band, so the reader borrows it); None: not held here."""
-        return self.held.lend(keys)
+    def lend(self, keys: list[str], reader: str | None = None) -> list[Any]:
+        """``reader`` on this node asks for the references of objects it was sent (in
+        a list: each is passed in-band, so the reader borrows it); None: not held here
+        for it."""
+        return self.held.lend(keys, reader)
 
     def _gateway(self, node: str) -> Any:
         import ray
@@ -299,7 +325,8 @@ class NodeGateway:
         socks = self._tls.__dict__.setdefault("socks", {})
         sock = socks.get(address)
         if sock is None:
-            sock = socks[address] = push_socket(self.zctx, address, HWM)
+            assert self.keys is not None  # (channels exist only with keys)
+            sock = socks[address] = push_socket(self.zctx, address, HWM, self.keys.client)
         while frames:
             frame = frames[0]
             while True:
@@ -350,27 +377,39 @@ class NodeGateway:
         socks: list[zmq.Socket] = []
         outs: dict[str, zmq.Socket] = {}  # releases to producers, errors to the client
         control = endpoint.endswith(".ctl")  # the releases of lent objects end here
+        watch: HandshakeWatch | None = None
         try:
             pull = pull_socket(self.zctx, self.addr.endpoint(endpoint), HWM)
             socks.append(pull)
-            if self.channel_ip is not None:  # frames from other nodes' gateways, in too
-                pull.bind(f"tcp://{self.channel_ip}:*")
+            poller = zmq.Poller()
+            poller.register(pull, zmq.POLLIN)
+            chan = None
+            if self.channel_ip is not None:  # frames from other nodes' gateways (CURVE)
+                assert self.keys is not None
+                chan = pull_socket(self.zctx, f"tcp://{self.channel_ip}:*", HWM, self.keys.serve)
+                socks.append(chan)
+                watch = HandshakeWatch(chan)
+                poller.register(chan, zmq.POLLIN)
+                poller.register(watch.monitor, zmq.POLLIN)
                 with self.lock:
-                    self.channels[endpoint] = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+                    self.channels[endpoint] = chan.getsockopt_string(zmq.LAST_ENDPOINT)
             local = push_socket(self.zctx, self.inner.endpoint(endpoint), HWM)
             socks.append(local)
             while not self.stop:
-                if not pull.poll(100):
+                ready = dict(poller.poll(100))
+                if watch is not None and watch.monitor in ready:
+                    failed = watch.count()
+                    with self.lock:
+                        self.auth_failures += failed
+                pending = _take(pull) if pull in ready else []
+                incoming = _take(chan) if chan is not None and chan in ready else []
+                if not pending and not incoming:
                     continue
-                pending = [pull.recv(copy=True)]
-                size = len(pending[0])
-                while len(pending) < MAX_BATCH_FRAMES and size < MAX_BATCH_BYTES:
-                    try:
-                        pending.append(pull.recv(zmq.NOBLOCK, copy=True))
-                    except zmq.Again:
-                        break
-                    size += len(pending[-1])
                 try:
+                    for f in incoming:  # from another node: what it may not touch is refused
+                        f = self.frames.screen(endpoint, f, outs)
+                        if f is not None:
+                            pending.append(f)
                     if control:
                         pending = [f for f in (take_releases(f, self.held) for f in pending) if f]
                     self._pass_on(endpoint, pending, local, outs)
@@ -398,6 +437,8 @@ class NodeGateway:
                 with self.lock:  # after the log: whoever sees the failure finds the log
                     self.failures[endpoint] = f"{type(e).__name__}: {e}"
         finally:
+            if watch is not None:
+                watch.close()
             channels = getattr(self._tls, "socks", {})
             for s in (*socks, *outs.values(), *channels.values()):
                 with contextlib.suppress(Exception):
@@ -466,3 +507,17 @@ class NodeGateway:
                 e,
             )
             return False
+
+
+def _take(sock: zmq.Socket) -> list[bytes]:
+    """What ``sock`` holds now, up to a batch (:data:`MAX_BATCH_FRAMES`, about
+    :data:`MAX_BATCH_BYTES`)."""
+    out: list[bytes] = []
+    size = 0
+    while len(out) < MAX_BATCH_FRAMES and size < MAX_BATCH_BYTES:
+        try:
+            out.append(sock.recv(zmq.NOBLOCK, copy=True))
+        except zmq.Again:
+            break
+        size += len(out[-1])
+    return out

@@ -28,6 +28,7 @@ from omni_core.serial import encode_json
 from omni_core.shm import SHM_DIR, list_segments
 from omni_core.worker import WorkerSpec
 
+from omni_ray.channel_auth import ChannelKeys, curve_available
 from omni_ray.gateway import NodeGateway
 from omni_ray.objects import install_reader, uninstall_reader
 from omni_ray.routes import gateway_name
@@ -135,6 +136,15 @@ class RayLauncher(Launcher):
         # OMNI_RAY_CHANNELS=0 sends every frame by Ray actor calls instead (nodes that
         # cannot reach each other's ports)
         self.channel_ip = None if os.environ.get("OMNI_RAY_CHANNELS") == "0" else "auto"
+        if self.channel_ip is not None and not curve_available():
+            log.warning(
+                "pyzmq has no CURVE support: no cross-node channels (they would not be "
+                "authenticated); every frame between nodes goes by Ray actor calls"
+            )
+            self.channel_ip = None
+        # the channels' CURVE keys, this pipeline's alone: each gateway gets them as an
+        # actor argument (through Ray; never on a command line or in an environment)
+        self.channel_keys = ChannelKeys.new() if self.channel_ip is not None else None
         self.head_node = ray.get_runtime_context().get_node_id()
         # every worker a stage may have (each replica up to its max): the gateways bind
         # the endpoints of all of them, so a replica the autoscaler adds later is reached
@@ -169,7 +179,14 @@ class RayLauncher(Launcher):
                 max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             )
-            .remote(self.pipeline_id, node, self.head_node, self.worker_names, self.channel_ip)
+            .remote(
+                self.pipeline_id,
+                node,
+                self.head_node,
+                self.worker_names,
+                self.channel_ip,
+                self.channel_keys,
+            )
         )
         if self.routes:
             gw.set_routes.remote(dict(self.routes))

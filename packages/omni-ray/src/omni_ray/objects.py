@@ -87,12 +87,18 @@ class HeldObjects:
                 if producer:
                     self.owners[key] = producer
 
-    def lend(self, keys: list[str]) -> list[Any]:
-        """The references for ``keys`` (None: not held here, or no more)."""
+    def lend(self, keys: list[str], reader: str | None = None) -> list[Any]:
+        """The references for ``keys`` (None: not held here, or no more, or, with
+        ``reader``, not held for that reader: a handle it got names another's object)."""
         with self.lock:
+            out = []
             for k in keys:
+                if reader is not None and reader not in self.readers.get(k, ()):
+                    out.append(None)
+                    continue
                 self.owners.pop(k, None)  # on its reader's side now: its release ends it
-            return [self.refs.get(k) for k in keys]
+                out.append(self.refs.get(k))
+            return out
 
     def forget_producer(self, producer: str) -> int:
         """``producer``'s life ended: drop what it put that no reader was lent yet (its
@@ -165,10 +171,11 @@ def take_releases(frame: bytes, held: HeldObjects) -> bytes | None:
 
 
 # ---------------------------------------------------------------------- reading side
-def install_reader(pipeline_id: str, gateway: Any) -> None:
-    """Let this process read the pipeline's objects: ``gateway`` is its node's gateway
-    (an actor handle), which lends the references."""
-    EXTERNAL_SEGMENTS[segment_name(pipeline_id, "")] = _Resolver(gateway)
+def install_reader(pipeline_id: str, gateway: Any, reader: str = CLIENT) -> None:
+    """Let this process, ``reader`` (a worker's name, or the caller's), read the pipeline's
+    objects held for it: ``gateway`` is its node's gateway (an actor handle), which lends
+    the references."""
+    EXTERNAL_SEGMENTS[segment_name(pipeline_id, "")] = _Resolver(gateway, reader)
 
 
 def uninstall_reader(pipeline_id: str) -> None:
@@ -176,18 +183,20 @@ def uninstall_reader(pipeline_id: str) -> None:
 
 
 class _Resolver:
-    def __init__(self, gateway: Any) -> None:
+    def __init__(self, gateway: Any, reader: str) -> None:
         self.gateway = gateway
+        self.reader = reader
 
     def __call__(self, segment: str) -> Any:
         """The array of ``segment`` as a read-only uint8 view of this node's object store."""
         import ray
 
-        (ref,) = ray.get(self.gateway.lend.remote([key_of(segment)]), timeout=LEND_TIMEOUT_S)
+        call = self.gateway.lend.remote([key_of(segment)], self.reader)
+        (ref,) = ray.get(call, timeout=LEND_TIMEOUT_S)
         if ref is None:
             raise LookupError(
-                f"array {segment} is no longer held on this node (its reader was lost, or "
-                "its pipeline is closing)"
+                f"array {segment} is not held for {self.reader!r} on this node (its reader "
+                "was lost, its pipeline is closing, or it is another reader's)"
             )
         # the view keeps this node's copy mapped; the gateway's reference keeps the object
         # until the release (the reader needs no reference of its own)

@@ -40,7 +40,8 @@ class StageActor:
                         f"no omni gateway on node {self.node_id} after {wait_s:.0f}s"
                     ) from None
                 time.sleep(0.1)
-        install_reader(pipeline_id, gw)  # arrays from other nodes, through the object store
+        # arrays from other nodes, through the object store
+        install_reader(pipeline_id, gw, worker)
         self.writer = install_writer(pipeline_id, worker, self.node_id, gw)
         info = ray.get(gw.info.remote())
         self.spec.socket_dir = info["socket_dir"]
