@@ -173,10 +173,15 @@ def test_a_failure_mid_stream_is_an_sse_error_without_the_text(pipe):
 
 def test_a_stage_validation_error_keeps_its_field_message(pipe):
     msg = "stage 'intake': field 'prompt': 80 tokens, over max_prompt_tokens=64"
-    pipe.script = lambda rid: [Error(request_id=rid, stage="intake", message=msg)]
+    code = "invalid_request"  # a UserInputError's: the only text a client sees
+    pipe.script = lambda rid: [Error(request_id=rid, stage="intake", message=msg, code=code)]
     r = post(client_of(pipe))
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert r.json()["error"]["message"] == msg
+    # the same words from any other error are the stage's failure: not shown
+    pipe.script = lambda rid: [Error(request_id=rid, stage="intake", message=msg)]
+    r = post(client_of(pipe))
+    assert r.status_code == 500 and "80 tokens" not in r.text
 
 
 def test_an_unforeseen_error_is_a_500_with_the_request_id_only(pipe):

@@ -6,9 +6,13 @@ Every error names the field, so a bad request ends with a message the caller can
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import msgspec
+from omni_core.errors import UserInputError
+
+log = logging.getLogger("omni.ar")
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 MAX_SCHEMA_CHARS = 65536  # a json_schema's schema as JSON, at most
@@ -17,8 +21,20 @@ MAX_STOP_CHARS = 1024  # characters in one stop string, at most
 MAX_TOP_LOGPROBS = 20  # alternatives per token, at most (OpenAI's limit)
 
 
-class RequestError(ValueError):
-    """A request field is missing, of the wrong type, or out of range."""
+class RequestError(UserInputError):
+    """A request field is missing, of the wrong type, or out of range: the client's
+    fault, its message shown to the client (see ``UserInputError``)."""
+
+
+def template_error(e: Exception) -> RequestError:
+    """A chat template's failure on a request's messages as the client's error: the
+    template's own words where it refused them (``raise_exception``, as in "roles must
+    alternate": jinja2's plain ``TemplateError``), else only that it failed (the text of
+    an error inside the template or the tokenizer is not the client's to see: logged)."""
+    if type(e).__name__ == "TemplateError" and type(e).__module__.startswith("jinja2"):
+        return RequestError(f"field 'messages': the chat template refused them: {e}")
+    log.warning("the chat template failed: %s: %s", type(e).__name__, e)
+    return RequestError("field 'messages': the chat template cannot be applied to them")
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

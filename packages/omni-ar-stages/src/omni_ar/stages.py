@@ -29,7 +29,13 @@ from omni_core.devices import place
 from omni_ar.detokenizer import IncrementalDetokenizer
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
 from omni_ar.models import resolve_model
-from omni_ar.params import RequestError, Sampled, SamplingParams, parse_request
+from omni_ar.params import (
+    RequestError,
+    Sampled,
+    SamplingParams,
+    parse_request,
+    template_error,
+)
 
 
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -145,15 +151,17 @@ class Intake(_ModelStage):
                 source, _ = self._params(inp)
                 ids = self.engine.encode(source)
             except RequestError as e:
-                yield inp.fail(str(e))
+                yield inp.fail(e)
                 continue
             except Exception as e:  # e.g. a chat template that rejects the messages
-                yield inp.fail(f"field 'messages': cannot apply the chat template: {e}")
+                yield inp.fail(template_error(e))
                 continue
             if len(ids) > self.options.max_prompt_tokens:
                 yield inp.fail(
-                    f"field 'prompt': {len(ids)} tokens, over max_prompt_tokens="
-                    f"{self.options.max_prompt_tokens}"
+                    RequestError(
+                        f"field 'prompt': {len(ids)} tokens, over max_prompt_tokens="
+                        f"{self.options.max_prompt_tokens}"
+                    )
                 )
                 continue
             yield inp.segment(ids, is_last=True)
@@ -189,7 +197,7 @@ class Prefill(_ModelStage):
             try:
                 p = self._sampling_params(inp)[1]
             except RequestError as e:
-                yield inp.fail(str(e))
+                yield inp.fail(e)
                 continue
             ids = inp.window.tokens
             if len(ids) <= local:  # no first token, no KV: decode prefills it
@@ -245,7 +253,7 @@ class Decode(_ModelStage):
             try:
                 _, params = self._sampling_params(inp)
             except RequestError as e:
-                yield inp.fail(str(e))
+                yield inp.fail(e)
                 continue
             w = inp.window
             prompt = w.payloads[0].get("prompt_ids")
@@ -280,7 +288,7 @@ class Decode(_ModelStage):
                 stream(ids, params) if stream is not None else None
             )
         except RequestError as e:
-            yield inp.fail(str(e))
+            yield inp.fail(e)
             return
         if steps is not None:
             so_far: list[tuple[int, float]] = []
@@ -407,7 +415,7 @@ class Generate(Decode):
             try:
                 _, params = self._sampling_params(inp)
             except RequestError as e:
-                yield inp.fail(str(e))
+                yield inp.fail(e)
                 continue
             yield from self._generate(inp, inp.window.tokens, params)
 

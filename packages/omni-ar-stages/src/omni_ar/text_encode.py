@@ -27,6 +27,7 @@ from omni_core.devices import place
 
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
 from omni_ar.models import resolve_model
+from omni_ar.params import RequestError
 
 
 class TextEncodeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -64,7 +65,9 @@ class TextEncode(Stage):
             if not text:  # a source stage, or an upstream that wrote nothing
                 prompt = inp.request.get("prompt")
                 if not isinstance(prompt, str) or not prompt:
-                    yield inp.fail("field 'prompt': expected a non-empty string to encode")
+                    yield inp.fail(
+                        RequestError("field 'prompt': expected a non-empty string to encode")
+                    )
                     continue
                 text = prompt
             texts = [text]

@@ -40,6 +40,7 @@ from omni_core.zygote import (
     ZygoteGone,
     clone_unsupported,
     import_time_keys,
+    inherited_env,
 )
 
 log = logging.getLogger("omni.launcher")
@@ -456,7 +457,7 @@ class ProcessLauncher(Launcher):
             fd = os.open(spec_path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(encode_json(spec))
-            env = dict(os.environ)
+            env = inherited_env()
             if devices is not None:
                 env["CUDA_VISIBLE_DEVICES"] = devices  # before any import in the worker
             env.update(st.extra_env)

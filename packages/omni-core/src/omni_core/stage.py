@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from omni_core.errors import UserInputError
 from omni_core.events import Error, ImageProgress, Segment
 from omni_core.windows import Window
 
@@ -124,8 +125,12 @@ class StageInput:
         )
         return _with_arrays(ev, arrays)
 
-    def fail(self, message: str) -> Error:
-        """End this request (only) with an error; the runtime prefixes the stage's name."""
+    def fail(self, message: str | UserInputError) -> Error:
+        """End this request (only) with an error; the runtime prefixes the stage's name.
+        A :class:`UserInputError` is the client's fault, its message theirs to see (code
+        ``invalid_request``); a plain message is the stage's failure (``stage_error``)."""
+        if isinstance(message, UserInputError):
+            return Error(request_id=self.request_id, message=str(message), code=message.code)
         return Error(request_id=self.request_id, message=message)
 
 

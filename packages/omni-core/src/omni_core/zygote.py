@@ -351,6 +351,17 @@ def apply_thread_env() -> None:
                 break
 
 
+# secrets of the process that runs the pipeline that no worker (nor the zygote) gets: a
+# forked worker shows its zygote's environment as the zygote was started, in /proc
+SECRET_ENV = ("OMNI_API_KEY",)
+
+
+def inherited_env() -> dict[str, str]:
+    """The environment a worker (or the zygote) starts with: this process's, without
+    :data:`SECRET_ENV`."""
+    return {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+
+
 def import_time_keys(extra_env: dict[str, str], base: dict[str, str]) -> list[str]:
     """The keys of ``extra_env`` that change a variable libraries read when they load
     (those in :data:`THREAD_ENV` are applied after the fork, so they do not count)."""
@@ -405,6 +416,7 @@ class Zygote:
                 [sys.executable, "-c", ZYGOTE_BOOT, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),),
                 close_fds=True,
+                env=inherited_env(),
             )
         except BaseException:
             ours.close()

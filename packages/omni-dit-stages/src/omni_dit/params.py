@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+from omni_core.errors import UserInputError
 
 FORMATS = ("jpeg", "webp", "png")
 
 
-class ImageRequestError(ValueError):
-    """An ``image`` field is missing, of the wrong type, or out of range."""
+class ImageRequestError(UserInputError):
+    """An ``image`` field is missing, of the wrong type, or out of range: the client's
+    fault, its message shown to the client (see ``UserInputError``)."""
 
 
 class ImageParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

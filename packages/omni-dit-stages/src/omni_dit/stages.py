@@ -148,7 +148,7 @@ class Plan(Stage):
                 arch.check(p)
                 p = arch.with_defaults(p)
             except ImageRequestError as e:
-                yield inp.fail(str(e))
+                yield inp.fail(e)
                 continue
             try:
                 embeds, pooled = self._conditioning(_arrays(inp), p, _negatives_flag(inp))
@@ -258,7 +258,7 @@ class Sample(Stage):
             try:
                 params = _image_params(inp)
             except ImageRequestError as e:
-                yield inp.fail(str(e))
+                yield inp.fail(e)
                 continue
             a = _arrays(inp)
             # copies on the model's device: the arrays may be read-only views of shared
@@ -359,7 +359,7 @@ class VaeDecode(Stage):
             try:
                 params = _image_params(inp)
             except ImageRequestError as e:
-                yield inp.fail(str(e))
+                yield inp.fail(e)
                 continue
             latents = torch.tensor(a["latents"], device=self.placement.device)
             key = (tuple(latents.shape), params.height, params.width)
@@ -395,7 +395,7 @@ class Encode(Stage):
             try:
                 params = _image_params(inp)
             except ImageRequestError as e:
-                yield inp.fail(str(e))
+                yield inp.fail(e)
                 continue
             if image is None or getattr(image, "ndim", 0) != 3:
                 yield inp.fail("upstream sent no 'image' array of (height, width, 3)")

@@ -24,7 +24,7 @@ from omni_core import Stage, StageEvent, StageInput
 
 from omni_dit.architectures import TextOptions, architecture
 from omni_dit.models import PRELOAD, ModelError, resolve_model
-from omni_dit.params import image_fields
+from omni_dit.params import ImageRequestError, image_fields
 from omni_dit.stages import check_image_defaults, placement
 
 
@@ -75,7 +75,9 @@ class TextEncode(Stage):
         for inp in batch:
             text = _upstream_text(inp) or inp.request.get("prompt")
             if not isinstance(text, str) or not text:
-                yield inp.fail("field 'prompt': expected a non-empty string to encode")
+                yield inp.fail(
+                    ImageRequestError("field 'prompt': expected a non-empty string to encode")
+                )
                 continue
             params = self.arch.with_defaults(image_fields(inp.request, o.image_defaults))
             groups[self.arch.guided(params)].append((inp, text, params.negative_prompt))

@@ -1,5 +1,6 @@
 """The API key, as a FastAPI dependency: ``Authorization: Bearer KEY`` on every endpoint
-that has it (all but ``/health`` and the page) when the server has a key."""
+that has it (all but ``/health`` and the page) when the server has a key; ``/health``
+shows its detail only with it."""
 
 from __future__ import annotations
 
@@ -11,15 +12,20 @@ from omni_serve.errors import APIError
 from omni_serve.server import server_of
 
 
-def require_api_key(request: Request) -> None:
-    """401 unless the request carries the server's key (a no-op without one)."""
+def has_api_key(request: Request) -> bool:
+    """Whether the request carries the server's key (True for a server without one)."""
     key = server_of(request).settings.api_key
     if key is None:
-        return
+        return True
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(
+    return scheme.lower() == "bearer" and secrets.compare_digest(
         token.strip().encode(), key.encode()
-    ):
+    )
+
+
+def require_api_key(request: Request) -> None:
+    """401 unless the request carries the server's key (a no-op without one)."""
+    if not has_api_key(request):
         raise APIError(
             401,
             "missing or wrong API key: send 'Authorization: Bearer <key>'",

@@ -10,12 +10,12 @@ import math
 import re
 from typing import Any
 
-from omni_core.errors import OverloadedError, RuntimeFailedError, StageDeadError
+from omni_core.errors import OverloadedError, RuntimeFailedError, StageDeadError, UserInputError
 from omni_core.events import Cancelled, Error
 
 log = logging.getLogger("omni.serve")
 
-# pipeline stages name a bad field as "field 'image.width': ..." (omni_ar / omni_dit params)
+# a user-facing error names a bad field as "field 'image.width': ..." (omni_ar / omni_dit)
 _FIELD = re.compile(r"field '([^']+)'")
 _STAGE = re.compile(r"stage '([^']+)'")  # how StageDeadError names the stage
 
@@ -67,8 +67,9 @@ def from_terminal(
 ) -> APIError:
     """The API error for a request the pipeline ended without completing it.
 
-    A stage's validation error names a field: that is the client's fault (400, the stage's
-    message). A timeout is 504; a failed runtime or a dead stage 503; any other stage
+    A stage's :class:`UserInputError` (code ``invalid_request``) is the client's fault: a
+    400 with the stage's message (``param``: the field it names); no other error's text
+    ever reaches the client. A timeout is 504; a failed runtime or a dead stage 503; any other stage
     failure 500, naming the stage and the request id only (the stage's message is logged
     here). ``params`` renames the pipeline's field names to the request's
     (``image.width`` -> ``size``)."""
@@ -76,9 +77,9 @@ def from_terminal(
         if ev.reason == "timeout":
             return APIError(504, "the request timed out", type="timeout", code="timeout")
         return APIError(499, "the request was cancelled", type="cancelled", code="cancelled")
-    m = _FIELD.search(ev.message)
-    if m and ev.code == "stage_error":
-        param = (params or {}).get(m.group(1), m.group(1))
+    if ev.code == UserInputError.code:
+        m = _FIELD.search(ev.message)
+        param = (params or {}).get(m.group(1), m.group(1)) if m else None
         return APIError(400, ev.message, param=param, code="invalid_value")
     log.error(
         "request failed: %s (%s)",

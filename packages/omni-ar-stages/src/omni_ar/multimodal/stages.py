@@ -37,7 +37,7 @@ from omni_ar.multimodal.media import (
     load_images,
     strip_media,
 )
-from omni_ar.params import RequestError
+from omni_ar.params import RequestError, template_error
 from omni_ar.stages import Decode, DecodeOptions, ModelOptions, Postprocess, _ModelStage
 
 VLLM_UNSUPPORTED = (
@@ -103,7 +103,7 @@ class MMIntake(_MMStage):
                         messages, o.max_image_pixels, o.max_total_pixels, o.allow_local_images
                     )
             except RequestError as e:
-                yield inp.fail(str(e))
+                yield inp.fail(e)
                 continue
             try:
                 if messages is None:
@@ -111,12 +111,14 @@ class MMIntake(_MMStage):
                 else:
                     ids, spans = self.engine.encode_mm(messages, [p.shape[:2] for p in pixels])
             except Exception as e:  # e.g. a chat template that rejects the messages
-                yield inp.fail(f"field 'messages': cannot apply the chat template: {e}")
+                yield inp.fail(template_error(e))
                 continue
             if len(ids) > o.max_prompt_tokens:
                 yield inp.fail(
-                    f"field 'messages': {len(ids)} tokens with image placeholders, over "
-                    f"max_prompt_tokens={o.max_prompt_tokens}"
+                    RequestError(
+                        f"field 'messages': {len(ids)} tokens with image placeholders, over "
+                        f"max_prompt_tokens={o.max_prompt_tokens}"
+                    )
                 )
                 continue
             items = [

@@ -1,9 +1,14 @@
 """The operator's endpoints: ``/v1/models``, ``/v1/omni/stats`` (the page's live view) and
-``/metrics`` behind the API key; ``/health`` and the page (``/``) open."""
+``/metrics`` behind the API key; ``/health`` (its status; the detail with the key) and the
+page (``/``) open. The page gets a Content-Security-Policy: it loads nothing but itself
+and this server's API, and no other site may frame it."""
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
+import re
 from importlib import resources
 from typing import Any
 
@@ -12,7 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from omni_core.supervisor import stage_health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from omni_serve.auth import require_api_key
+from omni_serve.auth import has_api_key, require_api_key
 from omni_serve.middleware import started_at
 from omni_serve.server import ServerDep
 
@@ -55,13 +60,15 @@ async def prometheus(request: Request, server: ServerDep) -> Response:
 
 
 @public.get("/health")
-async def health(server: ServerDep) -> Response:
+async def health(request: Request, server: ServerDep) -> Response:
     """200 while every stage serves and the runtime has not failed: status ``ok`` when
     every worker is ready, ``degraded`` when a replica of a replicated stage is down but
     another of its replicas serves (``stages_summary`` says which). A stage none of whose
     workers serves (starting, restarting, dead) is 503 ``unhealthy``, and so is a failed
     runtime (status ``failed``, with the failure: ``{"part", "error"}``). ``stages`` is
-    per worker: a replicated stage's replicas are ``STAGE#i``."""
+    per worker: a replicated stage's replicas are ``STAGE#i``. Without the API key (where
+    the server has one) the answer is the status alone: pids, exit reasons and a
+    failure's text are the operator's."""
     workers = server.pipe.health()
     stages = {name: {k: h.get(k) for k in HEALTH_KEYS} for name, h in workers.items()}
     summary = stage_health(workers)
@@ -77,13 +84,16 @@ async def health(server: ServerDep) -> Response:
         if serving
         else "unhealthy"
     )
+    code = 200 if serving else 503
+    if not has_api_key(request):
+        return JSONResponse({"status": status}, status_code=code)
     body: dict[str, Any] = {"status": status, "stages": stages, "stages_summary": summary}
     zygote = getattr(server.pipe, "zygote", lambda: None)()
     if zygote is not None:  # how workers (re)start: a restart waits less with it ready
         body["zygote"] = {k: zygote.get(k) for k in ("start", "state", "restarts")}
     if failure is not None:
         body["failure"] = {"part": failure.get("part"), "error": failure.get("error")}
-    return JSONResponse(body, status_code=200 if serving else 503)
+    return JSONResponse(body, status_code=code)
 
 
 @functools.cache
@@ -91,7 +101,32 @@ def page() -> str:
     return resources.files("omni_serve").joinpath("static/index.html").read_text()
 
 
+def _hashes(tag: str, html: str) -> str:
+    """CSP sources of the inline ``<tag>`` blocks of ``html``: their SHA-256s."""
+    blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.DOTALL)
+    digests = (base64.b64encode(hashlib.sha256(b.encode()).digest()).decode() for b in blocks)
+    return " ".join(f"'sha256-{d}'" for d in digests)
+
+
+@functools.cache
+def page_headers() -> dict[str, str]:
+    """The page runs its own inline script and style (no other), talks to this server
+    only, shows images from data URLs and may be framed by no site (clickjacking)."""
+    html = page()
+    csp = (
+        f"default-src 'none'; script-src {_hashes('script', html)}; "
+        f"style-src {_hashes('style', html)}; img-src data:; connect-src 'self'; "
+        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return {
+        "Content-Security-Policy": csp,
+        "X-Frame-Options": "DENY",
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+    }
+
+
 @public.get("/", response_class=HTMLResponse)
 async def index() -> HTMLResponse:
     # static HTML holding no data: everything it fetches needs the API key
-    return HTMLResponse(page())
+    return HTMLResponse(page(), headers=page_headers())
