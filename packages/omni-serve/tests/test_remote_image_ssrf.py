@@ -304,3 +304,28 @@ def test_a_png_bomb_is_refused_from_its_header(mm_server):
     assert "1100x1000 pixels" in error(post(mm_server, chat(wide)))["message"]
     small = "data:image/png;base64," + base64.b64encode(synthetic_image(0)).decode()
     assert post(mm_server, chat(small)).status_code == 200
+
+
+def test_fetches_at_once_are_bounded_server_wide(public):
+    active, most, lock = [0], [0], threading.Lock()
+
+    def held(h: http.server.BaseHTTPRequestHandler) -> None:
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.3)  # a slow host, so that fetches overlap where they may
+        with lock:
+            active[0] -= 1
+        png(h)
+
+    public.routes["/held.png"] = held
+    for slots in (1, 3):
+        most[0] = 0
+        fetcher = RemoteImages(ALLOWED, 5.0, slots)
+
+        async def two_requests(fetcher: RemoteImages = fetcher) -> None:
+            reqs = [chat(public.url("/held.png"), public.url("/held.png")) for _ in range(2)]
+            await asyncio.gather(*(fetch_remote(r, fetcher, 1 << 20) for r in reqs))
+
+        asyncio.run(two_requests())
+        assert most[0] == slots  # 4 fetches: 1 at a time, or 3 (the control)

@@ -28,7 +28,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -139,6 +139,7 @@ class RemoteImages:
     allow: tuple[IPNetwork, ...]
     timeout_s: float
     concurrency: int
+    slots: asyncio.Semaphore = field(init=False)
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.concurrency)
