@@ -1,0 +1,126 @@
+"""``omni bench attack``: the runtime under attack, measured (docs/security.md).
+
+Two arms, each against a live runtime:
+
+* ``server``: ``omni serve configs/ar_chat.yaml`` with an API key (read from a file) in
+  a process of its own, attacked over HTTP (:mod:`omni_bench.attack_server`): a body at
+  the size limit while ``/health`` is sampled, slow-loris connections (headers and
+  bodies a byte at a time) while normal clients are served.
+* ``dataplane``: the shared-memory data plane and the cross-node channels
+  (:mod:`omni_bench.attack_dataplane`): forged and replayed frames on a cross-node channel
+  of a simulated Ray cluster, segment names that point outside ``/dev/shm`` or at a FIFO
+  pushed into a worker, a squatted segment name at start.
+
+Targets (``passed`` says whether every one held): ``health_p99_ms_during_big_body <= 50``,
+every slow-loris connection closed by the server within its deadline, ``served_ratio >=
+0.9``, ``forged_accepted == 0``, ``slots_freed_early == 0``, the stages keep serving, and
+``lost == 0`` throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from omni_bench.report import emit, run_arms
+from omni_bench.serve import OMNI, Server, free_port
+
+ARMS = ("server", "dataplane")
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def serve_command(config: str, port: int, key_file: Path, extra: list[str]) -> list[str]:
+    return [
+        *OMNI,
+        "serve",
+        config,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-key-file",
+        str(key_file),
+        *extra,
+    ]
+
+
+def server_arm(args: argparse.Namespace) -> dict[str, Any]:
+    from omni_bench.attack_server import run_server_attacks
+
+    with tempfile.TemporaryDirectory(prefix="omni-bench-attack-") as tmp:
+        key = secrets.token_urlsafe(24)
+        key_file = Path(tmp) / "api-key"
+        key_file.write_text(key + "\n")
+        key_file.chmod(0o600)
+        env = {k: v for k, v in os.environ.items() if k != "OMNI_API_KEY"}
+        cmd = serve_command(args.config, free_port(), key_file, args.serve_args)
+        server = Server("omni", cmd, env, Path(tmp) / "serve.log")
+        try:
+            server.wait_ready(args.ready_timeout)
+            return run_server_attacks(server.url, key)
+        except BaseException:
+            print(f"omni bench attack: the server's log ends:\n{server.tail()}", file=sys.stderr)
+            raise
+        finally:
+            server.stop()
+
+
+def dataplane_arm(args: argparse.Namespace) -> dict[str, Any]:
+    from omni_bench.attack_dataplane import run_dataplane_attacks
+
+    return run_dataplane_attacks()
+
+
+def verdict(res: dict[str, Any]) -> list[str]:
+    """The targets a result misses (empty: every one held)."""
+    missed = []
+    srv, dp = res.get("server", {}), res.get("dataplane", {})
+    checks = [
+        (srv, "health_p99_ms_during_big_body", lambda v: v <= 50),
+        (srv, "served_ratio", lambda v: v >= 0.9),
+        (srv, "slowloris_open_past_deadline", lambda v: v == 0),
+        (srv, "lost", lambda v: v == 0),
+        (dp, "forged_accepted", lambda v: v == 0),
+        (dp, "slots_freed_early", lambda v: v == 0),
+        (dp, "lost", lambda v: v == 0),
+    ]
+    for part, key, ok in checks:
+        if part and "error" not in part:
+            if key not in part or not ok(part[key]):
+                missed.append(f"{key}={part.get(key)!r}")
+    for name, part in res.items():
+        if isinstance(part, dict) and "error" in part:
+            missed.append(f"{name}: {part['error']}")
+    return missed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omni bench attack", description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--arms", default=",".join(ARMS), help="any of " + ", ".join(ARMS))
+    ap.add_argument("--config", default=str(ROOT / "configs" / "ar_chat.yaml"))
+    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument(
+        "--serve-arg",
+        dest="serve_args",
+        action="append",
+        default=[],
+        help="one more argument for `omni serve` (repeatable)",
+    )
+    args = ap.parse_args(argv)
+    run = {"server": lambda: server_arm(args), "dataplane": lambda: dataplane_arm(args)}
+    res, failed = run_arms(args.arms, run, ap.error)
+    missed = verdict(res)
+    res["missed"] = missed
+    res["passed"] = not missed and not failed
+    emit(res, args.json)
+    return 0 if res["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
