@@ -1,0 +1,357 @@
+"""The data plane under attack (``omni bench attack``'s ``dataplane`` arm).
+
+Local backend (:func:`run_local_attacks`): a pipeline ``src`` (holds each request a while)
+-> ``sink`` (reads arrays). Its sink's segment name is found taken at start (a file under
+it appears just before it is made: the name a squatter would need to guess); then, while
+normal requests run, a frame posing as ``src``'s first event of an attack request is pushed
+into the sink's data socket for each hostile segment reference: an absolute path, ``../``,
+a ``/`` inside a runtime-like name, a name that is not the runtime's, a symbolic link, a
+FIFO, a file that is not private, another user's file (as root), a span past the segment's
+end, the segment of another producer. Each must fail its own request naming the segment
+(``refused`` of ``attempted``) while the sink keeps serving (``sink_restarts == 0``).
+
+Simulated Ray cluster (:func:`run_ray_channel_attacks`, two nodes on this machine): frames
+posing as ``src``'s first event sent over ``up``'s channel on the other node by a peer
+without the keys and with another pipeline's keys (``forged_accepted``: requests they
+spoiled), a frame sent with the keys then its captured bytes replayed over a new
+connection (``replayed_accepted``; ``auth_failures`` counts refused handshake attempts: a
+client with the wrong keys retries every 100 ms), and forged Releases (with the keys) for
+the slots a reader holds on the head node (``slots_freed_early``).
+
+``lost``: requests sent during the attacks that got no terminal event by their deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import zmq
+from omni_core import Pipeline
+from omni_core import shm as shm_module
+from omni_core.events import Release, Segment, ShmHandle
+from omni_core.serial import encode_frame
+from omni_core.shm import SHM_DIR, owner_prefix
+from omni_testing.configs import chain
+
+DEADLINE_S = 30.0
+NOBODY = 65534
+
+
+@contextlib.contextmanager
+def squatted(label: str) -> Iterator[list[str]]:
+    """The next segment made for ``label`` finds its name taken (a file, another user's
+    as root, appears under it just before); yields the squatted paths, removed at the end."""
+    real = shm_module.create_locked
+    paths: list[str] = []
+
+    def create_locked(path: str, mode: int = 0o600) -> int | None:
+        if not paths and f"-{label}-" in os.path.basename(path):
+            with open(path, "wb") as f:
+                f.write(b"squatted")
+            if os.geteuid() == 0:
+                os.chown(path, NOBODY, NOBODY)
+            paths.append(path)
+        return real(path, mode)
+
+    shm_module.create_locked = create_locked
+    try:
+        yield paths
+    finally:
+        shm_module.create_locked = real
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+
+def plant(prefix: str, label: str, paths: list[str]) -> dict[str, str]:
+    """Case -> a hostile segment name; files planted under /dev/shm are added to ``paths``."""
+
+    def name(i: int) -> str:
+        return f"{prefix}{label}-{900 + i}-{os.urandom(8).hex()}"
+
+    def path(n: str) -> str:
+        paths.append(os.path.join(SHM_DIR, n))
+        return paths[-1]
+
+    cases = {
+        "absolute": "/etc/passwd",
+        "dotdot": "../../etc/passwd",
+        "slash": f"{prefix}{label}/../../../etc/passwd-0-{'0' * 16}",
+        "not_ours": "omni-config",
+    }
+    cases["symlink"] = name(1)
+    os.symlink("/etc/passwd", path(cases["symlink"]))
+    cases["fifo"] = name(2)
+    os.mkfifo(path(cases["fifo"]), 0o600)
+    for case, mode, uid in (("wrong_mode", 0o644, None), ("other_user", 0o600, NOBODY)):
+        if uid is not None and os.geteuid() != 0:
+            continue  # only root can make another user's file
+        cases[case] = name(3 if uid is None else 4)
+        p = path(cases[case])
+        with open(p, "wb") as f:
+            f.write(b"\0" * 4096)
+        os.chmod(p, mode)
+        if uid is not None:
+            os.chown(p, uid, uid)
+    return cases
+
+
+def push(address: str, frame: bytes) -> None:
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(address)
+    sock.send(frame)
+    sock.close(linger=1000)
+
+
+def first_event(rid: str, segment: str, producer: str = "src", offset: int = 0) -> Segment:
+    handle = ShmHandle(segment, offset, 16, "|u1", (16,), producer, 1)
+    return Segment(request_id=rid, sequence=0, stage="src", device_handles={"data": handle})
+
+
+class Load:
+    """Normal requests in a thread while the attacks run: each must end in time."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.pipe = pipe
+        self.stop = threading.Event()
+        self.ok = self.failed = self.lost = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            out = self.pipe.generate([{}], timeout_s=DEADLINE_S)[0]
+            if out.finish_reason == "timeout":
+                self.lost += 1
+            elif out.ok:
+                self.ok += 1
+            else:
+                self.failed += 1
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(DEADLINE_S + 10)
+
+
+def ended(handle: Any, timeout_s: float) -> list[Any] | None:
+    """The events of ``handle``, once its terminal one came within ``timeout_s`` (None:
+    lost)."""
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.extend(handle), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return list(got) if got and got[-1].terminal else None
+
+
+def run_local_attacks() -> dict[str, Any]:
+    cfg = chain(
+        ("src", "synthetic.sleep", {"hold_s": 0.2}),
+        ("sink", "synthetic.array_sink", {}),
+        heartbeat_interval_s=0.1,
+    )
+    res: dict[str, Any] = {}
+    planted: list[str] = []
+    t0 = time.monotonic()
+    try:
+        with squatted("sink") as taken, Pipeline(cfg) as pipe:
+            first = pipe.generate([{}], timeout_s=DEADLINE_S)[0]
+            res["squatted_start_ok"] = bool(taken) and first.ok and pipe.healthy
+            src_arena = next(n for n in pipe.backend.launcher.segments.names if "-src-" in n)
+            cases = plant(owner_prefix(src_arena), "src", planted)
+            msgs = {c: first_event(f"attack-{c}", n) for c, n in cases.items()}
+            msgs["past_end"] = first_event("attack-past_end", src_arena, offset=1 << 40)
+            msgs["other_producer"] = first_event("attack-other_producer", src_arena, "sink")
+            sink_pid = pipe.pids()["sink"]
+            load = Load(pipe)
+            handles = {c: pipe.submit({}, m.request_id, DEADLINE_S) for c, m in msgs.items()}
+            address = pipe.backend.addr.data("sink")
+            for m in msgs.values():
+                push(address, encode_frame([m]))
+            refused, lost, not_refused = 0, 0, []
+            for c, h in handles.items():
+                events = ended(h, DEADLINE_S + 10)
+                segment = msgs[c].device_handles["data"].segment
+                last = events[-1] if events else None
+                if last is None:
+                    lost += 1
+                elif last.event_type == "error" and segment[:60] in (last.message or ""):
+                    refused += 1
+                else:
+                    not_refused.append(c)
+            load.end()
+            after = pipe.generate([{}, {}], timeout_s=DEADLINE_S)
+            res.update(
+                attempted=len(msgs),
+                refused=refused,
+                not_refused=not_refused,
+                served_during=load.ok,
+                failed_during=load.failed,
+                served_after=sum(o.ok for o in after),
+                sink_restarts=pipe.metrics()["stages"]["sink"]["restarts"],
+                sink_same_pid=pipe.pids()["sink"] == sink_pid,
+                healthy_after=pipe.healthy,
+                lost=lost + load.lost + sum(o.finish_reason == "timeout" for o in after),
+            )
+    finally:
+        for p in planted:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+    res["local_s"] = round(time.monotonic() - t0, 1)
+    return res
+
+
+# ---------------------------------------------------------------------- Ray channels
+class Relay:
+    """A TCP relay to ``target`` that records what its one client sends."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.sent: list[bytes] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        conn, _ = self.listener.accept()
+        up = socket.create_connection(self.target)
+        threading.Thread(target=self._pump, args=(up, conn, None), daemon=True).start()
+        self._pump(conn, up, self.sent)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, log: list[bytes] | None) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if log is not None:
+                    log.append(data)
+                dst.sendall(data)
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def run_ray_channel_attacks() -> dict[str, Any]:
+    """Forged and replayed frames and forged Releases on a simulated two-node cluster."""
+    import ray
+    from omni_ray.channel_auth import ChannelKeys
+    from omni_ray.testing import on, simulated_cluster
+
+    t0 = time.monotonic()
+    res: dict[str, Any] = {}
+    cfg = chain(
+        ("src", "synthetic.sleep", {"hold_s": 1.0}, on("node_a")),
+        ("up", "synthetic.map", {"scale": 2}, on("node_b")),
+        ("arrays", "synthetic.array_source", {"nbytes": 256 << 10}, on("node_a")),
+        ("hold", "synthetic.sleep", {"hold_s": 2.0}, on("node_a")),
+        edges=[{"from": "src", "to": "up"}, {"from": "arrays", "to": "hold"}],
+        heartbeat_interval_s=0.1,
+    )
+    ctx = zmq.Context()
+    try:
+        with simulated_cluster(nodes=2), Pipeline(cfg, backend="ray") as pipe:
+            launcher = pipe.backend.launcher
+            keys = launcher.channel_keys
+            head = launcher.gateways[launcher.head_node]
+            (far,) = [g for n, g in launcher.gateways.items() if n != launcher.head_node]
+            far_ch = ray.get(far.channel_addresses.remote(), timeout=30)
+            head_ch = ray.get(head.channel_addresses.remote(), timeout=30)
+
+            def sender(address: str, k: ChannelKeys | None) -> zmq.Socket:
+                sock = ctx.socket(zmq.PUSH)
+                sock.linger = 0
+                if k is not None:
+                    k.client(sock)
+                sock.connect(address)
+                return sock
+
+            # forged first events for requests src holds, from peers without the keys
+            cases = {"no_keys": None, "other_pipeline_keys": ChannelKeys.new()}
+            handles = {c: pipe.submit({}, f"forged-{c}", DEADLINE_S) for c in cases}
+            socks = [sender(far_ch["up.data"], k) for k in cases.values()]
+            for s, c in zip(socks, cases, strict=True):
+                forged = Segment(request_id=f"forged-{c}", sequence=0, stage="src", tokens=[7])
+                s.send(encode_frame([forged]))
+            forged_accepted = lost = 0
+            for h in handles.values():
+                events = ended(h, DEADLINE_S + 10)
+                if events is None:
+                    lost += 1
+                    continue
+                tokens = [t for e in events if isinstance(e, Segment) for t in e.tokens or []]
+                if events[-1].event_type != "completed" or 14 in tokens:
+                    forged_accepted += 1
+            # replay: a frame sent with the keys through a recording relay, then its
+            # bytes over a new connection; up's intake counts what it takes in
+            received = lambda: pipe.metrics()["stages"]["up"]["received"]  # noqa: E731
+            base = received()
+            relay = Relay(far_ch["up.data"])
+            legit = sender(relay.address, keys)
+            legit.send(
+                encode_frame([Segment(request_id="replay-1", sequence=0, stage="src", tokens=[1])])
+            )
+            seen = wait_until(lambda: received() >= base + 1, 10)
+            with socket.create_connection(relay.target) as raw:
+                raw.sendall(b"".join(relay.sent))
+                time.sleep(1.0)  # ten heartbeats
+            replayed_accepted = received() - (base + 1)
+            # forged Releases (with the keys) for the slot the hold stage is reading
+            arrays = lambda: pipe.metrics()["stages"]["arrays"]["shm_slots_in_use"]  # noqa: E731
+            h = pipe.submit({"nbytes": 256 << 10}, "slots-1", DEADLINE_S)
+            holding = wait_until(lambda: arrays() >= 1, 10)
+            segment = ray.get(launcher.workers["arrays"].actor.where.remote())["segment"]
+            slots = [(i * (256 << 10), r) for i in range(4) for r in range(1, 5)]
+            rel = sender(head_ch["arrays.ctl"], keys)
+            for reader in ("hold", "up", "client"):
+                rel.send(encode_frame([Release(slots=slots, segment=segment, reader=reader)]))
+            time.sleep(0.5)
+            early = holding and arrays() == 0 and not h.done
+            lost += ended(h, DEADLINE_S + 10) is None
+            after = pipe.generate([{}, {}], timeout_s=DEADLINE_S)
+            far_info = ray.get(far.info.remote(), timeout=30)
+            head_info = ray.get(head.info.remote(), timeout=30)
+            res.update(
+                forged_sent=len(cases),
+                forged_accepted=forged_accepted,
+                auth_failures=far_info["auth_failures"],
+                replay_original_delivered=seen,
+                replayed_accepted=max(0, replayed_accepted),
+                releases_refused=head_info["refused"],
+                slot_held_before_release=holding,
+                slots_freed_early=int(early),
+                served_after=sum(o.ok for o in after),
+                lost=lost + sum(o.finish_reason == "timeout" for o in after),
+            )
+    finally:
+        ctx.destroy(linger=0)
+    res["s"] = round(time.monotonic() - t0, 1)
+    return res
+
+
+def run_dataplane_attacks(ray: bool = True) -> dict[str, Any]:
+    """Both parts (the Ray one where omni-ray is installed and ``ray``), as one flat dict:
+    the local part's keys as they are, the Ray part's prefixed ``ray_``, ``lost`` and
+    ``forged_accepted`` / ``slots_freed_early`` at the top."""
+    res = run_local_attacks()
+    if ray:
+        try:
+            import omni_ray  # noqa: F401
+        except ImportError:
+            res["ray"] = "skipped: omni-ray is not installed"
+            return res
+        part = run_ray_channel_attacks()
+        for k, v in part.items():
+            res[k if k in ("forged_accepted", "slots_freed_early") else f"ray_{k}"] = v
+        res["lost"] += part["lost"]
+    return res
