@@ -55,7 +55,7 @@ def health_latencies_ms(url: str, stop: threading.Event) -> list[float]:
 
 
 def p99(xs: list[float]) -> float:
-    return statistics.quantiles(xs, n=100)[98] if len(xs) > 1 else xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[98] if len(xs) > 1 else xs[0]
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ def final_of(ev: AnyEvent) -> dict[str, Any] | None:
     }
 
 
-def prepare(server: Server, raw: bytes) -> tuple[ImageRequest, list[dict[str, Any]]]:
+def prepare(server: Server, raw: bytearray) -> tuple[ImageRequest, list[dict[str, Any]]]:
     """The body as the OpenAI request and its pipeline requests, every value checked
     (run by :func:`off_loop`: in a worker thread for a big body)."""
     req = parse(ImageRequest, parse_json(raw))

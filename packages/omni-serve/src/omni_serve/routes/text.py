@@ -135,7 +135,7 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
 
 
 def prepare(
-    server: Server, raw: bytes, chat: bool
+    server: Server, raw: bytearray, chat: bool
 ) -> tuple[ChatRequest | CompletionRequest, dict[str, Any]]:
     """The body as the OpenAI request and the pipeline request, every value checked
     (run by :func:`off_loop`: in a worker thread for a big body)."""
