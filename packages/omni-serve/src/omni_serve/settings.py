@@ -68,9 +68,9 @@ class ServeSettings:
     allow_remote_images: bool = False
     """Chat image parts with http(s) URLs are fetched by the server (off: only data
     URLs)."""
-    remote_images_allow: tuple[IPNetwork, ...] = ()
+    remote_images_allow: tuple[IPNetwork | str, ...] = ()
     """Networks remote images may come from although they are internal (loopback,
-    private, link-local...: refused otherwise)."""
+    private, link-local...: refused otherwise); CIDR strings are parsed."""
     remote_image_timeout_s: float = 10.0
     """The whole of one remote image's fetch (connect, redirects, body)."""
     remote_image_concurrency: int = 8
@@ -101,13 +101,22 @@ class ServeSettings:
         check_timeout(self.header_timeout_s, "--header-timeout")
         check_timeout(self.body_timeout_s, "--body-timeout")
         check_timeout(self.keep_alive_timeout_s, "--keep-alive-timeout")
-        for name in ("max_connections", "max_header_bytes"):
-            if getattr(self, name) < 1:
-                raise SettingsError(f"{name}: expected a positive number")
         check_timeout(self.remote_image_timeout_s, "--remote-image-timeout")
-        for name in ("remote_image_concurrency", "max_chat_images", "max_image_bytes"):
-            if getattr(self, name) < 1:
-                raise SettingsError(f"{name}: expected a positive number")
-        for name in ("max_body_bytes", "max_tokens", "max_image_pixels", "max_images"):
+        self.remote_images_allow = tuple(
+            n
+            for item in self.remote_images_allow
+            for n in (networks(item) if isinstance(item, str) else (item,))
+        )
+        for name in (
+            "remote_image_concurrency",
+            "max_chat_images",
+            "max_image_bytes",
+            "max_body_bytes",
+            "max_tokens",
+            "max_image_pixels",
+            "max_images",
+            "max_connections",
+            "max_header_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: expected a positive number")
