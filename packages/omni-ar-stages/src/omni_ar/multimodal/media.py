@@ -12,6 +12,7 @@ import base64
 import binascii
 import hashlib
 import io
+import logging
 import os
 import stat
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from omni_ar.params import RequestError
+
+log = logging.getLogger("omni.ar.media")
 
 
 class MediaError(RequestError):
@@ -130,7 +133,12 @@ def decode_image(
             f"field {where!r}: image over max_image_pixels={max_pixels} (from its header)"
         ) from None
     except Exception as e:  # PIL raises many kinds for bad data
-        raise MediaError(f"field {where!r}: cannot decode image: {e}") from None
+        # Pillow's own words stay in the log: what reaches a client is this stage's
+        log.info("%s: cannot decode image: %s: %s", where, type(e).__name__, e)
+        raise MediaError(
+            f"field {where!r}: cannot decode image (not a complete image in a format "
+            "Pillow reads: PNG, JPEG, WebP, GIF, BMP...)"
+        ) from None
 
 
 def load_images(
