@@ -58,11 +58,17 @@ def server_arm(args: argparse.Namespace) -> dict[str, Any]:
         key_file.write_text(key + "\n")
         key_file.chmod(0o600)
         env = {k: v for k, v in os.environ.items() if k != "OMNI_API_KEY"}
-        cmd = serve_command(args.config, free_port(), key_file, args.serve_args)
+        deadlines = [
+            "--header-timeout",
+            str(args.header_timeout),
+            "--body-timeout",
+            str(args.body_timeout),
+        ]
+        cmd = serve_command(args.config, free_port(), key_file, deadlines + args.serve_args)
         server = Server("omni", cmd, env, Path(tmp) / "serve.log")
         try:
             server.wait_ready(args.ready_timeout)
-            return run_server_attacks(server.url, key)
+            return run_server_attacks(server.url, key, args.header_timeout, args.body_timeout)
         except BaseException:
             print(f"omni bench attack: the server's log ends:\n{server.tail()}", file=sys.stderr)
             raise
@@ -90,9 +96,8 @@ def verdict(res: dict[str, Any]) -> list[str]:
         (dp, "lost", lambda v: v == 0),
     ]
     for part, key, ok in checks:
-        if part and "error" not in part:
-            if key not in part or not ok(part[key]):
-                missed.append(f"{key}={part.get(key)!r}")
+        if part and "error" not in part and (key not in part or not ok(part[key])):
+            missed.append(f"{key}={part.get(key)!r}")
     for name, part in res.items():
         if isinstance(part, dict) and "error" in part:
             missed.append(f"{name}: {part['error']}")
@@ -105,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help="any of " + ", ".join(ARMS))
     ap.add_argument("--config", default=str(ROOT / "configs" / "ar_chat.yaml"))
     ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument("--header-timeout", type=float, default=10.0, help="the server's (its default)")
+    ap.add_argument("--body-timeout", type=float, default=30.0, help="the server's (its default)")
     ap.add_argument(
         "--serve-arg",
         dest="serve_args",

@@ -4,7 +4,8 @@ over HTTP by one client while others use it.
 * ``/health`` is sampled every ~10 ms, idle (``health_p99_ms_idle``) and while bodies at
   the 20 MiB limit are posted (``health_p99_ms_during_big_body``, target <= 50): a chat of
   one 20 MiB string and a completion of ~99,000 numbers, each parsed in full and refused
-  (a string ``max_tokens``).
+  by the server (a string ``max_tokens``), and the same chat well-typed, which the server
+  passes on to the pipeline (whose intake refuses its prompt as too long).
 * 64 slow-loris connections, 32 sending a head and 32 a body a byte a second
   (``slowloris_closed`` of ``slowloris``, ``slowloris_max_open_s``, and
   ``slowloris_open_past_deadline``: those open 2 s past the server's deadline, target 0),
@@ -52,9 +53,11 @@ def _big_bodies() -> list[tuple[str, bytes]]:
     chat["messages"][0]["content"] = "a" * (LIMIT - len(json.dumps(chat)) - 64)
     numbers: dict[str, Any] = {"prompt": "x", "max_tokens": "10", "stop": [1.5] * 99_000}
     numbers["user"] = "u" * (LIMIT - len(json.dumps(numbers)) - 64)
+    valid = {**chat, "max_tokens": 10}  # parsed, passed to the pipeline, refused by its intake
     return [
         ("/v1/chat/completions", json.dumps(chat).encode()),
         ("/v1/completions", json.dumps(numbers).encode()),
+        ("/v1/chat/completions", json.dumps(valid).encode()),
     ]
 
 

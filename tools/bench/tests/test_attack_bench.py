@@ -1,0 +1,42 @@
+"""``omni bench attack`` runs whole, with short server deadlines: what must hold on any
+machine (nothing forged accepted, no slot freed early, every slow-loris connection closed
+by its deadline, nothing lost) is checked; the timing figures only for their presence
+(``health_p99_ms_during_big_body <= 50`` is the bench's target, not a test's)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from omni_bench.serve import OMNI
+
+
+def test_attack_bench_holds_what_must_hold():
+    out = subprocess.run(
+        [*OMNI, "bench", "attack", "--json", "--header-timeout", "2", "--body-timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert out.returncode in (0, 1), out.stderr[-4000:]  # 1: a target missed
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    srv, dp = r["server"], r["dataplane"]
+    assert "error" not in srv and "error" not in dp, (srv, dp)
+    # the server: every big body answered (a 4xx: parsed and refused), every slow-loris
+    # connection closed by the server, normal clients answered throughout
+    assert set(srv["big_body_statuses"]) <= {400, 413}, srv
+    assert srv["health_p99_ms_idle"] > 0 and srv["health_p99_ms_during_big_body"] > 0
+    assert srv["slowloris"] == 64 and srv["slowloris_closed"] == 64, srv
+    assert srv["slowloris_open_past_deadline"] == 0 and srv["slowloris_max_open_s"] < 6, srv
+    assert srv["rps_without_attack"] > 0 and srv["rps_during_slowloris"] > 0, srv
+    assert srv["lost"] == 0, srv
+    # the data plane: every hostile segment refused, the stage serving on; nothing forged
+    # or replayed accepted on the cross-node channel, no slot freed for a forged Release
+    assert dp["squatted_start_ok"] and dp["refused"] == dp["attempted"] > 0, dp
+    assert dp["sink_same_pid"] and dp["served_after"] > 0 and dp["healthy_after"], dp
+    assert dp["forged_accepted"] == 0 and dp["ray_replayed_accepted"] == 0, dp
+    assert dp["ray_replay_original_delivered"] and dp["ray_auth_failures"] > 0, dp
+    assert dp["slots_freed_early"] == 0 and dp["ray_releases_refused"] > 0, dp
+    assert dp["lost"] == 0 and dp["ray_lost"] == 0, dp
+    missed = [m for m in r["missed"] if not m.startswith(("health_p99", "served_ratio"))]
+    assert not missed, r["missed"]
