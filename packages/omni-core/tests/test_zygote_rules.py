@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from omni_core.zygote import Fork, Forked, _decoder, _encoder, import_time_keys
+from omni_core.zygote import Fork, Forked, _decoder, _encoder, import_time_keys, inherited_env
 
 
 def test_only_changed_import_time_variables_force_a_spawn():
@@ -37,3 +37,15 @@ def test_wire_messages_round_trip():
     msg = Fork(worker="w#1", spec_path="/tmp/x.spec.json", env={"A": "b"})
     assert _decoder.decode(_encoder.encode(msg)) == msg
     assert _decoder.decode(_encoder.encode(Forked(12))) == Forked(12)
+
+
+def test_no_worker_environment_carries_the_api_key(monkeypatch):
+    """Every worker's environment (spawned, the zygote's, a Ray actor's ``OMNI_``
+    variables) is made by ``inherited_env``: never with the server's key."""
+    monkeypatch.setenv("OMNI_API_KEY", "sekrit")
+    monkeypatch.setenv("OMNI_SOME_SETTING", "1")
+    monkeypatch.setenv("UNRELATED", "2")
+    everything, forwarded = inherited_env(), inherited_env("OMNI_")
+    assert "OMNI_API_KEY" not in everything and "OMNI_API_KEY" not in forwarded
+    assert everything["UNRELATED"] == "2" and "UNRELATED" not in forwarded
+    assert forwarded["OMNI_SOME_SETTING"] == "1"

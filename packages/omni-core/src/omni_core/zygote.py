@@ -356,10 +356,11 @@ def apply_thread_env() -> None:
 SECRET_ENV = ("OMNI_API_KEY",)
 
 
-def inherited_env() -> dict[str, str]:
-    """The environment a worker (or the zygote) starts with: this process's, without
+def inherited_env(prefix: str = "") -> dict[str, str]:
+    """The environment a worker (or the zygote) starts with: this process's variables
+    (those starting with ``prefix``: a Ray actor gets the ``OMNI_`` ones), without
     :data:`SECRET_ENV`."""
-    return {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+    return {k: v for k, v in os.environ.items() if k.startswith(prefix) and k not in SECRET_ENV}
 
 
 def import_time_keys(extra_env: dict[str, str], base: dict[str, str]) -> list[str]:

@@ -29,6 +29,7 @@ from omni_core.errors import RuntimeFailedError, StageStartError
 from omni_core.events import InlineArray
 from omni_core.host import CLIENT
 from omni_core.serial import ArrayCodec, _from_bytes, check_request, decode_event_frame
+from omni_core.zygote import inherited_env
 
 from omni_ray.control_actor import ControlActor, encode_config
 
@@ -129,7 +130,6 @@ class RayClientBackend:
                 time.sleep(1.0)
 
     def _make_actor(self) -> Any:
-        import os
 
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -141,7 +141,7 @@ class RayClientBackend:
             raise StageStartError(
                 f"Ray Client at {self.cfg.backend.address}: no alive head node in the cluster"
             )
-        env = {k: v for k, v in os.environ.items() if k.startswith("OMNI_")}
+        env = inherited_env("OMNI_")
         return (
             ray.remote(ControlActor)
             .options(

@@ -27,6 +27,7 @@ from omni_core.launcher import Launcher, WorkerHandle
 from omni_core.serial import encode_json
 from omni_core.shm import SHM_DIR, list_segments
 from omni_core.worker import WorkerSpec
+from omni_core.zygote import inherited_env
 
 from omni_ray.channel_auth import ChannelKeys, curve_available
 from omni_ray.gateway import NodeGateway
@@ -251,7 +252,7 @@ class RayLauncher(Launcher):
             options["resources"] = dict(pl.resources)
         if pl.node_labels:
             options["label_selector"] = dict(pl.node_labels)
-        env = {k: v for k, v in os.environ.items() if k.startswith("OMNI_")}
+        env = inherited_env("OMNI_")
         env.update(st.extra_env)
         if env:
             options["runtime_env"] = {"env_vars": env}
