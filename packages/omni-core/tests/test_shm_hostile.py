@@ -285,6 +285,29 @@ def test_a_pipeline_refuses_hostile_frames_and_keeps_serving(monkeypatch):
             os.unlink(path)
 
 
+def test_a_result_naming_another_pipelines_segment_is_refused():
+    """A result pushed onto the orchestrator's results socket may name only this
+    pipeline's segments: a valid, private segment of another owner (planted here) fails
+    just that request, naming it; the pipeline serves on."""
+    planted = Planted(f"omni-{os.getpid()}-0ther0wner-", "sink")
+    try:
+        with Pipeline(SLOW_SRC) as pipe:
+            assert pipe.generate([{}], timeout_s=20)[0].ok
+            name = planted.file()
+            h = pipe.submit({}, request_id="attack-result", timeout_s=20)
+            bad = forged("attack-result", name, producer="sink")
+            bad.stage = "sink"
+            push(pipe.backend.addr.results, encode_frame([bad]))
+            last = list(h)[-1]
+            assert last.event_type == "error" and name[:60] in last.message, last
+            assert "not a segment of this pipeline" in last.message, last.message
+            outs = pipe.generate([{} for _ in range(3)], timeout_s=20)
+            assert [o.ok for o in outs] == [True] * 3, [o.error for o in outs]
+            assert pipe.healthy
+    finally:
+        planted.remove()
+
+
 def test_a_real_array_still_goes_through_the_checks(owner):
     arena = Arena(owner.create("p", 1 << 20))
     producer = ArrayCodec("p", arena, threshold=1024)

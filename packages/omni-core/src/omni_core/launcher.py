@@ -116,6 +116,9 @@ class Launcher(ABC):
     """Starts the workers of one pipeline and owns their segments and socket directory."""
 
     socket_dir: str  # where the orchestrator binds its sockets (on its own host)
+    # the prefix of every segment a result may name (None: the segments are not one
+    # owner's, as on Ray, where each node's gateway owns its own)
+    segment_scope: str | None = None
 
     @abstractmethod
     def spawn(self, worker: str) -> WorkerHandle:
@@ -302,6 +305,7 @@ class ProcessLauncher(Launcher):
         self.socket_dir = make_socket_dir()
         try:
             self.segments = SegmentOwner()
+            self.segment_scope = self.segments.prefix
         except BaseException:
             remove_socket_dir(self.socket_dir)
             raise

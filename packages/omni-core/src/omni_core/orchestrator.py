@@ -55,6 +55,7 @@ from omni_core.serial import (
     releases,
     salvage_frame,
 )
+from omni_core.shm import SegmentReader
 from omni_core.supervisor import StageProc, Supervisor
 from omni_core.trace import TraceLog
 from omni_core.transport import Addresses, Outbox, Waker, pull_socket, push_socket
@@ -298,7 +299,8 @@ class Orchestrator:
         self.launcher = launcher or ProcessLauncher(cfg)
         self.supervisor = Supervisor(cfg, self.launcher)
         self.addr = Addresses(self.launcher.socket_dir)
-        self.codec = ArrayCodec(CLIENT)
+        # results name only this pipeline's segments (a socket's peer cannot widen that)
+        self.codec = ArrayCodec(CLIENT, reader=SegmentReader(scope=self.launcher.segment_scope))
         self.collector = Collector(
             cfg.sinks(), cfg.client_streams(), self.codec, cfg.preview_streams()
         )

@@ -235,6 +235,11 @@ class SegmentOwner:
         self._serial = itertools.count()  # names are never reused, even after an unlink
         sweep_stale(directory)
 
+    @property
+    def prefix(self) -> str:
+        """What every segment of this owner's starts with (:func:`owner_prefix`)."""
+        return f"{PREFIX}{os.getpid()}-{self.token}-"
+
     def create(self, label: str, size: int) -> str:
         """Create a sparse segment of ``size`` bytes; pages cost memory only once written.
 
@@ -244,9 +249,7 @@ class SegmentOwner:
             raise ValueError(f"segment label {label!r} is not a worker name")
         taken = 0
         for _ in range(CREATE_TRIES):
-            name = (
-                f"{PREFIX}{os.getpid()}-{self.token}-{label}-{next(self._serial)}-{fresh_suffix()}"
-            )
+            name = f"{self.prefix}{label}-{next(self._serial)}-{fresh_suffix()}"
             path = os.path.join(self.directory, name)
             try:
                 fd = create_locked(path)
