@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 from omni_core import Pipeline
-from omni_core import shm as shm_module
 from omni_core.events import Segment, ShmHandle
 from omni_core.serial import ArrayCodec, encode_frame
 from omni_core.shm import (
@@ -30,9 +29,12 @@ from omni_core.shm import (
     owner_prefix,
 )
 from omni_testing.configs import chain
-
-ROOT = os.geteuid() == 0
-NOBODY = 65534
+from omni_testing.hostile import (
+    PlantedSegments,
+    hostile_segment_names,
+    push_frames,
+    squatted_segment_names,
+)
 
 
 @pytest.fixture
@@ -40,69 +42,6 @@ def owner() -> Iterator[SegmentOwner]:
     o = SegmentOwner()
     yield o
     o.unlink_all()
-
-
-class Planted:
-    """Files planted in /dev/shm under names a reader would accept; removed at the end."""
-
-    def __init__(self, prefix: str, label: str) -> None:
-        self.prefix = prefix
-        self.label = label
-        self.paths: list[str] = []
-        self.serial = 900
-
-    def name(self) -> str:
-        self.serial += 1
-        return f"{self.prefix}{self.label}-{self.serial}-{os.urandom(8).hex()}"
-
-    def _path(self, name: str) -> str:
-        path = os.path.join(SHM_DIR, name)
-        self.paths.append(path)
-        return path
-
-    def symlink(self, target: str = "/etc/passwd") -> str:
-        name = self.name()
-        os.symlink(target, self._path(name))
-        return name
-
-    def fifo(self) -> str:
-        name = self.name()
-        os.mkfifo(self._path(name), 0o600)
-        return name
-
-    def file(self, mode: int = 0o600, uid: int | None = None) -> str:
-        name = self.name()
-        path = self._path(name)
-        with open(path, "wb") as f:
-            f.write(b"\0" * 4096)
-        os.chmod(path, mode)
-        if uid is not None:
-            os.chown(path, uid, uid)
-        return name
-
-    def remove(self) -> None:
-        for p in self.paths:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
-
-
-def hostile_names(prefix: str, label: str, planted: Planted) -> dict[str, str]:
-    """Case -> a segment name a hostile message may carry (reached through the checks)."""
-    cases = {
-        "absolute": "/etc/passwd",
-        "dotdot": "../../etc/passwd",
-        "slash": f"{prefix}{label}/../../../etc/passwd-0-{'0' * 16}",
-        "not_ours": "omni-config",
-        "symlink": planted.symlink(),
-        "fifo": planted.fifo(),
-        "wrong_mode": planted.file(mode=0o644),
-        "empty_private": planted.name(),  # does not exist: FileNotFoundError
-    }
-    if ROOT:  # only root can make another user's file
-        cases["other_user"] = planted.file(uid=NOBODY)
-    return cases
 
 
 def unpack_in_thread(codec: ArrayCodec, handle: ShmHandle) -> BaseException | None:
@@ -126,14 +65,14 @@ def unpack_in_thread(codec: ArrayCodec, handle: ShmHandle) -> BaseException | No
 def test_hostile_segment_names_are_refused_quickly_naming_the_segment(owner):
     seg = owner.create("p", 1 << 16)
     prefix = owner_prefix(seg)
-    planted = Planted(prefix, "p")
+    planted = PlantedSegments(prefix, "p")
     try:
         codec = ArrayCodec("r", reader=SegmentReader(scope=prefix))
-        for case, name in hostile_names(prefix, "p", planted).items():
+        for case, name in hostile_segment_names(planted).items():
             t0 = time.monotonic()
             err = unpack_in_thread(codec, ShmHandle(name, 0, 16, "|u1", (16,), "p", 1))
             assert time.monotonic() - t0 < 1.0, case
-            if case == "empty_private":
+            if case == "missing":
                 assert isinstance(err, FileNotFoundError), (case, err)
                 continue
             assert isinstance(err, BadSegment), (case, err)
@@ -185,28 +124,8 @@ def test_names_carry_fresh_randomness(owner):
         owner.create("../x", 4096)
 
 
-def squat_next_create(monkeypatch: pytest.MonkeyPatch, label: str, times: int = 1) -> list[str]:
-    """The next ``times`` segments made for ``label`` find their name taken: a file (another
-    user's, as root) appears under it just before. Returns the squatted paths."""
-    real = shm_module.create_locked
-    squatted: list[str] = []
-
-    def create_locked(path: str, mode: int = 0o600) -> int | None:
-        if f"-{label}-" in os.path.basename(path) and len(squatted) < times:
-            with open(path, "wb") as f:
-                f.write(b"squatted")
-            if ROOT:
-                os.chown(path, NOBODY, NOBODY)
-            squatted.append(path)
-        return real(path, mode)
-
-    monkeypatch.setattr(shm_module, "create_locked", create_locked)
-    return squatted
-
-
-def test_a_taken_name_is_retried_under_another(owner, monkeypatch, caplog):
-    squatted = squat_next_create(monkeypatch, "p", times=3)
-    try:
+def test_a_taken_name_is_retried_under_another(owner, caplog):
+    with squatted_segment_names("p", times=3) as squatted:
         name = owner.create("p", 4096)
         assert len(squatted) == 3 and os.path.join(SHM_DIR, name) not in squatted
         Arena(name).close()  # a segment like any other
@@ -214,9 +133,6 @@ def test_a_taken_name_is_retried_under_another(owner, monkeypatch, caplog):
             with open(path, "rb") as f:
                 assert f.read() == b"squatted"
         assert sum("is taken" in r.getMessage() for r in caplog.records) == 3
-    finally:
-        for path in squatted:
-            os.unlink(path)
 
 
 # ---------------------------------------------------------------------- a live pipeline
@@ -227,36 +143,25 @@ SLOW_SRC = chain(
 )
 
 
-def push(address: str, frame: bytes) -> None:
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.connect(address)
-    sock.send(frame)
-    sock.close(linger=1000)
-
-
 def forged(rid: str, name: str, producer: str = "src", offset: int = 0, nbytes: int = 16) -> Any:
     handle = ShmHandle(name, offset, nbytes, "|u1", (max(nbytes, 0),), producer, 1)
     return Segment(request_id=rid, sequence=0, stage="src", device_handles={"data": handle})
 
 
-def test_a_pipeline_refuses_hostile_frames_and_keeps_serving(monkeypatch):
+def test_a_pipeline_refuses_hostile_frames_and_keeps_serving():
     """Each hostile handle is pushed into the sink's data socket as the first event of a
     request in flight (src holds it): that request fails naming the segment; the sink is
     not restarted and later requests complete. The sink's own segment was squatted at
     start: the stage started anyway."""
-    squatted = squat_next_create(monkeypatch, "sink")
-    planted: Planted | None = None
+    planted: PlantedSegments | None = None
     try:
-        with Pipeline(SLOW_SRC) as pipe:
+        with squatted_segment_names("sink") as squatted, Pipeline(SLOW_SRC) as pipe:
             assert len(squatted) == 1 and pipe.health()["sink"]["state"] == "ready"
             assert pipe.generate([{}], timeout_s=20)[0].ok
             segments = pipe.backend.launcher.segments.names
             src_arena = next(n for n in segments if "-src-" in n)
-            prefix = owner_prefix(src_arena)
-            planted = Planted(prefix, "src")
-            cases = hostile_names(prefix, "src", planted)
+            planted = PlantedSegments(owner_prefix(src_arena), "src")
+            cases = hostile_segment_names(planted)
             messages = {case: forged(f"attack-{case}", name) for case, name in cases.items()}
             messages["past_end"] = forged("attack-past_end", src_arena, offset=(1 << 40))
             messages["foreign_producer"] = forged("attack-foreign", src_arena, producer="other")
@@ -265,9 +170,9 @@ def test_a_pipeline_refuses_hostile_frames_and_keeps_serving(monkeypatch):
                 c: pipe.submit({}, request_id=m.request_id, timeout_s=20)
                 for c, m in messages.items()
             }
-            address = pipe.backend.addr.data("sink")
-            for m in messages.values():
-                push(address, encode_frame([m]))
+            push_frames(
+                pipe.backend.addr.data("sink"), *(encode_frame([m]) for m in messages.values())
+            )
             for case, h in handles.items():
                 events = list(h)
                 last = events[-1]
@@ -281,15 +186,13 @@ def test_a_pipeline_refuses_hostile_frames_and_keeps_serving(monkeypatch):
     finally:
         if planted is not None:
             planted.remove()
-        for path in squatted:
-            os.unlink(path)
 
 
 def test_a_result_naming_another_pipelines_segment_is_refused():
     """A result pushed onto the orchestrator's results socket may name only this
     pipeline's segments: a valid, private segment of another owner (planted here) fails
     just that request, naming it; the pipeline serves on."""
-    planted = Planted(f"omni-{os.getpid()}-0ther0wner-", "sink")
+    planted = PlantedSegments(f"omni-{os.getpid()}-0ther0wner-", "sink")
     try:
         with Pipeline(SLOW_SRC) as pipe:
             assert pipe.generate([{}], timeout_s=20)[0].ok
@@ -297,7 +200,7 @@ def test_a_result_naming_another_pipelines_segment_is_refused():
             h = pipe.submit({}, request_id="attack-result", timeout_s=20)
             bad = forged("attack-result", name, producer="sink")
             bad.stage = "sink"
-            push(pipe.backend.addr.results, encode_frame([bad]))
+            push_frames(pipe.backend.addr.results, encode_frame([bad]))
             last = list(h)[-1]
             assert last.event_type == "error" and name[:60] in last.message, last
             assert "not a segment of this pipeline" in last.message, last.message

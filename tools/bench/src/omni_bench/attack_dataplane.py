@@ -24,89 +24,26 @@ the slots a reader holds on the head node (``slots_freed_early``).
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 from omni_core import Pipeline
-from omni_core import shm as shm_module
 from omni_core.events import Release, Segment, ShmHandle
 from omni_core.serial import encode_frame
-from omni_core.shm import SHM_DIR, owner_prefix
+from omni_core.shm import owner_prefix
 from omni_testing.configs import chain
+from omni_testing.hostile import (
+    PlantedSegments,
+    hostile_segment_names,
+    push_frames,
+    squatted_segment_names,
+)
 
 DEADLINE_S = 30.0
-NOBODY = 65534
-
-
-@contextlib.contextmanager
-def squatted(label: str) -> Iterator[list[str]]:
-    """The next segment made for ``label`` finds its name taken (a file, another user's
-    as root, appears under it just before); yields the squatted paths, removed at the end."""
-    real = shm_module.create_locked
-    paths: list[str] = []
-
-    def create_locked(path: str, mode: int = 0o600) -> int | None:
-        if not paths and f"-{label}-" in os.path.basename(path):
-            with open(path, "wb") as f:
-                f.write(b"squatted")
-            if os.geteuid() == 0:
-                os.chown(path, NOBODY, NOBODY)
-            paths.append(path)
-        return real(path, mode)
-
-    shm_module.create_locked = create_locked
-    try:
-        yield paths
-    finally:
-        shm_module.create_locked = real
-        for p in paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
-
-
-def plant(prefix: str, label: str, paths: list[str]) -> dict[str, str]:
-    """Case -> a hostile segment name; files planted under /dev/shm are added to ``paths``."""
-
-    def name(i: int) -> str:
-        return f"{prefix}{label}-{900 + i}-{os.urandom(8).hex()}"
-
-    def path(n: str) -> str:
-        paths.append(os.path.join(SHM_DIR, n))
-        return paths[-1]
-
-    cases = {
-        "absolute": "/etc/passwd",
-        "dotdot": "../../etc/passwd",
-        "slash": f"{prefix}{label}/../../../etc/passwd-0-{'0' * 16}",
-        "not_ours": "omni-config",
-    }
-    cases["symlink"] = name(1)
-    os.symlink("/etc/passwd", path(cases["symlink"]))
-    cases["fifo"] = name(2)
-    os.mkfifo(path(cases["fifo"]), 0o600)
-    for case, mode, uid in (("wrong_mode", 0o644, None), ("other_user", 0o600, NOBODY)):
-        if uid is not None and os.geteuid() != 0:
-            continue  # only root can make another user's file
-        cases[case] = name(3 if uid is None else 4)
-        p = path(cases[case])
-        with open(p, "wb") as f:
-            f.write(b"\0" * 4096)
-        os.chmod(p, mode)
-        if uid is not None:
-            os.chown(p, uid, uid)
-    return cases
-
-
-def push(address: str, frame: bytes) -> None:
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.connect(address)
-    sock.send(frame)
-    sock.close(linger=1000)
 
 
 def first_event(rid: str, segment: str, producer: str = "src", offset: int = 0) -> Segment:
@@ -156,14 +93,15 @@ def run_local_attacks() -> dict[str, Any]:
         heartbeat_interval_s=0.1,
     )
     res: dict[str, Any] = {}
-    planted: list[str] = []
+    planted: PlantedSegments | None = None
     t0 = time.monotonic()
     try:
-        with squatted("sink") as taken, Pipeline(cfg) as pipe:
+        with squatted_segment_names("sink") as taken, Pipeline(cfg) as pipe:
             first = pipe.generate([{}], timeout_s=DEADLINE_S)[0]
             res["squatted_start_ok"] = bool(taken) and first.ok and pipe.healthy
             src_arena = next(n for n in pipe.backend.launcher.segments.names if "-src-" in n)
-            cases = plant(owner_prefix(src_arena), "src", planted)
+            planted = PlantedSegments(owner_prefix(src_arena), "src")
+            cases = hostile_segment_names(planted)
             msgs = {c: first_event(f"attack-{c}", n) for c, n in cases.items()}
             msgs["past_end"] = first_event("attack-past_end", src_arena, offset=1 << 40)
             msgs["other_producer"] = first_event("attack-other_producer", src_arena, "sink")
@@ -171,8 +109,7 @@ def run_local_attacks() -> dict[str, Any]:
             load = Load(pipe)
             handles = {c: pipe.submit({}, m.request_id, DEADLINE_S) for c, m in msgs.items()}
             address = pipe.backend.addr.data("sink")
-            for m in msgs.values():
-                push(address, encode_frame([m]))
+            push_frames(address, *(encode_frame([m]) for m in msgs.values()))
             refused, lost, not_refused = 0, 0, []
             for c, h in handles.items():
                 events = ended(h, DEADLINE_S + 10)
@@ -199,9 +136,8 @@ def run_local_attacks() -> dict[str, Any]:
                 lost=lost + load.lost + sum(o.finish_reason == "timeout" for o in after),
             )
     finally:
-        for p in planted:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+        if planted is not None:
+            planted.remove()
     res["local_s"] = round(time.monotonic() - t0, 1)
     return res
 

@@ -35,7 +35,6 @@ import time
 from collections import Counter
 from typing import Any
 
-import zmq
 from omni_core import Pipeline, load_config
 from omni_core.errors import OverloadedError
 from omni_core.events import Segment
@@ -43,6 +42,7 @@ from omni_core.serial import encode_frame
 from omni_core.shm import list_segments
 from omni_core.supervisor import LATE_HEARTBEATS, MIN_LATE_S
 from omni_testing.configs import chain
+from omni_testing.hostile import push_frames
 
 from omni_bench.report import emit
 from omni_bench.soak import rss_bytes
@@ -227,25 +227,17 @@ def in_flight(pipe: Pipeline) -> list[str]:
         return list(pipe.backend.collector.wire)
 
 
-def push(address: str, frames: list[bytes]) -> None:
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.connect(address)
-    for f in frames:
-        sock.send(f)
-    sock.close(linger=1000)
-
-
 def inject_bad_frame(pipe: Pipeline, stage: str) -> None:
     wire = in_flight(pipe)
     bad = Segment(request_id=wire[0] if wire else "nobody", stage="x", payload={0: "x"})
-    push(pipe.backend.addr.data(stage), [os.urandom(64), encode_frame([bad])])
+    push_frames(pipe.backend.addr.data(stage), os.urandom(64), encode_frame([bad]))
 
 
 def inject_bad_result(pipe: Pipeline) -> None:
     wire = in_flight(pipe)
     sink = pipe.config.sinks()[0]
     bad = Segment(request_id=wire[0] if wire else "nobody", stage=sink, payload={0: "x"})
-    push(pipe.backend.addr.results, [os.urandom(64), encode_frame([bad])])
+    push_frames(pipe.backend.addr.results, os.urandom(64), encode_frame([bad]))
 
 
 class Chaos:
