@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 from omni_core import Pipeline
-from omni_core.errors import StageStartError
+from omni_core.errors import StageStartError, UserInputError
 from omni_core.shm import list_segments
 from omni_testing.configs import chain
 
@@ -147,6 +147,19 @@ def test_error_in_one_request_leaves_others_alone():
     assert "field 'reject'" in outs[2].error
     assert outs[0].tokens == [0, 1, 2, 3] and outs[3].tokens == [0, 1, 2, 3, 4]
     assert again[0].ok
+
+
+def test_a_raised_user_input_error_is_the_requests_fault():
+    """A stage that raises UserInputError fails the request with code invalid_request
+    (a server shows its words); any other exception is the stage's failure."""
+    cfg = chain(("src", "synthetic.source", {"segment": 2}), ("f", "synthetic.faulty", {}))
+    with Pipeline(cfg) as pipe:
+        refused = list(pipe.submit({"n": 4, "refuse": True}, timeout_s=20))[-1]
+        failed = list(pipe.submit({"n": 4, "fail": True}, timeout_s=20))[-1]
+        assert pipe.generate([{"n": 2}])[0].ok
+    assert refused.event_type == "error" and refused.code == UserInputError.code, refused
+    assert refused.message == "stage 'f': field 'refuse': this stage refuses such requests"
+    assert failed.event_type == "error" and failed.code == "stage_error", failed
 
 
 def test_load_failure_names_the_stage():

@@ -15,9 +15,10 @@ class OmniError(RuntimeError):
 
 class UserInputError(ValueError):
     """A request's own fault, in words meant for its client (``field 'image.width': 4000
-    is over the limit of ...``): a stage raises it, or yields ``inp.fail(error)`` with it,
-    and its message (prefixed with the stage's name) is what a server may show the
-    client, with code ``invalid_request``. Any other failure's text is for the logs only
+    is over the limit of ...``): a stage raises it (failing the requests of that call, as
+    any exception would, but as theirs) or yields ``inp.fail(error)`` with it, and its
+    message (prefixed with the stage's name) is what a server may show the client, with
+    code ``invalid_request``. Any other failure's text is for the logs only
     (a server shows a generic message and the request id)."""
 
     code = "invalid_request"

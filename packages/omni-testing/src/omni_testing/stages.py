@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+from omni_core.errors import UserInputError
 from omni_core.stage import Stage, StageEvent, StageInput
 
 
@@ -224,7 +225,8 @@ class FailOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Faulty(Stage):
-    """Passes tokens on; raises for a request with ``"fail": true``, crashes on ``"crash"``,
+    """Passes tokens on; raises for a request with ``"fail": true`` (a
+    :class:`~omni_core.errors.UserInputError` on ``"refuse"``), crashes on ``"crash"``,
     emits what cannot be decoded on ``"undecodable"``, sleeps ``"hang_s"`` in one step."""
 
     Options = FailOptions
@@ -255,6 +257,8 @@ class Faulty(Stage):
             if inp.request.get("reject"):
                 yield inp.fail("request rejected: field 'reject' is set")
                 continue
+            if inp.request.get("refuse"):  # the request's fault, raised
+                raise UserInputError("field 'refuse': this stage refuses such requests")
             if inp.request.get("undecodable"):  # encodes, but no receiver can decode it
                 yield inp.segment([1], payload={0: "x"}, is_last=True)  # type: ignore[dict-item]
                 continue

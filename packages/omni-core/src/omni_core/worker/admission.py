@@ -12,6 +12,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from omni_core.errors import UserInputError
 from omni_core.events import Ack, Completed, SegmentRun, ShmHandle, Submit
 from omni_core.host import CLIENT, RequestFailed, WorkItem
 
@@ -59,10 +60,12 @@ class WorkQueue:
                             )
                             w.send_status(ack)
                 except Exception as e:  # ends this request only; the I/O thread goes on
-                    why = str(e) if isinstance(e, RequestFailed) else f"{type(e).__name__}: {e}"
+                    plain = isinstance(e, RequestFailed | UserInputError)
+                    why = str(e) if plain else f"{type(e).__name__}: {e}"
+                    code = e.code if isinstance(e, UserInputError) else "stage_error"
                     own = getattr(msg, "device_handles", {}).values()
                     host.releasable.extend(h for h in own if isinstance(h, ShmHandle))
-                    self.fail(msg.request_id, why)
+                    self.fail(msg.request_id, why, code)
                     continue
                 for item in items:
                     item.queued_at = now

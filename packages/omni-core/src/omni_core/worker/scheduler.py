@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from omni_core.errors import UserInputError
 from omni_core.events import Error, Event, Segment, SegmentRun, ShmHandle, TraceMark, TraceSpan
 from omni_core.host import CLIENT, WorkItem
 from omni_core.stage import StageEvent
@@ -124,6 +125,17 @@ class Scheduler:
             w.step_started = 0.0
             self._finish(a, failed=False)
             return False
+        except UserInputError as e:  # the request's fault, in words for its client
+            w.step_started = 0.0
+            log.info(
+                "stage %s refused %s: %s",
+                w.name,
+                sorted(a.rids),
+                e,
+                extra={"stage": w.name, "request_id": ",".join(sorted(a.rids))},
+            )
+            self._fail_all(a, str(e), e.code)
+            return False
         except Exception as e:
             w.step_started = 0.0
             log.error(
@@ -208,19 +220,19 @@ class Scheduler:
             w.stats.errors += 1
             w.release(freed)
 
-    def _fail_request(self, rid: str, message: str) -> None:
+    def _fail_request(self, rid: str, message: str, code: str = "stage_error") -> None:
         w = self.w
         with w.lock:
-            ev = self.host.error(rid, message)
+            ev = self.host.error(rid, message, code)
             freed = self.host.forget(rid)
             w.stats.errors += 1
         w.sender.put(CLIENT, ev)
         w.release(freed)
 
-    def _fail_all(self, a: _Active, message: str) -> None:
+    def _fail_all(self, a: _Active, message: str, code: str = "stage_error") -> None:
         for item in a.items:
             if not item.inp.cancelled:
-                self._fail_request(item.inp.request_id, message)
+                self._fail_request(item.inp.request_id, message, code)
         self._finish(a, failed=True)
 
     def _finish(self, a: _Active, failed: bool) -> None:
