@@ -504,3 +504,30 @@ def test_decode_killed_mid_request_fails_it(pipe, requests, reference):
     out = pipe.generate([copy.deepcopy(requests[1])])[0]
     assert text_and_tokens(out)[1] == reference[1][1]
     assert pipe.metrics()["counts"].get("replayed", 0) == 0
+
+
+def test_only_the_usual_image_formats_are_opened(tmp_path, monkeypatch):
+    """A request's image is opened as PNG, JPEG, WebP, GIF or BMP only: a TIFF (which
+    Pillow would decode) and an EPS (which would run Ghostscript) are refused by the
+    intake's own words; a local file (where allowed) is read up to a size."""
+    from omni_ar.multimodal import media
+    from omni_ar.multimodal.media import MediaError, decode_image, source_bytes
+
+    tiff = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(tiff, format="TIFF")
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n"
+    assert Image.open(io.BytesIO(tiff.getvalue())).format == "TIFF"  # Pillow knows both
+    assert Image.open(io.BytesIO(eps)).format == "EPS"
+    for data in (tiff.getvalue(), eps):
+        with pytest.raises(MediaError, match=r"field 'x': cannot decode image \(not a"):
+            decode_image(data, "x", 10**9)
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(png, format="PNG")
+    assert decode_image(png.getvalue(), "x", 10**9).shape == (8, 8, 3)
+    path = tmp_path / "big.png"
+    path.write_bytes(png.getvalue())
+    part = {"type": "image", "image": str(path)}
+    assert source_bytes(part, "x", allow_local=True) == png.getvalue()
+    monkeypatch.setattr(media, "MAX_FILE_BYTES", len(png.getvalue()) - 1)
+    with pytest.raises(MediaError, match="too big for an image"):
+        source_bytes(part, "x", allow_local=True)

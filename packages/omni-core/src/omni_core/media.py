@@ -13,10 +13,15 @@ import mimetypes
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MEDIA_TYPE", "extension", "media_type_of", "subtype"]
+__all__ = ["IMAGE_INPUT_FORMATS", "MEDIA_TYPE", "extension", "media_type_of", "subtype"]
 
 MEDIA_TYPE = "media_type"
 """The payload key: the MIME type of the encoded bytes an event's arrays carry."""
+
+IMAGE_INPUT_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+"""The Pillow formats an image that comes with a request is opened as (``Image.open(...,
+formats=IMAGE_INPUT_FORMATS)``), by the server and by every stage: no other of Pillow's
+decoders is exposed to a client (EPS would run Ghostscript)."""
 
 # the usual file extension of the types stages emit today; any other registered MIME type
 # goes through the standard library's table

@@ -12,7 +12,7 @@
   read-only views; it never copies, and a reader cannot write into a slot its fan-out
   peers share (a write through the mapping raises, a view is not writeable).
 
-A segment name and span that arrive in a message are not trusted (:func:`open_segment`,
+A segment name and span that arrive in a message are not trusted (:func:`map_segment`,
 :meth:`SegmentReader.checked`): only a name this runtime makes (:data:`SEGMENT_NAME`: no
 path separator, so never outside the directory), opened without following a link and
 without blocking (a FIFO), a private regular file of this user, and a span inside it are

@@ -20,10 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from omni_core.media import IMAGE_INPUT_FORMATS
 
 from omni_ar.params import RequestError
 
 log = logging.getLogger("omni.ar.media")
+# a local image file (allow_local_images) is read up to this: 16 MP as raw RGB and then some
+MAX_FILE_BYTES = 64 << 20
 
 
 class MediaError(RequestError):
@@ -92,12 +95,19 @@ def source_bytes(part: dict[str, Any], where: str, allow_local: bool = False) ->
 
 
 def _read_file(path: Path, where: str) -> bytes:
-    """A regular file's bytes (a FIFO or a device would hang or never end)."""
+    """A regular file's bytes (a FIFO or a device would hang or never end), at most
+    :data:`MAX_FILE_BYTES`."""
     try:
         with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK)) as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise MediaError(f"field {where!r}: {str(path)!r} is not a regular file")
-            return f.read()
+            data = f.read(MAX_FILE_BYTES + 1)
+            if len(data) > MAX_FILE_BYTES:
+                raise MediaError(
+                    f"field {where!r}: {str(path)!r} is over {MAX_FILE_BYTES} bytes, "
+                    "too big for an image"
+                )
+            return data
     except OSError as e:
         raise MediaError(f"field {where!r}: cannot read image file {str(path)!r}: {e}") from None
 
@@ -111,7 +121,7 @@ def decode_image(
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=IMAGE_INPUT_FORMATS) as img:
             w, h = img.size
             if w * h > max_pixels:
                 raise MediaError(
