@@ -246,6 +246,8 @@ def mm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "2",
         "--max-image-bytes",
         "100000",
+        "--max-chat-image-pixels",
+        "1048576",
     )
     yield server
     stop_server(server)
@@ -298,8 +300,8 @@ def test_a_png_bomb_is_refused_from_its_header(mm_server):
     e = error(post(mm_server, chat(url)))
     assert time.monotonic() - t0 < 2
     assert e["param"] == "messages[0].content[1].image_url"
-    assert "4000x3000 pixels" in e["message"] and "--max-image-pixels" in e["message"]
-    # --max-image-pixels (1048576) holds for chat images; a small one still passes
+    assert "4000x3000 pixels" in e["message"] and "--max-chat-image-pixels" in e["message"]
+    # --max-chat-image-pixels (1048576 here) holds; a small one still passes
     wide = "data:image/png;base64," + base64.b64encode(png_bomb(1100, 1000)).decode()
     assert "1100x1000 pixels" in error(post(mm_server, chat(wide)))["message"]
     small = "data:image/png;base64," + base64.b64encode(synthetic_image(0)).decode()
@@ -329,3 +331,111 @@ def test_fetches_at_once_are_bounded_server_wide(public):
 
         asyncio.run(two_requests())
         assert most[0] == slots  # 4 fetches: 1 at a time, or 3 (the control)
+
+
+# ---- URLs that cannot be fetched, the slot wait, DNS, formats, the chat pixel limit ----
+
+BAD_URLS = [
+    "http://no-such-host.invalid/x.png",  # does not resolve (socket.gaierror)
+    "http://" + "a" * 64 + ".example/x.png",  # a DNS label over 63 characters (UnicodeError)
+    "http://127.0.0.2:99999/x.png",  # port out of range
+    "http://[::1/x.png",  # an IPv6 host never closed
+    "http://\u00e9t\u00e9.example/x.png",  # not ASCII
+]
+
+
+@pytest.mark.parametrize("via", ["part", "redirect"])
+def test_bad_urls_are_400s_naming_the_part_without_a_traceback(public, via, caplog):
+    from .test_app_inprocess import FakePipe, client_of, image_chat
+
+    mm = FakePipe(intake="ar.mm_intake")
+    client = client_of(mm, allow_remote_images=True, remote_images_allow=("127.0.0.2/32",))
+    for i, bad in enumerate(BAD_URLS):
+        url = bad
+        if via == "redirect":  # a hostile host's Location (read as latin-1, then joined)
+            public.routes[f"/r{i}"] = redirect(bad)
+            url = public.url(f"/r{i}")
+        caplog.clear()
+        r = client.post("/v1/chat/completions", json=image_chat(url))
+        assert r.status_code == 400, (bad, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "messages[0].content[1].image_url", (bad, err)
+        assert "could not fetch the image" in err["message"], (bad, err)
+        assert "Traceback" not in r.text and bad not in err["message"]
+        assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= 40], bad
+    assert not mm.requests
+
+
+def test_the_wait_for_a_fetch_slot_is_inside_the_deadline(public):
+    public.routes["/slow.png"] = trickle(public, 0.2)
+    fetcher = RemoteImages(ALLOWED, 1.5, 1)  # one slot: the second fetch waits for it
+
+    async def two() -> list[BaseException | None]:
+        reqs = [chat(public.url("/slow.png")) for _ in range(2)]
+        return await asyncio.gather(
+            *(fetch_remote(r, fetcher, 1 << 20) for r in reqs), return_exceptions=True
+        )
+
+    t0 = time.monotonic()
+    errors = asyncio.run(two())
+    took = time.monotonic() - t0
+    assert all(isinstance(e, APIError) and "within 1.5 s" in e.message for e in errors), errors
+    assert took < 2.7, took  # both within one deadline, not one after the other (3 s)
+
+
+def test_host_names_are_resolved_in_an_executor_of_their_own(public, monkeypatch):
+    import socket
+
+    threads: list[str] = []
+    real = socket.getaddrinfo
+
+    def recorded(*args, **kw):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", recorded)
+    url = f"http://localhost:{public.port}/cat.png"  # a name: resolved (127.0.0.1: refused)
+    assert "the address is refused" in refused(chat(url)).message
+    assert threads and all(t.startswith("omni-dns") for t in threads), threads
+
+
+def test_only_common_image_formats_are_opened():
+    from omni_serve.media import check_pixels
+
+    # Pillow would open EPS (Ghostscript renders it) and read its size from the header
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 50 40\n%%EndComments\nshowpage\n"
+    url = "data:application/postscript;base64," + base64.b64encode(eps).decode()
+    where = "messages[0].content[1].image_url"
+    with pytest.raises(APIError) as e:
+        check_pixels([(where, {"url": url})], 10, {where})  # fetched: refused here
+    assert e.value.param == where and "not an image" in e.value.message, e.value.message
+    check_pixels([(where, {"url": url})], 10, set())  # inline: left to the intake
+    ok = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    check_pixels([(where, {"url": ok})], 10, {where})
+
+
+def test_chat_images_have_a_pixel_limit_of_their_own():
+    import io
+
+    from omni_serve import ServeSettings
+    from omni_serve.cli import parser
+    from PIL import Image
+
+    from .test_app_inprocess import FakePipe, client_of, image_chat
+
+    assert ServeSettings(model_name="m").max_chat_image_pixels == 16_000_000
+    assert parser().parse_args(["x.yaml"]).max_chat_image_pixels == 16_000_000
+
+    def data_url(w: int, h: int) -> str:
+        out = io.BytesIO()
+        Image.new("RGB", (w, h)).save(out, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+    mm = FakePipe(intake="ar.mm_intake")
+    # a screenshot passes although generated images are held to 1 MP
+    client = client_of(mm, max_image_pixels=1 << 20)
+    assert client.post("/v1/chat/completions", json=image_chat(data_url(1920, 1080))).is_success
+    client = client_of(mm, max_chat_image_pixels=1000)
+    r = client.post("/v1/chat/completions", json=image_chat(data_url(40, 30)))
+    assert r.status_code == 400 and "40x30 pixels" in r.text, r.text
+    assert "--max-chat-image-pixels" in r.json()["error"]["message"]

@@ -172,3 +172,34 @@ def test_a_chat_templates_own_refusal_is_shown_other_failures_are_not():
     assert isinstance(hidden, UserInputError) and "secret_variable" not in str(hidden)
     assert str(hidden).startswith("field 'messages': ")
     assert "secret" not in str(template_error(KeyError("secret_path")))
+
+
+def test_the_key_is_not_in_the_settings_repr():
+    from omni_serve import ServeSettings
+
+    settings = ServeSettings(model_name="m", api_key=KEY)
+    assert KEY not in repr(settings) and KEY not in str(settings)
+    assert settings.api_key == KEY
+
+
+@pytest.mark.parametrize(
+    ("mode", "warned"), [(0o600, False), (0o400, False), (0o640, True), (0o604, True)]
+)
+def test_a_key_file_others_may_read_is_warned_about(tmp_path, monkeypatch, caplog, mode, warned):
+    import logging
+
+    from omni_serve.cli import api_key_of, parser
+
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(mode)
+    monkeypatch.delenv("OMNI_API_KEY", raising=False)
+    args = parser().parse_args(["x.yaml", "--api-key-file", str(key_file)])
+    with caplog.at_level(logging.WARNING, logger="omni.serve"):
+        assert api_key_of(args) == KEY
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if warned:
+        assert len(said) == 1 and str(key_file) in said[0] and f"{mode:o}" in said[0], said
+        assert "chmod 600" in said[0] and KEY not in said[0]
+    else:
+        assert not said, said

@@ -6,8 +6,11 @@ and bodies are closed at their deadlines, a head over the limit is a 431, past
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from urllib.parse import urlsplit
@@ -16,7 +19,7 @@ import httpx
 import pytest
 from omni_testing.configs import chain
 
-from .conftest import start_server, stop_server
+from .conftest import OMNI, start_server, stop_server
 
 DEADLINE_S = 2.0
 
@@ -225,3 +228,138 @@ def test_an_int_is_still_a_float(server):
         f"{server.url}/v1/completions", json={"prompt": "x", "temperature": 1}, timeout=10
     )
     assert r.status_code == 404, r.text
+
+
+# ---- the server-wide body budget, the open file limit, a big bad body ----
+
+
+def body_bytes_in_flight(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    (line,) = [x for x in text.splitlines() if x.startswith("omni_http_body_bytes_in_flight ")]
+    return float(line.split()[1])
+
+
+def wait_for_body_bytes(url: str, n: int) -> None:
+    end = time.monotonic() + 10
+    while body_bytes_in_flight(url) != n:
+        assert time.monotonic() < end, body_bytes_in_flight(url)
+        time.sleep(0.05)
+
+
+def sized_body(n: int) -> bytes:
+    raw = json.dumps({"prompt": "x", "user": ""}).encode()
+    out = raw.replace(b'"user": ""', b'"user": "' + b"u" * (n - len(raw)) + b'"')
+    assert len(out) == n
+    return out
+
+
+def test_bodies_held_at_once_are_bounded_server_wide(tmp_path):
+    cfg = chain(("source", "synthetic.source", {"tokens": 4}), name="budget")
+    s = start_server(
+        cfg,
+        tmp_path,
+        *("--max-body-bytes", "200000", "--max-body-bytes-in-flight", "300000"),
+        *("--body-timeout", "60"),
+    )
+    try:
+        url = f"{s.url}/v1/completions"
+        headers = {"Content-Type": "application/json"}
+        held = socket.create_connection(address(s.url), timeout=30)
+        held.sendall(  # a body of 200000 bytes announced, none sent: taken before reading
+            b"POST /v1/completions HTTP/1.1\r\nHost: " + address(s.url)[0].encode() + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 200000\r\n\r\n{"
+        )
+        wait_for_body_bytes(s.url, 200_000)
+        # at the limit: read and parsed (then refused: this pipeline has no text endpoint)
+        r = httpx.post(url, content=sized_body(100_000), headers=headers, timeout=30)
+        assert r.status_code == 404, r.text
+        for body in (sized_body(100_001), iter([sized_body(100_001)])):  # sized, chunked
+            r = httpx.post(url, content=body, headers=headers, timeout=30)
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1"
+            err = r.json()["error"]
+            assert "--max-body-bytes-in-flight" in err["message"] and err["code"] == "server_busy"
+        assert body_bytes_in_flight(s.url) == 200_000  # a refusal holds nothing
+        held.close()
+        wait_for_body_bytes(s.url, 0)
+        r = httpx.post(url, content=sized_body(100_001), headers=headers, timeout=30)
+        assert r.status_code == 404, r.text
+        assert "Traceback" not in s.log()
+    finally:
+        stop_server(s)
+
+
+def test_the_budget_cannot_be_below_one_body():
+    from omni_serve import ServeSettings
+    from omni_serve.settings import SettingsError
+
+    assert ServeSettings(model_name="m").max_body_bytes_in_flight == 4 * (20 << 20)
+    with pytest.raises(SettingsError, match="--max-body-bytes-in-flight"):
+        ServeSettings(model_name="m", max_body_bytes=1000, max_body_bytes_in_flight=999)
+
+
+def test_a_big_bad_body_is_parsed_once_and_named_by_position(monkeypatch):
+    from omni_serve import body as body_module
+    from omni_serve.body import INLINE_BYTES, parse_json
+    from omni_serve.errors import APIError
+
+    def no_second_parse(*args, **kw):
+        raise AssertionError("a big body was parsed twice")
+
+    raw = b'{"a": "' + b"\\u00e9" * (INLINE_BYTES // 6 + 10) + b'", "b": NaN}'
+    monkeypatch.setattr(body_module.json, "loads", no_second_parse)
+    with pytest.raises(APIError) as e:
+        parse_json(raw)
+    assert e.value.status == 400 and f"(byte {len(raw) - 4})" in e.value.message, e.value.message
+    monkeypatch.undo()
+    with pytest.raises(APIError) as e:  # a small body still names the field
+        parse_json(b'{"a": [1, NaN]}')
+    assert e.value.param == "a[1]" and "not a finite number" in e.value.message
+
+
+def test_the_open_file_limit_is_raised_at_start():
+    code = (
+        "import resource\n"
+        "from omni_serve.connections import raise_fd_limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+        "got = raise_fd_limit()\n"
+        "assert got == resource.getrlimit(resource.RLIMIT_NOFILE)[0], got\n"
+        "assert got > 64 and (got == hard or hard == resource.RLIM_INFINITY), (got, hard)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_max_connections_fits_the_open_file_limit(caplog):
+    from omni_serve.connections import FD_RESERVE, connection_cap
+
+    with caplog.at_level(logging.WARNING, logger="omni.serve"):
+        assert connection_cap(None, 1024, 1024) == 1024 - FD_RESERVE  # the default: lowered
+    assert "lowered from 1024" in caplog.text and "1024" in caplog.text
+    assert connection_cap(None, 1024, 1 << 20) == 1024
+    assert connection_cap(500, 1024, 1024) == 500
+    with pytest.raises(ValueError, match="--max-connections 1000 .* open file limit of 1024"):
+        connection_cap(1000, 1024, 1024)
+
+
+def test_max_connections_over_the_hard_fd_limit_is_refused_at_start(tmp_path):
+    import resource
+
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("name: p\nstages: [{name: s, kind: synthetic.source}]\n")
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+
+    r = subprocess.run(
+        [sys.executable, "-c", OMNI, "serve", str(cfg), "--port", "0"]
+        + ["--max-connections", "1000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=low_limit,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--max-connections 1000" in r.stderr and "open file limit of 512" in r.stderr
+    assert "Traceback" not in r.stderr

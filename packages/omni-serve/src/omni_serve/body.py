@@ -11,14 +11,24 @@ No body holds the event loop: a body of more than :data:`INLINE_BYTES` is parsed
 checked (and turned into the pipeline request) in a worker thread, one at a time, and a
 body of more than :data:`MAX_VALUES` JSON values is refused before it is parsed, which
 bounds both the time a parse holds the GIL (msgspec, ~50 ns a value: a few ms) and the
-memory it takes (some 100 bytes a value past the body itself)."""
+memory it takes (some 100 bytes a value past the body itself). Such a body is parsed by
+msgspec alone: when it is not valid JSON its error (with the byte position) is the
+answer, never a second, slower parse by Python's ``json`` for a nicer one.
+
+Bodies held at once are bounded server-wide (:class:`BodyBudget`,
+``--max-body-bytes-in-flight``): a body past :data:`INLINE_BYTES` takes its bytes from the
+budget before they are read (all of its ``Content-Length`` at once, else as they arrive)
+and gives them back once its request is prepared; when the budget has no room the request
+is a 503 with ``Retry-After``."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -34,7 +44,55 @@ INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1  # what every stage's integers hold
 # in strings too); a chat of 25,000 messages has fewer
 MAX_VALUES = 100_000
 INLINE_BYTES = 64 << 10  # smaller bodies are parsed on the event loop (well under 1 ms)
+RETRY_AFTER_S = 1  # what a client is told to wait when the body budget is full
 T = TypeVar("T")
+
+
+@dataclass
+class BodyBudget:
+    """Bytes of request bodies held in memory at once in the whole server
+    (``--max-body-bytes-in-flight``); taken and given back on the event loop only."""
+
+    limit: int
+    used: int = 0
+
+    def take(self, n: int) -> bool:
+        """Take ``n`` bytes; False (nothing taken) when that would pass the limit."""
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+@dataclass
+class _Lease:
+    """What one body holds of a :class:`BodyBudget`."""
+
+    budget: BodyBudget
+    held: int = 0
+
+    def cover(self, size: int) -> None:
+        """Hold ``size`` bytes (a body's size, known or so far) when it is past
+        :data:`INLINE_BYTES`; a 503 with ``Retry-After`` when the budget has no room."""
+        if size <= INLINE_BYTES or size <= self.held:
+            return
+        if not self.budget.take(size - self.held):
+            raise APIError(
+                503,
+                f"the server holds its limit of {self.budget.limit} bytes of request bodies "
+                f"(--max-body-bytes-in-flight); retry in {RETRY_AFTER_S} s",
+                type="server_error",
+                code="server_busy",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.held = size
+
+    def release(self) -> None:
+        self.budget.give(self.held)
+        self.held = 0
 
 
 def check_content_type(value: str | None) -> None:
@@ -64,23 +122,29 @@ def check_content_type(value: str | None) -> None:
         )
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
+async def read_body(request: Request, limit: int, lease: _Lease | None = None) -> bytearray:
     """The raw body, at most ``limit`` bytes (else 413, read no further); not copied
-    into ``bytes`` (20 MiB: a few ms of the event loop)."""
+    into ``bytes`` (20 MiB: a few ms of the event loop). With a ``lease`` its bytes are
+    taken from the server's budget before they are read (else 503)."""
     too_big = APIError(
         413,
         f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)",
         code="body_too_large",
     )
     length = request.headers.get("content-length", "")
-    if length.isascii() and length.isdigit() and int(length[:20]) > limit:
-        raise too_big
+    if length.isascii() and length.isdigit():
+        if int(length[:20]) > limit:
+            raise too_big
+        if lease is not None:
+            lease.cover(int(length))
     body = bytearray()
     try:
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
+            if len(body) + len(chunk) > limit:
                 raise too_big
+            if lease is not None:
+                lease.cover(len(body) + len(chunk))
+            body += chunk
     except ClientDisconnect:  # gone, or closed by the server's body deadline
         raise ClientGone from None
     return body
@@ -99,10 +163,22 @@ def parse_json(raw: bytes | bytearray) -> Any:
         )
     try:
         value = msgspec.json.decode(raw)  # the fast path; the errors are said below
-    except (msgspec.DecodeError, RecursionError):
+    except RecursionError:
+        raise _too_deep() from None
+    except msgspec.DecodeError as e:
+        if len(raw) > INLINE_BYTES:  # no second parse of a big body (the GIL): msgspec's words
+            raise APIError(
+                400,
+                f"the request body is not valid JSON (NaN, Infinity and lone surrogates "
+                f"are not JSON either): {e}",
+            ) from None
         value = _parse_slowly(raw)
     check_values(value)
     return value
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels", param="body")
 
 
 def _parse_slowly(raw: bytes | bytearray) -> Any:
@@ -115,19 +191,23 @@ def _parse_slowly(raw: bytes | bytearray) -> Any:
     try:
         value = json.loads(text)
     except RecursionError:
-        raise APIError(
-            400, f"the request body is nested deeper than {MAX_DEPTH} levels", param="body"
-        ) from None
+        raise _too_deep() from None
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     return value
 
 
-async def read_json_body(request: Request, limit: int) -> bytearray:
-    """The request's raw JSON body, its content type and size checked (parse it with
+@contextlib.asynccontextmanager
+async def json_body(request: Request, limit: int) -> AsyncIterator[bytearray]:
+    """The request's raw JSON body, its content type and size checked, its bytes held
+    against the server's :class:`BodyBudget` until the block ends (parse it there with
     :func:`parse_json` inside :func:`off_loop`)."""
     check_content_type(request.headers.get("content-type"))
-    return await read_body(request, limit)
+    lease = _Lease(request.app.state.server.bodies)
+    try:
+        yield await read_body(request, limit, lease)
+    finally:
+        lease.release()
 
 
 async def off_loop(request: Request, size: int, work: Callable[[], T]) -> T:

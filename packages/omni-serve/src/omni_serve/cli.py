@@ -8,14 +8,23 @@ import logging
 import math
 import os
 import socket
+import stat
 import sys
 
 from omni_core.cli import add_backend_args
 from omni_core.logs import configure_logging
 
-from omni_serve.connections import ConnectionLimits, protocol_class
+from omni_serve.connections import (
+    FD_RESERVE,
+    ConnectionLimits,
+    connection_cap,
+    protocol_class,
+    raise_fd_limit,
+)
 from omni_serve.settings import (
+    BODIES_IN_FLIGHT,
     MAX_BODY_BYTES,
+    MAX_CHAT_IMAGE_PIXELS,
     MAX_TIMEOUT_S,
     IPNetwork,
     ServeSettings,
@@ -25,6 +34,7 @@ from omni_serve.settings import (
 
 log = logging.getLogger("omni.serve")
 KEY_ENV = "OMNI_API_KEY"
+MAX_CONNECTIONS = 1024
 
 
 def positive_int(text: str) -> int:
@@ -120,6 +130,14 @@ def parser() -> argparse.ArgumentParser:
         f"(default: {MAX_BODY_BYTES} = 20 MiB)",
     )
     p.add_argument(
+        "--max-body-bytes-in-flight",
+        type=positive_int,
+        default=None,
+        help="bytes of request bodies held at once in the whole server; a body that does "
+        "not fit is a 503 with Retry-After (default: "
+        f"{BODIES_IN_FLIGHT} x --max-body-bytes)",
+    )
+    p.add_argument(
         "--allow-remote-images",
         action="store_true",
         help="let chat image parts give http(s) URLs, which the server fetches: public "
@@ -166,7 +184,14 @@ def parser() -> argparse.ArgumentParser:
         "--max-image-pixels",
         type=positive_int,
         default=1024 * 1024,
-        help="limit of width x height of a generated image and of a chat image (default: 1048576)",
+        help="limit of width x height of a generated image (default: 1048576)",
+    )
+    p.add_argument(
+        "--max-chat-image-pixels",
+        type=positive_int,
+        default=MAX_CHAT_IMAGE_PIXELS,
+        help="limit of width x height of a chat image, read from its header before it is "
+        f"decoded (default: {MAX_CHAT_IMAGE_PIXELS})",
     )
     p.add_argument(
         "--max-images", type=positive_int, default=4, help="limit of an image request's n"
@@ -174,8 +199,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-connections",
         type=positive_int,
-        default=1024,
-        help="open connections past which a request is answered 503 (default: 1024)",
+        default=None,
+        help="open connections past which a request is answered 503; at most the open "
+        f"file limit (raised to its hard limit at start) less {FD_RESERVE} (default: "
+        f"{MAX_CONNECTIONS}, lowered to fit)",
     )
     p.add_argument(
         "--max-header-bytes",
@@ -222,23 +249,42 @@ def api_key_of(args: argparse.Namespace) -> str | None:
     if args.api_key_file is not None:
         try:
             with open(args.api_key_file, encoding="utf-8") as f:
-                return f.readline().strip()
+                mode = os.fstat(f.fileno()).st_mode
+                key = f.readline(4096).strip()
         except (OSError, UnicodeDecodeError) as e:
             raise SettingsError(f"--api-key-file {args.api_key_file}: {e}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning(
+                "--api-key-file %s is mode %o: other users may read the key; chmod 600 it",
+                args.api_key_file,
+                stat.S_IMODE(mode),
+            )
+        return key
     return from_env
 
 
-def settings_of(args: argparse.Namespace, model_name: str) -> ServeSettings:
-    """The server's settings from the command line (SettingsError when one cannot work)."""
+def settings_of(
+    args: argparse.Namespace, model_name: str, fd_limit: int | None = None
+) -> ServeSettings:
+    """The server's settings from the command line (SettingsError when one cannot work);
+    ``--max-connections`` fitted to the open file limit ``fd_limit`` (None: not checked)."""
     from omni_serve.middleware import allowed_hosts
 
+    max_connections = args.max_connections or MAX_CONNECTIONS
+    if fd_limit is not None:
+        try:
+            max_connections = connection_cap(args.max_connections, MAX_CONNECTIONS, fd_limit)
+        except ValueError as e:
+            raise SettingsError(str(e)) from None
     return ServeSettings(
         model_name=args.served_model_name or model_name,
         api_key=api_key_of(args),  # "" (an empty flag, file or variable) is refused
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
+        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
         max_tokens=args.max_tokens,
         max_image_pixels=args.max_image_pixels,
+        max_chat_image_pixels=args.max_chat_image_pixels,
         max_images=args.max_images,
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
         cors_origins=tuple(args.cors_origin),
@@ -248,7 +294,7 @@ def settings_of(args: argparse.Namespace, model_name: str) -> ServeSettings:
         remote_image_concurrency=args.remote_image_concurrency,
         max_chat_images=args.max_chat_images,
         max_image_bytes=args.max_image_bytes,
-        max_connections=args.max_connections,
+        max_connections=max_connections,
         max_header_bytes=args.max_header_bytes,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
@@ -288,7 +334,8 @@ def main(argv: list[str]) -> int:
         )
         return 2
     try:
-        settings = settings_of(args, cfg.name)
+        # before the pipeline starts: its workers inherit the raised limit
+        settings = settings_of(args, cfg.name, raise_fd_limit())
     except SettingsError as e:
         print(f"omni serve: {e}", file=sys.stderr)
         return 2

@@ -167,3 +167,55 @@ def protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
 
         base = H11Protocol
     return type("GuardedHttpProtocol", (_Guard, base), {"limits": limits})
+
+
+FD_RESERVE = 256  # descriptors kept for what is not a connection: the pipeline's sockets,
+# segments being mapped, logs, remote image fetches
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (or to the kernel's
+    ``nr_open`` where the hard limit is unlimited); the soft limit it has then."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as e:
+            log.warning("cannot raise the open file limit from %d to %d: %s", soft, target, e)
+    return soft
+
+
+def connection_cap(requested: int | None, default: int, fd_limit: int) -> int:
+    """The ``--max-connections`` to run with under an open file limit of ``fd_limit``:
+    at most ``fd_limit - FD_RESERVE``, so that the process never runs out of descriptors
+    before the cap answers 503. The default (``requested`` None) is lowered to fit (and
+    logged); a number asked for that does not fit is a ValueError naming both."""
+    room = max(1, fd_limit - FD_RESERVE)
+    if requested is None:
+        if default > room:
+            log.warning(
+                "--max-connections lowered from %d to %d: the open file limit is %d "
+                "(ulimit -n; %d kept for the pipeline)",
+                default,
+                room,
+                fd_limit,
+                FD_RESERVE,
+            )
+        return min(default, room)
+    if requested > room:
+        raise ValueError(
+            f"--max-connections {requested} does not fit the open file limit of {fd_limit} "
+            f"(ulimit -n; {FD_RESERVE} kept for the pipeline): at most {room}; raise the "
+            "hard limit or ask for fewer"
+        )
+    return requested

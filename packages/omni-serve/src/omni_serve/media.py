@@ -12,9 +12,13 @@ link-local, shared, multicast, unspecified and reserved addresses (IPv4-mapped, 
 6to4 IPv6 forms unwrapped) are refused unless ``--remote-images-allow`` names their
 network. Each fetch has one total deadline (``--remote-image-timeout``), at most
 ``--remote-image-concurrency`` run at once in the whole server, and a request's fetches
-end with it (a client that goes away cancels them). Errors say which part and what kind
-of failure, never what a host answered. Last, each image's size is read from its header
-(off the event loop) and held to ``--max-image-pixels``.
+end with it (a client that goes away cancels them); the wait for a free fetch is inside
+that deadline, and host names are resolved in a small executor of their own, so lookups
+that hang cannot starve the event loop's default thread pool. Every hop's URL is checked
+before it is requested. Errors say which part and what kind of failure, never what a host
+answered. Last, each image's format (:data:`FORMATS` only: Pillow never runs a decoder
+such as EPS's Ghostscript) and size are read from its header (off the event loop), and
+its size held to ``--max-chat-image-pixels``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -43,6 +48,7 @@ from omni_serve.streams import until_disconnect
 log = logging.getLogger("omni.serve")
 
 MAX_REDIRECTS = 3
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # the only formats Pillow opens here
 REDIRECTS = {301, 302, 303, 307, 308}
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _SHARED = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT: not private, not public
@@ -89,14 +95,16 @@ def address_allowed(ip: IPAddress, allow: Sequence[IPNetwork] = ()) -> bool:
 
 
 class GuardedBackend:
-    """An httpcore network backend that resolves each host itself and connects only to
-    an address :func:`address_allowed` passes: the address checked is the address
-    connected to."""
+    """An httpcore network backend that resolves each host itself (in ``dns``) and
+    connects only to an address :func:`address_allowed` passes: the address checked is
+    the address connected to. A name that cannot be resolved (or encoded: a label over
+    63 characters) is an ``httpcore.ConnectError``."""
 
-    def __init__(self, allow: Sequence[IPNetwork]) -> None:
+    def __init__(self, allow: Sequence[IPNetwork], dns: ThreadPoolExecutor) -> None:
         import httpcore
 
         self.allow = tuple(allow)
+        self.dns = dns
         self.inner = httpcore.AnyIOBackend()
 
     async def connect_tcp(
@@ -109,7 +117,11 @@ class GuardedBackend:
     ) -> Any:
         import httpcore
 
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        resolve = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+        try:
+            infos = await asyncio.get_running_loop().run_in_executor(self.dns, resolve)
+        except (OSError, UnicodeError) as e:
+            raise httpcore.ConnectError(f"cannot resolve {host!r}: {e}") from None
         ips = dict.fromkeys(ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos)
         good = [ip for ip in ips if address_allowed(ip, self.allow)]
         if not good:
@@ -133,16 +145,20 @@ class GuardedBackend:
 
 @dataclass
 class RemoteImages:
-    """The server's fetching of remote images: its limits and the semaphore that bounds
-    the fetches running at once across all requests."""
+    """The server's fetching of remote images: its limits, the semaphore that bounds
+    the fetches running at once across all requests, and the executor their host names
+    are resolved in (one thread a fetch slot; a lookup cannot be cancelled, so one that
+    hangs holds a thread of its own pool, never one of the event loop's default pool)."""
 
     allow: tuple[IPNetwork, ...]
     timeout_s: float
     concurrency: int
     slots: asyncio.Semaphore = field(init=False)
+    dns: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.concurrency)
+        self.dns = ThreadPoolExecutor(self.concurrency, thread_name_prefix="omni-dns")
 
 
 def remote_images(request: Request, settings: ServeSettings) -> RemoteImages:
@@ -202,7 +218,7 @@ async def check_images(request: Request, preq: dict[str, Any], settings: ServeSe
         budget = settings.max_image_bytes - inline
         await until_disconnect(request, fetch_remote(preq, fetcher, budget))
     size = sum(len(p["url"]) for _, p in parts)
-    check = functools.partial(check_pixels, parts, settings.max_image_pixels, fetched)
+    check = functools.partial(check_pixels, parts, settings.max_chat_image_pixels, fetched)
     await off_loop(request, size, check)
 
 
@@ -210,10 +226,10 @@ def check_pixels(
     parts: list[tuple[str, dict[str, Any]]], max_pixels: int, fetched: set[str]
 ) -> None:
     """Each data URL image's width x height, from its header, at most ``max_pixels``
-    (``--max-image-pixels``); nothing is decoded. A ``fetched`` part that is no image is
-    refused here; an inline one is left to the intake, which names what is wrong with
-    it. Without Pillow on the server the size is left to the intake's own
-    ``max_image_pixels``."""
+    (``--max-chat-image-pixels``); nothing is decoded, and only :data:`FORMATS` are
+    opened. A ``fetched`` part that is none of them is refused here; an inline one is
+    left to the intake, which names what is wrong with it. Without Pillow on the server
+    the size is left to the intake's own ``max_image_pixels``."""
     try:
         from PIL import Image
     except ImportError:
@@ -227,7 +243,7 @@ def check_pixels(
         except (binascii.Error, ValueError):
             continue
         try:
-            with Image.open(io.BytesIO(raw)) as img:
+            with Image.open(io.BytesIO(raw), formats=FORMATS) as img:
                 w, h = img.size
         except Image.DecompressionBombError:
             w, h = max_pixels + 1, 1
@@ -239,7 +255,7 @@ def check_pixels(
             raise bad_field(
                 where,
                 f"image of {w}x{h} pixels, over this server's limit of {max_pixels} "
-                "(--max-image-pixels)",
+                "(--max-chat-image-pixels)",
             )
 
 
@@ -264,7 +280,7 @@ async def fetch_remote(request: dict[str, Any], fetcher: RemoteImages, max_bytes
     parts = remote_parts(request)
     budget = _Budget(max_bytes, max_bytes)
     async with httpcore.AsyncConnectionPool(
-        network_backend=GuardedBackend(fetcher.allow),  # type: ignore[arg-type]
+        network_backend=GuardedBackend(fetcher.allow, fetcher.dns),  # type: ignore[arg-type]
         max_connections=len(parts),
     ) as pool:
         tasks = [
@@ -285,33 +301,51 @@ def _failed(where: str, kind: str) -> APIError:
     return bad_field(where, f"could not fetch the image: {kind}")
 
 
-async def _fetch(pool: Any, fetcher: RemoteImages, where: str, url: str, budget: _Budget) -> str:
+def _check_url(where: str, url: str) -> None:
+    """A 400 naming ``where`` unless ``url`` (the part's, or a redirect's) is an http(s)
+    URL with a host that httpcore can request: ASCII, a port in range, brackets closed."""
     import httpcore
 
-    async with fetcher.slots:
-        try:
-            async with asyncio.timeout(fetcher.timeout_s):
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # ValueError when out of range
+        httpcore.URL(url)  # TypeError for non-ASCII
+    except (ValueError, TypeError, UnicodeError):
+        raise _failed(where, "not a valid http(s) URL") from None
+    if parts.scheme not in ("http", "https"):
+        raise _failed(where, "a redirect to a URL that is not http(s)")
+    if not parts.hostname:
+        raise _failed(where, "not a valid http(s) URL (no host)")
+
+
+async def _fetch(pool: Any, fetcher: RemoteImages, where: str, url: str, budget: _Budget) -> str:
+    """One part's fetch, its wait for a slot included in its deadline."""
+    import httpcore
+
+    try:
+        async with asyncio.timeout(fetcher.timeout_s):
+            async with fetcher.slots:
                 mime, data = await _get(pool, where, url, budget, fetcher.timeout_s)
-        except TimeoutError:
-            raise _failed(
-                where, f"no complete answer within {fetcher.timeout_s:g} s (--remote-image-timeout)"
-            ) from None
-        except RefusedAddress:
-            raise _failed(
-                where,
-                "the address is refused (loopback, private, link-local or another internal "
-                "address; an operator can allow networks with --remote-images-allow)",
-            ) from None
-        except TooBig:
-            raise _failed(
-                where,
-                f"the request's images are over {budget.limit} bytes together (--max-image-bytes)",
-            ) from None
-        except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError) as e:
-            log.info("remote image at %s: %s: %s", where, type(e).__name__, e)
-            raise _failed(where, "the connection failed") from None
-        except httpcore.UnsupportedProtocol:
-            raise _failed(where, "a redirect to a URL that is not http(s)") from None
+    except TimeoutError:
+        raise _failed(
+            where, f"no complete answer within {fetcher.timeout_s:g} s (--remote-image-timeout)"
+        ) from None
+    except RefusedAddress:
+        raise _failed(
+            where,
+            "the address is refused (loopback, private, link-local or another internal "
+            "address; an operator can allow networks with --remote-images-allow)",
+        ) from None
+    except TooBig:
+        raise _failed(
+            where,
+            f"the request's images are over {budget.limit} bytes together (--max-image-bytes)",
+        ) from None
+    except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError) as e:
+        log.info("remote image at %s: %s: %s", where, type(e).__name__, e)
+        raise _failed(where, "the connection failed") from None
+    except httpcore.UnsupportedProtocol:
+        raise _failed(where, "a redirect to a URL that is not http(s)") from None
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
@@ -321,13 +355,15 @@ async def _get(
     """(MIME type, body) of ``url``, redirects followed one hop at a time."""
     timeouts = {"connect": timeout_s, "read": timeout_s, "write": timeout_s, "pool": timeout_s}
     for _ in range(MAX_REDIRECTS + 1):
-        if urlsplit(url).scheme not in ("http", "https"):
-            raise _failed(where, "a redirect to a URL that is not http(s)")
+        _check_url(where, url)
         headers = [(b"Accept", b"image/*"), (b"User-Agent", b"omni-serve")]
         async with pool.stream("GET", url, headers=headers, extensions={"timeout": timeouts}) as r:
             got = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in r.headers}
             if r.status in REDIRECTS and "location" in got:
-                url = urljoin(url, got["location"])
+                try:
+                    url = urljoin(url, got["location"])
+                except ValueError:  # a broken IPv6 host ("http://[::1")
+                    raise _failed(where, "a redirect to a URL that is not valid") from None
                 continue
             if r.status != 200:
                 raise _failed(where, f"HTTP {r.status // 100}xx")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -128,6 +128,11 @@ class ServerMetrics:
             ["endpoint"],
             registry=self.registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.body_bytes = Gauge(
+            "omni_http_body_bytes_in_flight",
+            "bytes of request bodies held against --max-body-bytes-in-flight",
+            registry=self.registry,
         )
         self.disconnects = Counter(
             "omni_http_client_disconnects",

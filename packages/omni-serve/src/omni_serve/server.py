@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from omni_core import Pipeline
 
+from omni_serve.body import BodyBudget
 from omni_serve.errors import APIError
 from omni_serve.metrics import ServerMetrics
 from omni_serve.settings import ServeSettings
@@ -41,6 +42,7 @@ class Server:
     metrics: ServerMetrics = field(init=False)
     served: list[str] = field(init=False)
     images: bool = field(init=False)  # chat requests may carry images
+    bodies: BodyBudget = field(init=False)  # request bodies held at once, server-wide
     created: int = field(default_factory=lambda: int(time.time()))
     # big bodies are parsed off the event loop one at a time (omni_serve.body.off_loop)
     parsing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
@@ -49,6 +51,9 @@ class Server:
         self.metrics = ServerMetrics(self.pipe)
         self.served = endpoints(self.pipe)
         self.images = bool({s.kind for s in self.pipe.config.stages} & MM_SOURCES)
+        assert self.settings.max_body_bytes_in_flight is not None  # set by ServeSettings
+        self.bodies = BodyBudget(self.settings.max_body_bytes_in_flight)
+        self.metrics.body_bytes.set_function(lambda: self.bodies.used)
 
     def observe(self, endpoint: str, status: int, t0: float) -> None:
         self.metrics.http_requests.labels(endpoint, str(status)).inc()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout past a week is a mistake, not a wish
 # room for a chat with a few images as base64 data URLs (4/3 of their encoded size)
 MAX_BODY_BYTES = 20 << 20
+BODIES_IN_FLIGHT = 4  # the default server-wide budget of bodies: this many of the largest
+MAX_CHAT_IMAGE_PIXELS = 16_000_000  # as the multimodal intake's max_image_pixels
 
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -45,7 +47,7 @@ class ServeSettings:
 
     model_name: str
     """The model name the OpenAI endpoints answer to and ``/v1/models`` lists."""
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     """Every endpoint but ``/health`` (and the page) needs it as ``Authorization:
     Bearer KEY``; None: no key."""
     request_timeout_s: float | None = None
@@ -53,11 +55,15 @@ class ServeSettings:
     it (None: the pipeline config's ``request_timeout_s``)."""
     max_body_bytes: int = MAX_BODY_BYTES
     """The largest request body."""
+    max_body_bytes_in_flight: int | None = None
+    """Bytes of request bodies held at once in the whole server (past it: 503 with
+    ``Retry-After``); None: ``BODIES_IN_FLIGHT`` x ``max_body_bytes``."""
     max_tokens: int = 4096
     """The largest ``max_tokens`` a text request may ask for."""
     max_image_pixels: int = 1024 * 1024
-    """The largest image (width x height) an image request may ask for (``size``),
-    and the largest chat image (read from its header)."""
+    """The largest image (width x height) an image request may ask for (``size``)."""
+    max_chat_image_pixels: int = MAX_CHAT_IMAGE_PIXELS
+    """The largest chat image (width x height, read from its header)."""
     max_images: int = 4
     """The most images one image request may ask for (``n``)."""
     allowed_hosts: tuple[str, ...] | None = None
@@ -107,6 +113,14 @@ class ServeSettings:
             for item in self.remote_images_allow
             for n in (networks(item) if isinstance(item, str) else (item,))
         )
+        if self.max_body_bytes_in_flight is None:
+            self.max_body_bytes_in_flight = BODIES_IN_FLIGHT * self.max_body_bytes
+        if self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise SettingsError(
+                f"--max-body-bytes-in-flight ({self.max_body_bytes_in_flight}) is below "
+                f"--max-body-bytes ({self.max_body_bytes}): no body of the largest size "
+                "could ever be read"
+            )
         for name in (
             "remote_image_concurrency",
             "max_chat_images",
@@ -114,6 +128,7 @@ class ServeSettings:
             "max_body_bytes",
             "max_tokens",
             "max_image_pixels",
+            "max_chat_image_pixels",
             "max_images",
             "max_connections",
             "max_header_bytes",

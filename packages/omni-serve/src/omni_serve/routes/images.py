@@ -5,6 +5,7 @@ the final images and, for a mixed pipeline, the expanded prompt's text)."""
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from omni_core.image_files import png_bytes
 from omni_core.media import media_type_of, subtype
 
 from omni_serve.auth import require_api_key
-from omni_serve.body import check_values, off_loop, parse_json, read_json_body
+from omni_serve.body import check_values, json_body, off_loop, parse_json
 from omni_serve.errors import APIError
 from omni_serve.middleware import request_id_of, started_at
 from omni_serve.openai_api import IMAGE_PARAMS, ImageRequest, image_requests, parse
@@ -68,8 +69,9 @@ def prepare(server: Server, raw: bytearray) -> tuple[ImageRequest, list[dict[str
 @router.post(IMAGES)
 async def images(request: Request, server: ServerDep) -> Response:
     t0 = started_at(request)
-    raw = await read_json_body(request, server.settings.max_body_bytes)
-    req, preqs = await off_loop(request, len(raw), lambda: prepare(server, raw))
+    async with json_body(request, server.settings.max_body_bytes) as raw:
+        req, preqs = await off_loop(request, len(raw), functools.partial(prepare, server, raw))
+    del raw  # held against the body budget no longer
     rid = request_id_of(request)
     pid = pipeline_id(request)
     pids = [pid if len(preqs) == 1 else f"{pid}-{i}" for i in range(len(preqs))]

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from omni_core.events import AnyEvent
 
 from omni_serve.auth import require_api_key
-from omni_serve.body import check_values, off_loop, parse_json, read_json_body
+from omni_serve.body import check_values, json_body, off_loop, parse_json
 from omni_serve.media import check_images
 from omni_serve.middleware import request_id_of, started_at
 from omni_serve.openai_api import (
@@ -109,13 +109,7 @@ class TextChunks:
 async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     t0 = started_at(request)
     path = CHAT if chat else COMPLETIONS
-    raw = await read_json_body(request, server.settings.max_body_bytes)
-    remote = chat and server.settings.allow_remote_images
-    req, preq = await off_loop(request, len(raw), lambda: prepare(server, raw, chat))
-    if chat:  # counted, fetched (remote: the client going away cancels), sizes checked
-        await check_images(request, preq, server.settings)
-    if remote:
-        await off_loop(request, len(raw), lambda: check_values(preq))
+    req, preq = await received(request, server, chat)
     rid = request_id_of(request)
     pid = pipeline_id(request)
     oid = f"{'chatcmpl' if chat else 'cmpl'}-{pid}"
@@ -132,6 +126,21 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     usage = bool(req.stream_options and req.stream_options.include_usage)
     writer = TextChunks(head, rid, path, chat, max_tokens, usage, wants_logprobs, top)
     return SSEAnswer(server, path, t0, rid, {}).response(first, stream, writer)
+
+
+async def received(
+    request: Request, server: Server, chat: bool
+) -> tuple[ChatRequest | CompletionRequest, dict[str, Any]]:
+    """The body read, parsed and checked, a chat's images counted, fetched (the client
+    going away cancels) and their sizes checked; the body's bytes are held against the
+    server's body budget meanwhile, and dropped after."""
+    async with json_body(request, server.settings.max_body_bytes) as raw:
+        req, preq = await off_loop(request, len(raw), lambda: prepare(server, raw, chat))
+        if chat:
+            await check_images(request, preq, server.settings)
+        if chat and server.settings.allow_remote_images:
+            await off_loop(request, len(raw), lambda: check_values(preq))
+    return req, preq
 
 
 def prepare(
