@@ -16,9 +16,10 @@ end with it (a client that goes away cancels them); the wait for a free fetch is
 that deadline, and host names are resolved in a small executor of their own, so lookups
 that hang cannot starve the event loop's default thread pool. Every hop's URL is checked
 before it is requested. Errors say which part and what kind of failure, never what a host
-answered. Last, each image's format (:data:`FORMATS` only: Pillow never runs a decoder
-such as EPS's Ghostscript) and size are read from its header (off the event loop), and
-its size held to ``--max-chat-image-pixels``.
+answered. Last, each image's format (PNG, JPEG, WebP, GIF or BMP only,
+:data:`~omni_core.media.IMAGE_INPUT_FORMATS`: Pillow never runs a decoder such as EPS's
+Ghostscript) and size are read from its header (off the event loop), and its size held
+to ``--max-chat-image-pixels``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from fastapi import Request
+from omni_core.media import IMAGE_INPUT_FORMATS
 
 from omni_serve.body import off_loop
 from omni_serve.errors import APIError, bad_field
@@ -48,7 +50,6 @@ from omni_serve.streams import until_disconnect
 log = logging.getLogger("omni.serve")
 
 MAX_REDIRECTS = 3
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # the only formats Pillow opens here
 REDIRECTS = {301, 302, 303, 307, 308}
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _SHARED = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT: not private, not public
@@ -226,14 +227,12 @@ def check_pixels(
     parts: list[tuple[str, dict[str, Any]]], max_pixels: int, fetched: set[str]
 ) -> None:
     """Each data URL image's width x height, from its header, at most ``max_pixels``
-    (``--max-chat-image-pixels``); nothing is decoded, and only :data:`FORMATS` are
-    opened. A ``fetched`` part that is none of them is refused here; an inline one is
-    left to the intake, which names what is wrong with it. Without Pillow on the server
-    the size is left to the intake's own ``max_image_pixels``."""
-    try:
-        from PIL import Image
-    except ImportError:
-        return
+    (``--max-chat-image-pixels``); nothing is decoded, and only the formats of
+    :data:`~omni_core.media.IMAGE_INPUT_FORMATS` are opened. A ``fetched`` part that is
+    none of them is refused here; an inline one is left to the intake, which names what
+    is wrong with it."""
+    from PIL import Image
+
     for where, part in parts:
         head, sep, data = part["url"].partition(",")
         if not sep or not head.endswith(";base64"):
@@ -243,7 +242,7 @@ def check_pixels(
         except (binascii.Error, ValueError):
             continue
         try:
-            with Image.open(io.BytesIO(raw), formats=FORMATS) as img:
+            with Image.open(io.BytesIO(raw), formats=IMAGE_INPUT_FORMATS) as img:
                 w, h = img.size
         except Image.DecompressionBombError:
             w, h = max_pixels + 1, 1
