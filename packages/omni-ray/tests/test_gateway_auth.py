@@ -9,34 +9,50 @@ from __future__ import annotations
 
 import queue
 import socket
-import threading
 import time
 import uuid
 
 import pytest
 import zmq
-from omni_core.events import Cancel, Error, Release, Segment, ShmHandle
+from omni_core.events import (
+    Cancel,
+    Error,
+    ReaderLost,
+    Release,
+    Segment,
+    SegmentGone,
+    ShmHandle,
+    Shutdown,
+    Submit,
+)
 from omni_core.serial import decode_control_frame, decode_data_frame, encode_frame
 from omni_core.transport import RESULTS, push_socket
 from omni_ray.channel_auth import ChannelKeys
 from omni_ray.gateway import GATEWAY_ERROR, NodeGateway
 from omni_ray.objects import HeldObjects, segment_name
 from omni_testing.faults import wait_for
+from omni_testing.hostile import Relay, str8_frame
 
 HERE, THERE, HEAD = "node-here", "node-there", "node-head"
 
 
 class Gateway:
     """A gateway on node HERE with worker ``b`` on it (the test binds b's sockets, as b's
-    worker would) and ``a`` elsewhere; what it sends to other nodes lands in ``remote``."""
+    worker would) and ``a`` elsewhere; what it sends to other nodes lands in ``remote``.
+    ``there`` and ``head``: the keys of the gateways of nodes THERE and HEAD (the
+    orchestrator's), both admitted."""
 
     def __init__(self) -> None:
         self.pipeline = f"t{uuid.uuid4().hex[:8]}"
         self.gw = NodeGateway(self.pipeline, HERE, HEAD, ["a", "b"], channel_ip="127.0.0.1")
+        assert self.gw.keys is not None
+        self.there, self.head = self.gw.keys.for_node(), self.gw.keys.for_node()
+        self.gw.admit({THERE: self.there.client_public, HEAD: self.head.client_public})
         self.remote: queue.Queue = queue.Queue()
         self.gw._deliver_remote = self._record
         self.gw.set_routes({"a": (THERE, 1), "b": (HERE, 1)})
         self.ctx = zmq.Context()
+        self.socks: list[zmq.Socket] = []
         self.inbox = {}
         for ep in ("b.data", "b.ctl"):  # what reaches worker b
             sock = self.ctx.socket(zmq.PULL)
@@ -62,10 +78,11 @@ class Gateway:
         assert endpoint == RESULTS
         return [m for f in frames for m in decode_data_frame(f)]
 
-    def sender(self, endpoint: str, keys: ChannelKeys | None, which: str = "pipeline"):
-        """A PUSH socket to ``endpoint``'s channel: without keys, with the pipeline's, or
-        with another pipeline's (``keys`` given)."""
+    def sender(self, endpoint: str, keys: ChannelKeys | None) -> zmq.Socket:
+        """A PUSH socket to ``endpoint``'s channel, with ``keys`` (None: without keys); kept
+        open until the end (one closed at once drops what it has not sent)."""
         sock = self.ctx.socket(zmq.PUSH)
+        self.socks.append(sock)
         sock.linger = 0
         if keys is not None:
             keys.client(sock)
@@ -102,8 +119,8 @@ def test_a_peer_without_the_pipelines_keys_gets_nothing_through(gw):
         s.send(frame)
     assert gw.received("b.data", 1.0) == []  # nothing delivered
     wait_for(lambda: gw.gw.info()["auth_failures"] >= 3, 5, "three failed handshakes")
-    # the pipeline's keys: the same frame goes through (the check above can fail)
-    good = gw.sender("b.data", gw.gw.keys)
+    # a node's keys: the same frame goes through (the check above can fail)
+    good = gw.sender("b.data", gw.there)
     good.send(frame)
     assert gw.received("b.data", 2.0) == [frame]
     assert gw.gw.failure() is None
@@ -115,7 +132,7 @@ def test_a_forged_release_over_a_channel_is_refused_and_the_rest_goes_on(gw):
     seg = gw.gw.create_segment("b", 1 << 16)
     forged = Release(slots=[(0, 1)], segment=seg, reader="a")
     cancel = Cancel(request_id="r1")
-    s = gw.sender("b.ctl", gw.gw.keys)  # an admitted peer: a gateway of this pipeline
+    s = gw.sender("b.ctl", gw.head)  # the head node's gateway: it may send the cancel
     s.send(encode_frame([forged, cancel]))
     s.send(encode_frame([forged]))
     got = [m for f in gw.received("b.ctl", 1.0) for m in decode_control_frame(f)]
@@ -134,7 +151,7 @@ def test_a_handle_to_a_segment_here_over_a_channel_fails_its_request(gw):
     other = ShmHandle(segment_name("another", "ab" * 8), 0, 16, "|u1", (16,), "a", 0)
     mine = ShmHandle(segment_name(gw.pipeline, "cd" * 8), 0, 16, "|u1", (16,), "a", 0)
     path = ShmHandle("/etc/passwd", 0, 16, "|u1", (16,), "a", 1)
-    s = gw.sender("b.data", gw.gw.keys)
+    s = gw.sender("b.data", gw.there)
     msgs = [
         segment("slot", {"x": slot}),
         segment("other", {"x": other}),
@@ -151,40 +168,83 @@ def test_a_handle_to_a_segment_here_over_a_channel_fails_its_request(gw):
     assert gw.remote.empty()  # no release went to a producer on their behalf
 
 
-class Relay:
-    """A TCP relay to a channel that records what the client sends."""
+def test_frames_spelling_their_tags_the_long_way_are_screened_all_the_same(gw):
+    """msgpack may spell "shm" and "release" as str8 (``\\xd9\\x03shm``); the receiver
+    decodes them alike, so the screen must too: a slot handle and a Release spelled so
+    are refused as the short spellings are."""
+    seg = gw.gw.create_segment("a", 1 << 16)
+    slot = ShmHandle(seg, 0, 16, "|u1", (16,), "a", 1)
+    data = str8_frame(encode_frame([segment("slot", {"x": slot}), segment("ok")]))
+    assert b"\xa3shm" not in data and b"\xd9\x03shm" in data
+    gw.sender("b.data", gw.there).send(data)
+    passed = [m for f in gw.received("b.data", 1.0) for m in decode_data_frame(f)]
+    assert [m.request_id for m in passed] == ["ok"]
+    assert [e.request_id for e in gw.errors()] == ["slot"]
+    forged = Release(slots=[(0, 1)], segment=gw.gw.create_segment("b", 1 << 16), reader="a")
+    ctl = str8_frame(encode_frame([forged]))
+    assert b"\xa7release" not in ctl
+    for keys in (gw.there, gw.head):  # from no node
+        gw.sender("b.ctl", keys).send(ctl)
+    assert gw.received("b.ctl", 1.0) == []
+    assert gw.gw.info()["refused"] == 3
 
-    def __init__(self, target: str) -> None:
-        host, port = target.removeprefix("tcp://").rsplit(":", 1)
-        self.target = (host, int(port))
-        self.sent: list[bytes] = []
-        self.upstream: socket.socket | None = None
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._run, daemon=True).start()
 
-    def _run(self) -> None:
-        conn, _ = self.listener.accept()
-        self.upstream = up = socket.create_connection(self.target)
-        threading.Thread(target=self._pump, args=(up, conn, None), daemon=True).start()
-        self._pump(conn, up, self.sent)
+ORCHESTRATORS = [
+    Cancel(request_id="r1"),
+    ReaderLost(reader="a"),
+    SegmentGone(segment="omni-x"),
+    Shutdown(drain=False),
+]
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, log: list[bytes] | None) -> None:
-        try:
-            while data := src.recv(65536):
-                if log is not None:
-                    log.append(data)
-                dst.sendall(data)
-        except OSError:
-            pass
+
+@pytest.mark.parametrize("spell", [lambda f: f, str8_frame], ids=["short", "str8"])
+def test_the_orchestrators_messages_are_taken_from_the_head_node_alone(gw, spell):
+    """A ReaderLost frees every slot its reader holds: from any node but the head (where
+    the orchestrator is) it, and every other message of the orchestrator's, is refused."""
+    gw.sender("b.ctl", gw.there).send(spell(encode_frame(ORCHESTRATORS)))
+    gw.sender("b.data", gw.there).send(spell(encode_frame([Submit(request_id="s1", request={})])))
+    assert gw.received("b.ctl", 1.0) == [] and gw.received("b.data", 0.1) == []
+    assert [e.request_id for e in gw.errors()] == ["s1"]
+    assert gw.gw.info()["refused"] == len(ORCHESTRATORS) + 1
+    # the same from the head node's gateway: they arrive (the checks above can fail)
+    gw.sender("b.ctl", gw.head).send(spell(encode_frame(ORCHESTRATORS)))
+    gw.sender("b.data", gw.head).send(encode_frame([Submit(request_id="s2", request={})]))
+    got = [m for f in gw.received("b.ctl", 1.0) for m in decode_control_frame(f)]
+    assert got == ORCHESTRATORS
+    assert [m.request_id for m in decode_data_frame(gw.received("b.data", 1.0)[0])] == ["s2"]
+    assert gw.gw.info()["refused"] == len(ORCHESTRATORS) + 1
+
+
+def test_an_undecodable_control_message_over_a_channel_is_logged_and_counted(gw, caplog):
+    bad = b"\x92" + encode_frame([Cancel(request_id="r1")])[1:] + b"\x81\xaaevent_type\xa3bad"
+    gw.sender("b.ctl", gw.head).send(bad)
+    got = [m for f in gw.received("b.ctl", 1.0) for m in decode_control_frame(f)]
+    assert got == [Cancel(request_id="r1")]  # the rest goes on
+    assert gw.gw.info()["dropped"] == 1
+    assert "undecodable control message" in caplog.text
+
+
+def test_channels_admit_nobody_once_the_zap_handler_fails(gw):
+    """Without its ZAP handler libzmq would admit any client knowing the server key: the
+    channels enforce the domain and are closed, and the gateway reports the failure."""
+    zap = gw.gw.zap
+
+    def broken(request):
+        raise RuntimeError("boom")
+
+    zap.answer = broken
+    gw.sender("b.data", gw.there).send(encode_frame([segment("r1")]))  # the failing ask
+    wait_for(lambda: gw.gw.failure() is not None, 5, "the failure to be reported")
+    assert "channel authentication" in gw.gw.failure()["part"]
+    gw.sender("b.data", gw.there).send(encode_frame([segment("r2")]))
+    assert gw.received("b.data", 1.5) == []
 
 
 def test_a_replayed_frame_is_refused_in_its_session_and_on_a_new_connection(gw):
     relay = Relay(gw.channels["b.data"])
     client = gw.ctx.socket(zmq.PUSH)
     client.linger = 0
-    gw.gw.keys.client(client)
+    gw.there.client(client)
     client.connect(relay.address)
     frame = encode_frame([segment("r1")])
     client.send(frame)
@@ -201,10 +261,10 @@ def test_a_replayed_frame_is_refused_in_its_session_and_on_a_new_connection(gw):
     client.close(linger=0)
 
 
-def test_keys_never_show_their_secrets_in_repr():
+def test_keys_never_show_their_secrets_nor_the_server_key_in_repr():
     keys = ChannelKeys.new()
-    assert keys.server_secret.decode() not in repr(keys)
-    assert keys.client_secret.decode() not in repr(keys)
+    for secret in (keys.server_secret, keys.client_secret, keys.server_public):
+        assert secret.decode() not in repr(keys)
 
 
 class FakeRef:
@@ -231,8 +291,8 @@ def test_forged_frames_on_a_live_pipelines_channel_are_not_accepted(cluster):
     """``src`` (node_a) holds each request a while; a frame posing as its first event is
     sent over ``up``'s channel on node_b while it waits. From a peer without the keys, or
     with another pipeline's, it never arrives: the request's output is src's alone. With
-    the pipeline's keys (the control) it does arrive and spoils that request. A Release
-    over the head's channel, even with the keys, is refused."""
+    a node's keys (the control) it does arrive and spoils that request. A Release and
+    a ReaderLost over the head's channel, with node_b's keys, are refused."""
     import ray
     from omni_core import Pipeline
     from omni_ray.testing import on
@@ -245,9 +305,11 @@ def test_forged_frames_on_a_live_pipelines_channel_are_not_accepted(cluster):
     )
     with Pipeline(cfg, backend="ray") as pipe:
         launcher = pipe.backend.launcher
-        keys = launcher.channel_keys
         head = launcher.gateways[launcher.head_node]
-        (far,) = [gw for n, gw in launcher.gateways.items() if n != launcher.head_node]
+        ((far_node, far),) = [
+            (n, g) for n, g in launcher.gateways.items() if n != launcher.head_node
+        ]
+        keys = launcher.node_keys[launcher.head_node]
         far_channels = ray.get(far.channel_addresses.remote(), timeout=30)
         head_channels = ray.get(head.channel_addresses.remote(), timeout=30)
         ctx = zmq.Context()
@@ -277,13 +339,15 @@ def test_forged_frames_on_a_live_pipelines_channel_are_not_accepted(cluster):
             assert spoiled[-1].event_type == "error" or 1998 in up_tokens(spoiled), spoiled
             info = ray.get(far.info.remote(), timeout=30)
             assert info["auth_failures"] >= 2 and info["failures"] == {}
-            # a Release over a channel, with the keys: refused, the producer never sees it
+            # a Release and a ReaderLost over a channel, from node_b (not the orchestrator's
+            # node): refused, the producer never sees them
             rel = ctx.socket(zmq.PUSH)
             rel.linger = 0
-            keys.client(rel)
+            launcher.node_keys[far_node].client(rel)
             rel.connect(head_channels["src.ctl"])
             rel.send(encode_frame([Release(slots=[(0, 1)], segment="x", reader="up")]))
-            wait_for(lambda: ray.get(head.info.remote(), timeout=30)["refused"] == 1, 10, "refusal")
+            rel.send(str8_frame(encode_frame([ReaderLost(reader="up")])))
+            wait_for(lambda: ray.get(head.info.remote(), timeout=30)["refused"] == 2, 10, "refusal")
         finally:
             ctx.destroy(linger=0)
         outs = pipe.generate([{}, {}], timeout_s=60)

@@ -177,7 +177,7 @@ def test_a_release_of_an_object_ends_at_the_readers_gateway_and_the_rest_goes_on
     held = HeldObjects()
     held.hold("b", [FakeRef("k1"), FakeRef("k2")])
     held.hold("c", [FakeRef("k3")])
-    assert [r.key if r else None for r in held.lend(["k1", "nope"])] == ["k1", None]
+    assert [r.key if r else None for r in held.lend(["k1", "nope"], "b")] == ["k1", None]
     shm = Release(slots=[(64, 3)], segment="omni-1-x-a-0", reader="b")
     frame = encode_frame(
         [
@@ -204,9 +204,9 @@ def test_an_object_held_for_two_readers_goes_with_the_last_release():
     held.hold("c", [FakeRef("k1")])
     held.release("b", ["k1"])
     held.release("b", ["k1"])  # twice: no effect
-    assert len(held) == 1 and held.lend(["k1"])[0].key == "k1"
+    assert len(held) == 1 and held.lend(["k1"], "c")[0].key == "k1"
     assert held.forget_reader("c") == 1
-    assert len(held) == 0 and held.lend(["k1"]) == [None] and held.released == 1
+    assert len(held) == 0 and held.lend(["k1"], "c") == [None] and held.released == 1
 
 
 def test_a_reader_node_that_goes_away_leaves_no_object_behind(cluster):

@@ -1,13 +1,21 @@
-"""Who may speak on a gateway's cross-node channels: ZMQ CURVE with per-pipeline keys.
+"""Who may speak on a gateway's cross-node channels: ZMQ CURVE, per-pipeline and per-node keys.
 
-The control plane (:class:`~omni_ray.launcher.RayLauncher`) makes one :class:`ChannelKeys`
-per pipeline and hands it to each node's gateway as an actor constructor argument (Ray
-carries it: never a command line nor an environment variable). Every channel a gateway
-binds is a CURVE server with the pipeline's server key; a gateway that sends over another
-node's channel is a CURVE client with the pipeline's client key pair. A ZAP handler in each
-gateway (:class:`ZapHandler`) admits exactly the pipeline's client public key: a peer
-without the keys, or with another pipeline's, never gets a message through; its failed
-handshake is counted (:class:`HandshakeWatch`, a monitor on each channel).
+The control plane (:class:`~omni_ray.launcher.RayLauncher`) makes one server key pair per
+pipeline, and one client key pair per node (:meth:`ChannelKeys.for_node`), and hands each
+node's gateway its :class:`ChannelKeys` (the server pair, its node's client pair) and the
+client public keys of the other nodes, as actor arguments and calls (Ray carries them:
+never a command line nor an environment variable). Every channel a gateway binds is a
+CURVE server with the pipeline's server key; a gateway that sends over another node's
+channel is a CURVE client with its own node's client pair. A ZAP handler in each gateway
+(:class:`ZapHandler`) admits exactly the client public keys of the pipeline's nodes, and
+names the peer's node in the User-Id of each message from it, so the receiver knows which
+node sent a frame (and what it may send: see :meth:`omni_ray.frames.FrameGuard.screen`).
+A peer without the keys, or with another pipeline's, never gets a message through; its
+failed handshakes are counted (:class:`HandshakeWatch`, a monitor on each channel).
+
+The channels enforce the ZAP domain (``ZMQ_ZAP_ENFORCE_DOMAIN``): should the ZAP handler
+be gone, no handshake completes (libzmq would otherwise admit any client that knows the
+server's public key); should it fail, each gateway thread also closes its channel.
 
 What CURVE gives beyond that: every message is encrypted and authenticated with keys of its
 connection alone (ephemeral, made at the handshake), so bytes captured on the wire cannot be
@@ -30,7 +38,9 @@ log = logging.getLogger("omni.ray.gateway")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 DOMAIN = b"omni-channel"
-USER_ID = b"omni-gateway"  # the User-Id of a message from an admitted peer
+# without it libzmq admits any CURVE client that knows the server key while no ZAP handler
+# answers (libzmq >= 4.3 has it)
+ENFORCE_DOMAIN: int | None = getattr(zmq, "ZAP_ENFORCE_DOMAIN", None)
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -45,8 +55,9 @@ def curve_available() -> bool:
 
 @dataclass(frozen=True, repr=False)
 class ChannelKeys:
-    """One pipeline's CURVE keys (z85): the channels' server pair, the gateways' client
-    pair. ``repr`` shows the public keys only."""
+    """One node's CURVE keys (z85): the pipeline's server pair (every channel's), and this
+    node's client pair (its gateway's, when it sends). ``repr`` shows the client public
+    key only (the server public key lets a client attempt the handshake)."""
 
     server_public: bytes
     server_secret: bytes
@@ -64,8 +75,13 @@ class ChannelKeys:
         client_public, client_secret = zmq.curve_keypair()
         return cls(server_public, server_secret, client_public, client_secret)
 
+    def for_node(self) -> ChannelKeys:
+        """The same server pair with a client pair of its own (another node's keys)."""
+        client_public, client_secret = zmq.curve_keypair()
+        return ChannelKeys(self.server_public, self.server_secret, client_public, client_secret)
+
     def __repr__(self) -> str:
-        return f"ChannelKeys(server={self.server_public!r}, client={self.client_public!r})"
+        return f"ChannelKeys(client={self.client_public!r})"
 
     def serve(self, sock: zmq.Socket) -> None:
         """Make ``sock`` (before it binds) a CURVE server that asks the ZAP handler."""
@@ -73,33 +89,56 @@ class ChannelKeys:
         sock.curve_secretkey = self.server_secret
         sock.curve_publickey = self.server_public
         sock.zap_domain = DOMAIN
+        if ENFORCE_DOMAIN is not None:  # no ZAP handler (it failed): no handshake completes
+            sock.setsockopt(ENFORCE_DOMAIN, 1)
 
     def client(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` (before it connects) a CURVE client of the pipeline's channels."""
+        """Make ``sock`` (before it connects) a CURVE client of the pipeline's channels,
+        with this node's client pair."""
         sock.curve_serverkey = self.server_public
         sock.curve_publickey = self.client_public
         sock.curve_secretkey = self.client_secret
 
 
 class ZapHandler:
-    """The ZAP handler of one zmq context: admits CURVE clients with the pipeline's client
-    public key on :data:`DOMAIN`, refuses (and counts) the rest.
+    """The ZAP handler of one zmq context: admits CURVE clients with a known node's client
+    public key on :data:`DOMAIN`, with that node's id as the User-Id of their messages;
+    refuses (and counts) the rest.
 
-    Its thread never dies silently: should it fail, ``on_failure(why)`` is told (no handshake
-    completes without it, so the channels stop taking frames) and it is logged loudly."""
+    Its thread never dies silently: should it fail, ``failed`` is set, ``on_failure(why)``
+    is told and it is logged loudly (the channels enforce the domain, so no handshake
+    completes without it; the gateway's threads close their channels too)."""
 
     def __init__(
-        self, ctx: zmq.Context, keys: ChannelKeys, on_failure: Callable[[str], None]
+        self,
+        ctx: zmq.Context,
+        peers: dict[str, bytes],
+        on_failure: Callable[[str], None],
     ) -> None:
-        self.allowed = z85.decode(keys.client_public)
+        """``peers``: node id -> that node's client public key (z85)."""
+        self.lock = threading.Lock()
+        self.allowed: dict[bytes, bytes] = {}  # client public key (raw) -> node id
+        self.admit(peers)
         self.on_failure = on_failure
         self.denied = 0
         self.stop = False
+        self.failed = False
         self.sock = ctx.socket(zmq.REP)
         self.sock.linger = 0
         self.sock.bind(ZAP_ENDPOINT)  # before any channel binds: none is asked without it
         self.thread = threading.Thread(target=self._run, name="gw-zap", daemon=True)
         self.thread.start()
+
+    def admit(self, peers: dict[str, bytes]) -> None:
+        """Admit these nodes' client public keys (z85) from now on."""
+        with self.lock:
+            for node, public in peers.items():
+                self.allowed[z85.decode(public)] = node.encode()
+
+    def admits(self, node: str) -> bool:
+        """Whether ``node``'s key is admitted."""
+        with self.lock:
+            return node.encode() in self.allowed.values()
 
     def _run(self) -> None:
         try:
@@ -108,6 +147,7 @@ class ZapHandler:
                     self.sock.send_multipart(self.answer(self.sock.recv_multipart()))
         except BaseException as e:
             if not self.stop:
+                self.failed = True
                 log.critical("the channels' ZAP handler failed; no peer is admitted", exc_info=True)
                 self.on_failure(f"ZAP handler: {type(e).__name__}: {e}")
         finally:
@@ -118,12 +158,15 @@ class ZapHandler:
         version, request_id, domain, address, _identity, mechanism, *credentials = request
         if domain != DOMAIN:  # not a channel: the context's local (ipc) sockets
             return [version, request_id, b"200", b"OK", b"", b""]
-        ok = mechanism == b"CURVE" and len(credentials) == 1 and credentials[0] == self.allowed
-        if ok:
-            return [version, request_id, b"200", b"OK", USER_ID, b""]
+        node = None
+        if mechanism == b"CURVE" and len(credentials) == 1:
+            with self.lock:
+                node = self.allowed.get(credentials[0])
+        if node is not None:
+            return [version, request_id, b"200", b"OK", node, b""]
         self.denied += 1
         log.warning(
-            "channel: refused a %s peer at %s (not this pipeline's key)",
+            "channel: refused a %s peer at %s (not a key of this pipeline's nodes)",
             mechanism.decode(errors="replace"),
             address.decode(errors="replace"),
         )

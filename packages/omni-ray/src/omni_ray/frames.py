@@ -8,7 +8,8 @@ read) is dropped: its slots go back to their producers and its requests end with
 (code ``gateway_error``), so nothing waits for it. The rest of a frame always goes on.
 
 A frame that arrives over a channel, from another node's gateway, is screened first
-(:meth:`FrameGuard.screen`): a message touching what its sender may not is refused.
+(:meth:`FrameGuard.screen`): always decoded (however its msgpack is spelled), a message
+its sending node may not send, or touching what is not its sender's, is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import msgspec
 import numpy as np
 import zmq
 from omni_core.config import split_worker
-from omni_core.events import Error, InlineArray, Release, ShmHandle
+from omni_core.events import Error, InlineArray, Release, ShmHandle, Submit
 from omni_core.serial import (
     decode_control_frame,
     decode_data_frame,
@@ -38,8 +39,6 @@ from omni_ray.routes import owner_of, reader_of
 
 log = logging.getLogger("omni.ray.gateway")
 
-_SHM_TAG = b"\xa3shm"  # msgpack of the string "shm", the tag of an array-like ShmHandle
-_RELEASE_TAG = b"\xa7release"  # msgpack of "release", the tag of a Release
 GATEWAY_ERROR = "gateway_error"  # the code of the error a dropped message's request ends with
 # (request id or None, stage or "", why) of a message that will not arrive
 Lost = tuple[str | None, str, str]
@@ -58,11 +57,14 @@ class FrameGuard:
         pipeline_id: str = "",
         object_threshold: int | None = OBJECT_THRESHOLD,
         forget_objects: Callable[[str, list[str]], None] | None = None,
+        head_node: str = "",
     ) -> None:
         """``forget_objects(endpoint, keys)``: the reader of ``endpoint`` will not read
-        these objects (their message was dropped): whoever holds them for it lets go."""
+        these objects (their message was dropped): whoever holds them for it lets go.
+        ``head_node``: the orchestrator's node (the only sender of its messages)."""
         self.forget_objects = forget_objects
         self.node_id = node_id
+        self.head_node = head_node
         self.pipeline_id = pipeline_id
         self.object_threshold = object_threshold  # None: arrays always ride in the frame
         self.addr = addr
@@ -97,21 +99,29 @@ class FrameGuard:
                 out.append(f)
         return out, refs
 
-    def screen(self, endpoint: str, frame: bytes, outs: dict[str, zmq.Socket]) -> bytes | None:
-        """What of ``frame``, which came over ``endpoint``'s channel from another node's
-        gateway, may go on (None: nothing). Never raises but for a broken socket.
+    def screen(
+        self, endpoint: str, frame: bytes, outs: dict[str, zmq.Socket], sender: str | None
+    ) -> bytes | None:
+        """What of ``frame``, which came over ``endpoint``'s channel from ``sender`` (the
+        node whose key its connection authenticated, None: unknown), may go on (None:
+        nothing). Never raises but for a broken socket.
 
-        Another node never holds a slot of this node's segments (what crosses nodes is
-        copied or put into the object store, and its slot released here), nor is it lent
-        one: a ``Release`` or a handle to a segment here is forged. Such a message is
-        refused (counted, logged); a data message's request fails. An object handle must
-        name this pipeline's objects (its reader is lent only what is held for it)."""
+        The frame is always decoded: msgpack spells a string in more than one way, and
+        the receiver decodes any of them, so no byte pattern can tell what a frame holds.
+        What the orchestrator alone sends (a ``Submit``; on a control channel anything but
+        a ``Release``) is taken only from the head node. Another node never holds a slot of
+        this node's segments (what crosses nodes is copied or put into the object store,
+        and its slot released there), nor is it lent one: a ``Release`` or a handle to a
+        segment here is forged. Such a message is refused (counted, logged); a data
+        message's request fails. An object handle must name this pipeline's objects (its
+        reader is lent only what is held for it)."""
         try:
             if endpoint.endswith(".ctl"):
-                return self._screen_control(endpoint, frame)
-            if _SHM_TAG not in frame:
-                return frame
+                return self._screen_control(endpoint, frame, sender)
             msgs, lost = self.decode(endpoint, frame)
+            if lost:  # undecodable messages (logged)
+                with self.lock:
+                    self.dropped += len(lost)
             ours = segment_name(self.pipeline_id, "")
             kept: list[Any] = []
             for m in msgs:
@@ -122,7 +132,10 @@ class FrameGuard:
                 ]
                 if bad:
                     lost.append(_lost(m, f"refused: it names segment {bad[0][:80]!r}"))
-                    self._refuse(endpoint, f"a handle to segment {bad[0][:80]!r}")
+                    self._refuse(endpoint, f"a handle to segment {bad[0][:80]!r}", sender)
+                elif type(m) is Submit and not self._from_head(sender):
+                    lost.append(_lost(m, "refused: a submit not from the orchestrator's node"))
+                    self._refuse(endpoint, f"a submit of request {m.request_id!r}", sender)
                 else:
                     kept.append(m)
             if len(kept) == len(msgs) and not lost:
@@ -132,30 +145,51 @@ class FrameGuard:
         except zmq.ZMQError:
             raise
         except Exception as e:
-            self._refuse(endpoint, f"a frame that cannot be screened ({type(e).__name__}: {e})")
+            what = f"a frame that cannot be screened ({type(e).__name__}: {e})"
+            self._refuse(endpoint, what, sender)
             return None
 
-    def _screen_control(self, endpoint: str, frame: bytes) -> bytes | None:
-        if _RELEASE_TAG not in frame:
-            return frame
+    def _from_head(self, sender: str | None) -> bool:
+        return sender is not None and sender == self.head_node
+
+    def _screen_control(self, endpoint: str, frame: bytes, sender: str | None) -> bytes | None:
+        """A control frame from another node, re-encoded: a ``Release`` is refused from
+        any node, the orchestrator's messages from any node but the head."""
         try:
             msgs = decode_control_frame(frame)
         except msgspec.DecodeError:
-            msgs, _ = salvage_frame(frame, "control")  # what does not decode: dropped
-        kept = [m for m in msgs if type(m) is not Release]
+            msgs, bad = salvage_frame(frame, "control")
+            with self.lock:
+                self.dropped += len(bad)
+            for b in bad:
+                log.error(
+                    "gateway %s: %s: an undecodable control message from node %s was dropped: %s",
+                    self.node_id[:8],
+                    endpoint,
+                    (sender or "?")[:8],
+                    b.error,
+                )
+        kept: list[Any] = []
         for m in msgs:
             if type(m) is Release:
-                self._refuse(endpoint, f"a release of {m.segment[:80]!r} for {m.reader!r}")
+                what = f"a release of {m.segment[:80]!r} for {m.reader!r}"
+                self._refuse(endpoint, what, sender)
+            elif not self._from_head(sender):
+                self._refuse(endpoint, f"a {type(m).__name__} (the orchestrator's)", sender)
+            else:
+                kept.append(m)
+        # re-encoded: what comes after (objects.take_releases) sees the usual spelling
         return encode_frame(kept) if kept else None
 
-    def _refuse(self, endpoint: str, what: str) -> None:
+    def _refuse(self, endpoint: str, what: str, sender: str | None) -> None:
         with self.lock:
             self.refused += 1
         log.warning(
-            "gateway %s: %s: refused %s from another node (not its sender's to touch)",
+            "gateway %s: %s: refused %s from node %s (not its sender's to send)",
             self.node_id[:8],
             endpoint,
             what,
+            (sender or "unknown")[:12],
         )
 
     def out(self, outs: dict[str, zmq.Socket], endpoint: str) -> zmq.Socket:
@@ -248,7 +282,7 @@ class FrameGuard:
         slots are released and its request fails; the rest of the frame goes on (None:
         nothing is left of it)."""
         reader = reader_of(endpoint)
-        if reader is None or _SHM_TAG not in frame:
+        if reader is None:
             return frame
         msgs, lost = self.decode(endpoint, frame)
         freed: list[ShmHandle] = []

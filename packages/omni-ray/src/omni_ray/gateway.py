@@ -31,14 +31,17 @@ sockets (and channels) to its producers. The gateway also creates and unlinks th
 shared-memory segments of the workers on its node: they outlive a crashed worker, as with
 the local orchestrator.
 
-Channels are authenticated and encrypted (ZMQ CURVE with the pipeline's keys, see
-:mod:`omni_ray.channel_auth`): a peer without them never gets a message through, and its
-failed handshakes are counted (``info()["auth_failures"]``). What an admitted peer (another
-node's gateway of this pipeline) sends is still checked (:meth:`FrameGuard.screen`): another
-node never holds nor is lent a slot of this node's segments, so a slot handle or a
-``Release`` arriving over a channel is refused (``info()["refused"]``), and a data message
-holding one fails its request; an object handle must name this pipeline's objects, and a
-reader is lent only what is held for it (:meth:`HeldObjects.lend`).
+Channels are authenticated and encrypted (ZMQ CURVE with the pipeline's server key and a
+client key per node, see :mod:`omni_ray.channel_auth`): a peer without them never gets a
+message through, and its failed handshakes are counted (``info()["auth_failures"]``); each
+frame that gets through names its sending node. What an admitted peer (another node's
+gateway of this pipeline) sends is still checked (:meth:`FrameGuard.screen`): the
+orchestrator's messages (a ``Submit``, and every control message but a ``Release``) are
+taken from the head node alone; another node never holds nor is lent a slot of this node's
+segments, so a slot handle or a ``Release`` arriving over a channel is refused
+(``info()["refused"]``), and a data message holding one fails its request; an object
+handle must name this pipeline's objects, and a reader is lent only what is held for it
+(:meth:`HeldObjects.lend`).
 
 A forwarding thread never dies silently. A frame or message it cannot handle (one that
 does not decode, an array whose slot cannot be read, a delivery that fails unexpectedly)
@@ -102,12 +105,14 @@ class NodeGateway:
         workers: list[str],
         channel_ip: str | None = "auto",
         keys: ChannelKeys | None = None,
+        peers: dict[str, bytes] | None = None,
     ) -> None:
         """``workers``: every worker name of the pipeline (stages, and ``STAGE#i`` for each
         replica a stage may have). ``channel_ip``: the address this node's channels bind
         (``"auto"``: the node's IP as Ray knows it; None: no channels, every frame goes by
-        Ray actor calls). ``keys``: the pipeline's channel keys, the same for every node's
-        gateway (None: a pair of its own, for a gateway alone: tests)."""
+        Ray actor calls). ``keys``: the pipeline's server pair and this node's client pair
+        (None: keys of its own, for a gateway alone: tests). ``peers``: node id -> client
+        public key of each node whose gateway may send here (more come by :meth:`admit`)."""
         if channel_ip == "auto":
             channel_ip = get_node_ip_address() if get_node_ip_address else None
         self.channel_ip = channel_ip
@@ -131,7 +136,7 @@ class NodeGateway:
         self.failures: dict[str, str] = {}  # endpoint -> why its thread stopped for good
         self.zap = None
         if self.keys is not None:  # before any channel binds: each handshake asks it
-            self.zap = ZapHandler(self.zctx, self.keys, self._zap_failed)
+            self.zap = ZapHandler(self.zctx, peers or {}, self._zap_failed)
         self.routes: dict[str, str | None] = dict.fromkeys(workers)  # worker -> its node
         self.routes[DRIVER] = head_node
         self.versions: dict[str, int] = {}  # route updates may arrive out of order
@@ -139,7 +144,13 @@ class NodeGateway:
         self.local: dict[str, tuple[threading.Lock, zmq.Socket]] = {}  # delivery sockets
         self.stop = False
         self.frames = FrameGuard(
-            node_id, self.addr, self.zctx, self.reader, pipeline_id, forget_objects=self._forget
+            node_id,
+            self.addr,
+            self.zctx,
+            self.reader,
+            pipeline_id,
+            forget_objects=self._forget,
+            head_node=head_node,
         )
         self.held = HeldObjects()  # objects lent to readers on this node, until released
         names = Addresses.names(workers)
@@ -188,17 +199,32 @@ class NodeGateway:
             "error": "; ".join(f"{ep}: {why}" for ep, why in sorted(failures.items())),
         }
 
-    def channel_addresses(self, timeout_s: float = 10.0) -> dict[str, str]:
+    def channel_addresses(self, timeout_s: float = 10.0, for_node: str = "") -> dict[str, str]:
         """Where other nodes' gateways send this node's endpoints' frames (TCP), once
-        every forwarding thread has bound its channel."""
+        every forwarding thread has bound its channel; with ``for_node``, once that
+        node's key is admitted too (a refused handshake is not retried), else none
+        (its gateway sends by actor calls)."""
         end = time.monotonic() + timeout_s
         while self.channel_ip is not None and time.monotonic() < end:
             with self.lock:
-                if len(self.channels) + len(self.failures) >= len(self.threads):
-                    break
+                bound = len(self.channels) + len(self.failures) >= len(self.threads)
+            if bound and (not for_node or (self.zap is not None and self.zap.admits(for_node))):
+                break
             time.sleep(0.01)
+        if for_node and (self.zap is None or not self.zap.admits(for_node)):
+            log.warning(
+                "gateway %s: node %s's channel key is not known here: it sends by actor calls",
+                self.node_id[:8],
+                for_node[:8],
+            )
+            return {}
         with self.lock:
             return dict(self.channels)
+
+    def admit(self, peers: dict[str, bytes]) -> None:
+        """Admit these nodes' gateways (node id -> client public key) on the channels."""
+        if self.zap is not None:
+            self.zap.admit(peers)
 
     def set_routes(self, routes: dict[str, tuple[str | None, int]]) -> None:
         """``{worker: (node or None while it is not placed, version)}``; newer wins."""
@@ -286,7 +312,7 @@ class NodeGateway:
             with contextlib.suppress(ValueError):  # that node's gateway is gone
                 self._gateway(node).release.remote(reader, keys)
 
-    def lend(self, keys: list[str], reader: str | None = None) -> list[Any]:
+    def lend(self, keys: list[str], reader: str) -> list[Any]:
         """``reader`` on this node asks for the references of objects it was sent (in
         a list: each is passed in-band, so the reader borrows it); None: not held here
         for it."""
@@ -312,7 +338,7 @@ class NodeGateway:
         if peer is None:
             import ray
 
-            peer = ray.get(gw.channel_addresses.remote(), timeout=60)
+            peer = ray.get(gw.channel_addresses.remote(for_node=self.node_id), timeout=60)
             with self.lock:
                 self.peers[node] = peer
         return peer.get(endpoint)
@@ -401,13 +427,23 @@ class NodeGateway:
                     failed = watch.count()
                     with self.lock:
                         self.auth_failures += failed
+                if chan is not None and self.zap is not None and self.zap.failed:
+                    # no peer can be authenticated any more: no channel stays open
+                    poller.unregister(chan)
+                    chan.close(linger=0)
+                    chan = None
+                    log.critical(
+                        "gateway %s: %s: channel closed (the ZAP handler failed)",
+                        self.node_id[:8],
+                        endpoint,
+                    )
                 pending = _take(pull) if pull in ready else []
-                incoming = _take(chan) if chan is not None and chan in ready else []
+                incoming = _take_channel(chan) if chan is not None and chan in ready else []
                 if not pending and not incoming:
                     continue
                 try:
-                    for f in incoming:  # from another node: what it may not touch is refused
-                        f = self.frames.screen(endpoint, f, outs)
+                    for f, sender in incoming:  # from another node: what it may not send
+                        f = self.frames.screen(endpoint, f, outs, sender)  # is refused
                         if f is not None:
                             pending.append(f)
                     if control:
@@ -507,6 +543,25 @@ class NodeGateway:
                 e,
             )
             return False
+
+
+def _take_channel(sock: zmq.Socket) -> list[tuple[bytes, str | None]]:
+    """Like :func:`_take`, from a channel: each frame with its sending node (the User-Id
+    the ZAP handler gave its connection)."""
+    out: list[tuple[bytes, str | None]] = []
+    size = 0
+    while len(out) < MAX_BATCH_FRAMES and size < MAX_BATCH_BYTES:
+        try:
+            msg = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            break
+        try:
+            sender: str | None = msg.get("User-Id")
+        except zmq.ZMQError:  # no such property: not authenticated
+            sender = None
+        out.append((msg.bytes, sender or None))
+        size += len(out[-1][0])
+    return out
 
 
 def _take(sock: zmq.Socket) -> list[bytes]:

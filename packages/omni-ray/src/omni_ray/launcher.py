@@ -143,9 +143,12 @@ class RayLauncher(Launcher):
                 "authenticated); every frame between nodes goes by Ray actor calls"
             )
             self.channel_ip = None
-        # the channels' CURVE keys, this pipeline's alone: each gateway gets them as an
-        # actor argument (through Ray; never on a command line or in an environment)
+        # the channels' CURVE keys, this pipeline's alone: a server pair, and a client pair
+        # per node (so a receiver knows which node sent a frame); each gateway gets its
+        # own as actor arguments, the other nodes' public keys by calls (through Ray; never
+        # on a command line or in an environment)
         self.channel_keys = ChannelKeys.new() if self.channel_ip is not None else None
+        self.node_keys: dict[str, ChannelKeys] = {}  # node id -> its gateway's keys
         self.head_node = ray.get_runtime_context().get_node_id()
         # every worker a stage may have (each replica up to its max): the gateways bind
         # the endpoints of all of them, so a replica the autoscaler adds later is reached
@@ -171,6 +174,15 @@ class RayLauncher(Launcher):
     def _add_gateway(self, node: str) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        keys = peers = None
+        if self.channel_keys is not None:
+            keys = self.node_keys[node] = self.channel_keys.for_node()
+            peers = {n: k.client_public for n, k in self.node_keys.items()}
+            # the others admit it before it asks them where their channels are (a
+            # gateway's channel_addresses(for_node=...) waits for that)
+            for gw in self.gateways.values():
+                gw.admit.remote({node: keys.client_public})
+
         gw = (
             actor_class(NodeGateway)
             .options(
@@ -186,7 +198,8 @@ class RayLauncher(Launcher):
                 self.head_node,
                 self.worker_names,
                 self.channel_ip,
-                self.channel_keys,
+                keys,
+                peers,
             )
         )
         if self.routes:
@@ -204,6 +217,7 @@ class RayLauncher(Launcher):
         for node in set(self.gateways) - alive:
             if node != self.head_node:
                 del self.gateways[node]
+                self.node_keys.pop(node, None)
         if not self.health_refs:  # ask each gateway whether its forwarding still runs
             self.health_refs = {gw.failure.remote(): n for n, gw in self.gateways.items()}
         self.next_scan = time.monotonic() + NODE_SCAN_S

@@ -43,8 +43,6 @@ from omni_ray.routes import DRIVER, gateway_name, inbox_of
 log = logging.getLogger("omni.ray.objects")
 
 PREFIX = "ray:"
-_TAG = PREFIX.encode()
-_READER_LOST = b"reader_lost"  # the tag of a ReaderLost message
 # arrays from this size cross nodes through the object store; smaller ones ride in frames
 OBJECT_THRESHOLD = 4 << 20
 LEND_TIMEOUT_S = 60.0  # the reader's call to its node's gateway
@@ -87,13 +85,13 @@ class HeldObjects:
                 if producer:
                     self.owners[key] = producer
 
-    def lend(self, keys: list[str], reader: str | None = None) -> list[Any]:
-        """The references for ``keys`` (None: not held here, or no more, or, with
-        ``reader``, not held for that reader: a handle it got names another's object)."""
+    def lend(self, keys: list[str], reader: str) -> list[Any]:
+        """The references for ``keys`` (None: not held here, or no more, or not held for
+        ``reader``: a handle it got names another's object)."""
         with self.lock:
             out = []
             for k in keys:
-                if reader is not None and reader not in self.readers.get(k, ()):
+                if reader not in self.readers.get(k, ()):
                     out.append(None)
                     continue
                 self.owners.pop(k, None)  # on its reader's side now: its release ends it
@@ -150,9 +148,8 @@ def take_releases(frame: bytes, held: HeldObjects) -> bytes | None:
     """A control frame on its way to a producer, less the releases of objects (they end
     here, at the reader's node: its gateway drops the reference); a
     :class:`~omni_core.events.ReaderLost` also drops the references held for that reader
-    (and goes on). None: nothing is left of the frame."""
-    if _TAG not in frame and _READER_LOST not in frame:
-        return frame
+    (and goes on). None: nothing is left of the frame. Always decoded: no byte pattern
+    tells what a frame holds (msgpack spells a string in more than one way)."""
     try:
         msgs = decode_control_frame(frame)
     except msgspec.DecodeError:

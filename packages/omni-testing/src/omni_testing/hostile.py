@@ -1,14 +1,17 @@
 """Hostile input for tests and ``omni bench attack``/``chaos``: files planted in
 ``/dev/shm`` under names a reader would accept, the segment references an attacker would
 put in a message, a squatter who takes the next segment name, raw frames pushed into a
-socket."""
+socket, a relay that records a TCP session (to replay it), frames spelled the long way."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import threading
 from collections.abc import Iterator
 
+import msgspec
 import zmq
 from omni_core import shm as shm_module
 from omni_core.shm import SHM_DIR
@@ -116,3 +119,71 @@ def push_frames(address: str, *frames: bytes) -> None:
     for f in frames:
         sock.send(f)
     sock.close(linger=1000)
+
+
+class Relay:
+    """A TCP relay to ``target`` (``tcp://HOST:PORT``) that records what its one client
+    sends (``sent``); ``upstream``: its connection to the target, once the client came."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.sent: list[bytes] = []
+        self.upstream: socket.socket | None = None
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._run, name="relay", daemon=True).start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):  # the listener closed before a client came
+            conn, _ = self.listener.accept()
+            self.upstream = up = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(up, conn, None), daemon=True).start()
+            self._pump(conn, up, self.sent)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, log: list[bytes] | None) -> None:
+        with contextlib.suppress(OSError):  # either side closed: the relay ends
+            while data := src.recv(65536):
+                if log is not None:
+                    log.append(data)
+                dst.sendall(data)
+
+    def close(self) -> None:
+        for s in (self.listener, self.upstream):
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.close()
+
+
+def str8_frame(frame: bytes) -> bytes:
+    """``frame`` (msgpack) with every string under 256 bytes spelled the long way (str8,
+    ``\\xd9 len``) where msgpack would use the short one: it decodes to the same messages,
+    but holds none of their tags' usual bytes (``\\xa3shm``, ``\\xa7release``)."""
+    out = bytearray()
+    _pack_long(msgspec.msgpack.decode(frame), out)
+    return bytes(out)
+
+
+def _pack_long(v: object, out: bytearray) -> None:
+    if isinstance(v, str):
+        raw = v.encode()
+        if len(raw) < 256:
+            out += b"\xd9" + bytes([len(raw)]) + raw
+        else:
+            out += msgspec.msgpack.encode(v)
+    elif isinstance(v, list | tuple):
+        if len(v) >= 1 << 16:
+            raise ValueError(f"str8_frame: a list of {len(v)} items (at most 65535)")
+        out += b"\xdc" + len(v).to_bytes(2, "big")
+        for x in v:
+            _pack_long(x, out)
+    elif isinstance(v, dict):
+        if len(v) >= 1 << 16:
+            raise ValueError(f"str8_frame: a map of {len(v)} items (at most 65535)")
+        out += b"\xde" + len(v).to_bytes(2, "big")
+        for k, x in v.items():
+            _pack_long(k, out)
+            _pack_long(x, out)
+    else:  # numbers, booleans, None, bytes: as msgpack spells them
+        out += msgspec.msgpack.encode(v)

@@ -15,15 +15,15 @@ posing as ``src``'s first event sent over ``up``'s channel on the other node by 
 without the keys and with another pipeline's keys (``forged_accepted``: requests they
 spoiled), a frame sent with the keys then its captured bytes replayed over a new
 connection (``replayed_accepted``; ``auth_failures`` counts refused handshake attempts: a
-client with the wrong keys retries every 100 ms), and forged Releases (with the keys) for
-the slots a reader holds on the head node (``slots_freed_early``).
+client with the wrong keys retries every 100 ms), and forged Releases and ReaderLosts
+(with another node's keys; also spelled as str8 msgpack) for the slots a reader holds on
+the head node (``slots_freed_early``; ``releases_refused`` counts the messages refused).
 
 ``lost``: requests sent during the attacks that got no terminal event by their deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
@@ -32,15 +32,17 @@ from typing import Any
 
 import zmq
 from omni_core import Pipeline
-from omni_core.events import Release, Segment, ShmHandle
+from omni_core.events import ReaderLost, Release, Segment, ShmHandle
 from omni_core.serial import encode_frame
 from omni_core.shm import owner_prefix
 from omni_testing.configs import chain
 from omni_testing.hostile import (
     PlantedSegments,
+    Relay,
     hostile_segment_names,
     push_frames,
     squatted_segment_names,
+    str8_frame,
 )
 
 DEADLINE_S = 30.0
@@ -143,32 +145,6 @@ def run_local_attacks() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- Ray channels
-class Relay:
-    """A TCP relay to ``target`` that records what its one client sends."""
-
-    def __init__(self, target: str) -> None:
-        host, port = target.removeprefix("tcp://").rsplit(":", 1)
-        self.target = (host, int(port))
-        self.sent: list[bytes] = []
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        conn, _ = self.listener.accept()
-        up = socket.create_connection(self.target)
-        threading.Thread(target=self._pump, args=(up, conn, None), daemon=True).start()
-        self._pump(conn, up, self.sent)
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, log: list[bytes] | None) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                if log is not None:
-                    log.append(data)
-                dst.sendall(data)
-
-
 def wait_until(cond: Callable[[], bool], timeout_s: float) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -198,9 +174,11 @@ def run_ray_channel_attacks() -> dict[str, Any]:
     try:
         with simulated_cluster(nodes=2), Pipeline(cfg, backend="ray") as pipe:
             launcher = pipe.backend.launcher
-            keys = launcher.channel_keys
             head = launcher.gateways[launcher.head_node]
-            (far,) = [g for n, g in launcher.gateways.items() if n != launcher.head_node]
+            ((far_node, far),) = [
+                (n, g) for n, g in launcher.gateways.items() if n != launcher.head_node
+            ]
+            keys = launcher.node_keys[launcher.head_node]  # a node's: frames get through
             far_ch = ray.get(far.channel_addresses.remote(), timeout=30)
             head_ch = ray.get(head.channel_addresses.remote(), timeout=30)
 
@@ -242,15 +220,19 @@ def run_ray_channel_attacks() -> dict[str, Any]:
                 raw.sendall(b"".join(relay.sent))
                 time.sleep(1.0)  # ten heartbeats
             replayed_accepted = received() - (base + 1)
-            # forged Releases (with the keys) for the slot the hold stage is reading
+            # forged Releases and ReaderLosts (with node_b's keys: admitted, but not the
+            # orchestrator's node; some spelled the long way) for the slot hold is reading
             arrays = lambda: pipe.metrics()["stages"]["arrays"]["shm_slots_in_use"]  # noqa: E731
             h = pipe.submit({"nbytes": 256 << 10}, "slots-1", DEADLINE_S)
             holding = wait_until(lambda: arrays() >= 1, 10)
             segment = ray.get(launcher.workers["arrays"].actor.where.remote())["segment"]
             slots = [(i * (256 << 10), r) for i in range(4) for r in range(1, 5)]
-            rel = sender(head_ch["arrays.ctl"], keys)
+            rel = sender(head_ch["arrays.ctl"], launcher.node_keys[far_node])
             for reader in ("hold", "up", "client"):
-                rel.send(encode_frame([Release(slots=slots, segment=segment, reader=reader)]))
+                frame = encode_frame([Release(slots=slots, segment=segment, reader=reader)])
+                rel.send(frame)
+                rel.send(str8_frame(frame))
+                rel.send(str8_frame(encode_frame([ReaderLost(reader=reader)])))
             time.sleep(0.5)
             early = holding and arrays() == 0 and not h.done
             lost += ended(h, DEADLINE_S + 10) is None
