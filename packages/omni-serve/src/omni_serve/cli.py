@@ -371,7 +371,6 @@ def main(argv: list[str]) -> int:
             http=protocol_class(limits),  # type: ignore[arg-type]
             limit_concurrency=settings.max_connections,
             timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
-            h11_max_incomplete_event_size=settings.max_header_bytes,
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=5,

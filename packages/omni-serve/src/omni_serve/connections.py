@@ -1,5 +1,7 @@
 """What uvicorn does not bound on an HTTP connection: the time a request's headers and
-its body may take to arrive, and (with httptools) the size of its headers.
+its body may take to arrive, and the size of its headers (counted exactly through
+httptools' callbacks; h11, uvicorn's other parser, bounds only a head that arrives in
+pieces, so it is not used).
 
 A request's head must arrive within ``header_timeout_s`` of its first byte (or of the
 connection's start), its body within ``body_timeout_s`` of the end of its head; a
@@ -155,18 +157,11 @@ def _who(client: tuple[str, int] | None) -> str:
 
 
 def protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol (httptools', else h11's, as uvicorn picks) with ``limits``
-    (pass it as ``uvicorn.Config(http=...)``)."""
-    base: type[asyncio.Protocol]
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    """uvicorn's httptools HTTP protocol with ``limits`` (pass it as
+    ``uvicorn.Config(http=...)``)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-        base = HttpToolsProtocol
-    except ImportError:  # no httptools: h11 (its own head limit is set by the caller)
-        from uvicorn.protocols.http.h11_impl import H11Protocol
-
-        base = H11Protocol
-    return type("GuardedHttpProtocol", (_Guard, base), {"limits": limits})
+    return type("GuardedHttpProtocol", (_Guard, HttpToolsProtocol), {"limits": limits})
 
 
 FD_RESERVE = 256  # descriptors kept for what is not a connection: the pipeline's sockets,
