@@ -14,8 +14,8 @@ Simulated Ray cluster (:func:`run_ray_channel_attacks`, two nodes on this machin
 posing as ``src``'s first event sent over ``up``'s channel on the other node by a peer
 without the keys and with another pipeline's keys (``forged_accepted``: requests they
 spoiled), a frame sent with the keys then its captured bytes replayed over a new
-connection (``replayed_accepted``; ``auth_failures`` counts refused handshake attempts: a
-client with the wrong keys retries every 100 ms), and forged Releases and ReaderLosts
+connection (``replayed_accepted``; ``auth_failures`` counts refused handshake attempts,
+not clients: a client may retry), and forged Releases and ReaderLosts
 (with another node's keys; also spelled as str8 msgpack) for the slots a reader holds on
 the head node (``slots_freed_early``; ``releases_refused`` counts the messages refused).
 
