@@ -178,6 +178,15 @@ def slow(hold_s: float) -> dict[str, Any]:
     return {"name": "slow", "kind": "synthetic.sleep", "options": {"hold_s": hold_s}}
 
 
+@pytest.fixture(scope="session")
+def boom_server(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """intake -> a stage that raises on every request (``KeyError: 'expect'``)."""
+    boom = {"name": "boom", "kind": "synthetic.rendezvous", "options": {}}
+    s = start_server(intake_then("boom", tiny_llama, boom), tmp_path_factory.mktemp("boom"))
+    yield s
+    stop_server(s)
+
+
 @pytest.fixture
 def image_host(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A local HTTP server of the files in a folder: (its URL, ``cat.png`` in it, a

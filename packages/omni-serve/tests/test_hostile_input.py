@@ -37,15 +37,6 @@ def server(tiny_llama, tmp_path_factory):
     stop_server(s)
 
 
-@pytest.fixture(scope="module")
-def boom_server(tiny_llama, tmp_path_factory):
-    """intake -> a stage that raises on every request (``KeyError: 'expect'``)."""
-    boom = {"name": "boom", "kind": "synthetic.rendezvous", "options": {}}
-    s = start_server(intake_then("boom", tiny_llama, boom), tmp_path_factory.mktemp("boom"))
-    yield s
-    stop_server(s)
-
-
 def post_raw(url: str, raw: bytes, content_type: str | None = "application/json", **kw):
     headers = {"Content-Type": content_type} if content_type else {}
     return httpx.post(url, content=raw, headers={**headers, **kw.pop("headers", {})}, timeout=30)

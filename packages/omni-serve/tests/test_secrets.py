@@ -18,7 +18,7 @@ import httpx
 import pytest
 from omni_testing.configs import chain
 
-from .conftest import OMNI, intake_then, start_server, stop_server
+from .conftest import OMNI, start_server, stop_server
 
 KEY = "k3y-from-the-file"
 OTHER = "k3y-from-the-environment"
@@ -137,15 +137,6 @@ def test_the_page_has_a_csp_and_frame_headers_and_no_local_storage(keyed):
         digest = base64.b64encode(hashlib.sha256(block.encode()).digest()).decode()
         assert f"{directive} 'sha256-{digest}'" in csp
     assert "localStorage." not in r.text and "sessionStorage.getItem" in r.text
-
-
-@pytest.fixture(scope="module")
-def boom_server(tiny_llama, tmp_path_factory):
-    """intake -> a stage that raises on every request (``KeyError: 'expect'``)."""
-    boom = {"name": "boom", "kind": "synthetic.rendezvous", "options": {}}
-    s = start_server(intake_then("boom", tiny_llama, boom), tmp_path_factory.mktemp("boom"))
-    yield s
-    stop_server(s)
 
 
 def test_only_a_user_input_error_reaches_the_client(boom_server):
