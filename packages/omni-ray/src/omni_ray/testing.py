@@ -96,15 +96,19 @@ def object_store_usage(address: str | None = None) -> dict[str, int]:
     return {"objects": stats.num_local_objects, "bytes": stats.object_store_bytes_used}
 
 
-def wait_object_store_empty(timeout_s: float = 20.0, address: str | None = None) -> dict[str, int]:
+def wait_object_store_empty(
+    timeout_s: float = 20.0, address: str | None = None, max_bytes: int | None = None
+) -> dict[str, int]:
     """The object stores' usage once it is empty (Ray frees objects asynchronously), or
-    as it is after ``timeout_s``."""
+    holds at most ``max_bytes`` (what Ray keeps for itself, such as its mark of a lost
+    object), or as it is after ``timeout_s``."""
     import time
 
     end = time.monotonic() + timeout_s
     while True:
         usage = object_store_usage(address)
-        if usage["objects"] == 0 or time.monotonic() > end:
+        done = usage["objects"] == 0 or (max_bytes is not None and usage["bytes"] <= max_bytes)
+        if done or time.monotonic() > end:
             return usage
         time.sleep(0.2)
 
