@@ -1,7 +1,7 @@
 import os
 
 import pytest
-from omni_core.shm import list_segments
+from omni_core.dataplane.shm import list_segments
 
 
 @pytest.fixture

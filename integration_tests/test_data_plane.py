@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 from omni_core import Pipeline
-from omni_core.shm import list_segments
+from omni_core.dataplane.shm import list_segments
 from omni_testing.configs import chain
 from omni_testing.faults import wait_for
 

@@ -7,7 +7,7 @@ always; one event is then lost on its way into the collector, as a lost frame wo
 """
 
 from omni_core import Pipeline
-from omni_core.collector import Collector
+from omni_core.client.collector import Collector
 from omni_core.events import Completed, Error, Segment
 from omni_testing.configs import chain
 

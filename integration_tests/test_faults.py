@@ -11,8 +11,8 @@ import time
 
 import pytest
 from omni_core import Pipeline
+from omni_core.dataplane.shm import list_segments
 from omni_core.errors import StageDeadError
-from omni_core.shm import list_segments
 from omni_testing.configs import chain
 from omni_testing.faults import wait_for
 

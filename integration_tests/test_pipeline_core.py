@@ -6,8 +6,8 @@ import time
 import numpy as np
 import pytest
 from omni_core import Pipeline
+from omni_core.dataplane.shm import list_segments
 from omni_core.errors import StageStartError, UserInputError
-from omni_core.shm import list_segments
 from omni_testing.configs import chain
 
 

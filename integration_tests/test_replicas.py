@@ -13,8 +13,8 @@ import time
 import pytest
 import zmq
 from omni_core import Pipeline
+from omni_core.dataplane.serial import encode_frame
 from omni_core.events import Segment
-from omni_core.serial import encode_frame
 from omni_testing.configs import chain
 from omni_testing.faults import wait_for, wait_ready
 

@@ -12,9 +12,9 @@ import time
 import pytest
 import zmq
 from omni_core import Pipeline
+from omni_core.dataplane.serial import encode_frame
 from omni_core.errors import OverloadedError, RuntimeFailedError
 from omni_core.events import Completed, Segment
-from omni_core.serial import encode_frame
 from omni_testing.configs import chain
 from omni_testing.faults import kill_stage, wait_for, wait_ready
 

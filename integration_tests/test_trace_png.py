@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from omni_core.trace_png import _lanes
+from omni_core.observability.trace_png import _lanes
 
 Image = pytest.importorskip("PIL.Image")
 

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 from omni_core import Pipeline
-from omni_core.collector import collect
+from omni_core.client.collector import collect
 from omni_testing.faults import kill_stage, wait_ready
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -7,7 +7,7 @@ import torch
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.params import SamplingParams
 from omni_core import Pipeline
-from omni_core.collector import collect
+from omni_core.client.collector import collect
 
 PROMPTS = [  # different lengths, different max_tokens
     ("the quick brown fox", 24),

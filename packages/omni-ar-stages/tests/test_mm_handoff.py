@@ -17,8 +17,8 @@ from omni_ar.multimodal.stages import MMDecode, MMIntake, MMPrefill
 from omni_ar.multimodal.testing import build_tiny_llava, png_bomb, synthetic_image
 from omni_ar.params import RequestError, parse_request
 from omni_core import Pipeline, StageInput
+from omni_core.dataplane.windows import Piece, Window
 from omni_core.stage import StageContext
-from omni_core.windows import Piece, Window
 from omni_testing.faults import kill_stage, wait_ready
 from PIL import Image
 

@@ -6,7 +6,7 @@ import io
 
 import pytest
 from omni_ar import models
-from omni_core.progress import Reporter
+from omni_core.observability.progress import Reporter
 
 gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
 

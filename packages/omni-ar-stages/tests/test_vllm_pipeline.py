@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from omni_ar.engines.vllm_engine import VllmEngine  # noqa: E402
 from omni_ar.params import SamplingParams  # noqa: E402
 from omni_core import Pipeline  # noqa: E402
-from omni_core.collector import collect  # noqa: E402
+from omni_core.client.collector import collect  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 # vLLM CPU attention needs head_dim >= 32; blocks of 32 tokens so that prompts span

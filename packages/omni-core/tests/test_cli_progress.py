@@ -16,7 +16,7 @@ import pytest
 import yaml
 from omni_core import cli
 from omni_core.cli import RunView
-from omni_core.progress import Bar, Reporter
+from omni_core.observability.progress import Bar, Reporter
 
 pytest.importorskip("omni_testing")  # the synthetic stages
 

@@ -4,8 +4,8 @@ import os
 import tempfile
 
 import pytest
-from omni_core import transport
-from omni_core.transport import (
+from omni_core.dataplane import transport
+from omni_core.dataplane.transport import (
     OWNER_LOCK,
     make_socket_dir,
     remove_socket_dir,
@@ -17,7 +17,7 @@ from omni_testing.faults import child_reporting
 _OWNER = """
 import sys, tempfile
 tempfile.tempdir = sys.argv[1]
-from omni_core.transport import make_socket_dir
+from omni_core.dataplane.transport import make_socket_dir
 path = make_socket_dir()
 open(path + "/stage.spec.json", "w").write("{}")
 print(path, flush=True)

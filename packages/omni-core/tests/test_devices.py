@@ -1,5 +1,5 @@
 import pytest
-from omni_core.devices import resolve_devices
+from omni_core.worker.devices import resolve_devices
 
 
 @pytest.mark.parametrize(

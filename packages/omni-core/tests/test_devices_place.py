@@ -10,9 +10,9 @@ torch = pytest.importorskip(
     "torch", reason="needs torch, which omni-core does not bring (runs in the workspace)"
 )
 
-from omni_core.devices import DeviceError, default_dtype, place  # noqa: E402
 from omni_core.events import StageStats  # noqa: E402
-from omni_core.gpu_stats import GpuProbe, nvml_device  # noqa: E402
+from omni_core.observability.gpu_stats import GpuProbe, nvml_device  # noqa: E402
+from omni_core.worker.devices import DeviceError, default_dtype, place  # noqa: E402
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 

@@ -1,5 +1,14 @@
 import msgspec
 import pytest
+from omni_core.dataplane.serial import (
+    decode_control_frame,
+    decode_data_frame,
+    decode_event_frame,
+    decode_status_frame,
+    encode_events_into,
+    encode_frame,
+    pack_runs,
+)
 from omni_core.events import (
     Ack,
     Cancel,
@@ -18,15 +27,6 @@ from omni_core.events import (
     Shutdown,
     StageStats,
     Submit,
-)
-from omni_core.serial import (
-    decode_control_frame,
-    decode_data_frame,
-    decode_event_frame,
-    decode_status_frame,
-    encode_events_into,
-    encode_frame,
-    pack_runs,
 )
 
 EVENTS = [

@@ -3,9 +3,9 @@ list of segments stamped into runs."""
 
 import pytest
 from omni_core.config import parse_config
+from omni_core.dataplane.serial import ArrayCodec
 from omni_core.events import Segment, SegmentRun, Submit
-from omni_core.host import RequestFailed, StageHost, stage_context
-from omni_core.serial import ArrayCodec
+from omni_core.worker.host import RequestFailed, StageHost, stage_context
 from omni_testing.configs import chain
 from omni_testing.stages import Count
 

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from omni_core.image_files import png_bytes, save_image_event
+from omni_core.client.image_files import png_bytes, save_image_event
 from omni_core.media import MEDIA_TYPE, extension, media_type_of, subtype
 
 

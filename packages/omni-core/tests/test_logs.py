@@ -3,7 +3,7 @@
 import json
 import logging
 
-from omni_core.logs import JsonFormatter, TextFormatter
+from omni_core.observability.logs import JsonFormatter, TextFormatter
 
 
 def record(**extra):

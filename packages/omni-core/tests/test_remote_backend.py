@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from omni_core import Pipeline
-from omni_core.orchestrator import Orchestrator
+from omni_core.control.orchestrator import Orchestrator
 from omni_core.registry import backend_registry
 from omni_testing.configs import chain
 

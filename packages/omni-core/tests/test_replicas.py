@@ -4,12 +4,12 @@ decisions, on a fake supervisor and a fake clock."""
 from __future__ import annotations
 
 import pytest
-from omni_core.collector import Collector
+from omni_core.client.collector import Collector
 from omni_core.config import ConfigError, parse_config, replica_name, split_worker
+from omni_core.control.replicas import PLACE_RETRY_S, Autoscaler, Router
+from omni_core.control.supervisor import StageProc, stage_health
+from omni_core.dataplane.serial import ArrayCodec
 from omni_core.errors import StageDeadError
-from omni_core.replicas import PLACE_RETRY_S, Autoscaler, Router
-from omni_core.serial import ArrayCodec
-from omni_core.supervisor import StageProc, stage_health
 
 
 def config(replicas, **extra):

@@ -7,9 +7,9 @@ import warnings
 
 import numpy as np
 import pytest
-from omni_core import shm as shm_module
-from omni_core.serial import ArrayCodec
-from omni_core.shm import (
+from omni_core.dataplane import shm as shm_module
+from omni_core.dataplane.serial import ArrayCodec
+from omni_core.dataplane.shm import (
     Arena,
     SegmentOwner,
     SegmentReader,
@@ -39,7 +39,7 @@ def test_segments_are_owner_only_and_unlinked(owner):
 # a process that owns one segment in ``argv[1]`` and lives until its stdin closes
 _OWNER = """
 import sys
-from omni_core.shm import SegmentOwner
+from omni_core.dataplane.shm import SegmentOwner
 owner = SegmentOwner(sys.argv[1], token="peer")
 print(owner.create("x", 4096), flush=True)
 sys.stdin.read()

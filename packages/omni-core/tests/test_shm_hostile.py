@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 from omni_core import Pipeline
-from omni_core.events import Segment, ShmHandle
-from omni_core.serial import ArrayCodec, encode_frame
-from omni_core.shm import (
+from omni_core.dataplane.serial import ArrayCodec, encode_frame
+from omni_core.dataplane.shm import (
     SHM_DIR,
     Arena,
     BadSegment,
@@ -28,6 +27,7 @@ from omni_core.shm import (
     SegmentReader,
     owner_prefix,
 )
+from omni_core.events import Segment, ShmHandle
 from omni_testing.configs import chain
 from omni_testing.hostile import (
     PlantedSegments,

@@ -1,9 +1,9 @@
 """The supervisor's rules with a fake launcher and a fake clock: no process, no socket."""
 
 from omni_core.config import parse_config
+from omni_core.control.launcher import Launcher, WorkerHandle
+from omni_core.control.supervisor import Supervisor
 from omni_core.events import Heartbeat, Ready, StageStats
-from omni_core.launcher import Launcher, WorkerHandle
-from omni_core.supervisor import Supervisor
 
 
 class FakeWorker(WorkerHandle):

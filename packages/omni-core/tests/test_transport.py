@@ -1,9 +1,9 @@
 """The Sender: frames per destination, runs in columns, counts, a full socket."""
 
 import zmq
+from omni_core.dataplane.serial import decode_data_frame, decode_event_frame
+from omni_core.dataplane.transport import Sender, Waker, pull_socket, push_socket
 from omni_core.events import Error, Segment, SegmentRun
-from omni_core.serial import decode_data_frame, decode_event_frame
-from omni_core.transport import Sender, Waker, pull_socket, push_socket
 
 
 def seg(i, **kw):

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
+from omni_core.dataplane.windows import Piece, RunPiece, WindowState
 from omni_core.events import ShmHandle
-from omni_core.windows import Piece, RunPiece, WindowState
 
 
 def piece(seq, tokens, handles=()):

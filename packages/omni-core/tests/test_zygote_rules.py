@@ -6,7 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from omni_core.zygote import Fork, Forked, _decoder, _encoder, import_time_keys, inherited_env
+from omni_core.control.zygote import (
+    Fork,
+    Forked,
+    _decoder,
+    _encoder,
+    import_time_keys,
+    inherited_env,
+)
 
 
 def test_only_changed_import_time_variables_force_a_spawn():
@@ -22,7 +29,7 @@ def test_only_changed_import_time_variables_force_a_spawn():
 
 def test_a_zygote_with_a_thread_refuses_to_fork():
     code = (
-        "import threading, time; from omni_core.zygote import fork_unsafe; "
+        "import threading, time; from omni_core.control.zygote import fork_unsafe; "
         "print(repr(fork_unsafe())); "
         "threading.Thread(target=time.sleep, args=(5,), daemon=True).start(); "
         "print(repr(fork_unsafe()))"

@@ -14,6 +14,8 @@ import uuid
 
 import pytest
 import zmq
+from omni_core.dataplane.serial import decode_control_frame, decode_data_frame, encode_frame
+from omni_core.dataplane.transport import RESULTS, push_socket
 from omni_core.events import (
     Cancel,
     Error,
@@ -25,8 +27,6 @@ from omni_core.events import (
     Shutdown,
     Submit,
 )
-from omni_core.serial import decode_control_frame, decode_data_frame, encode_frame
-from omni_core.transport import RESULTS, push_socket
 from omni_ray.channel_auth import ChannelKeys
 from omni_ray.gateway import GATEWAY_ERROR, NodeGateway
 from omni_ray.objects import HeldObjects, segment_name

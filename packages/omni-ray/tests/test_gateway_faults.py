@@ -14,10 +14,10 @@ import uuid
 
 import pytest
 import zmq
+from omni_core.dataplane.serial import decode_control_frame, decode_event_frame, encode_frame
+from omni_core.dataplane.shm import SHM_DIR
+from omni_core.dataplane.transport import RESULTS, Addresses, push_socket
 from omni_core.events import Error, InlineArray, Release, Segment, ShmHandle
-from omni_core.serial import decode_control_frame, decode_event_frame, encode_frame
-from omni_core.shm import SHM_DIR
-from omni_core.transport import RESULTS, Addresses, push_socket
 from omni_ray import gateway as gateway_module
 from omni_ray.gateway import GATEWAY_ERROR, NodeGateway
 

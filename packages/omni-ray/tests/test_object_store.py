@@ -8,8 +8,8 @@ import time
 import numpy as np
 import ray
 from omni_core import Pipeline
+from omni_core.dataplane.serial import decode_control_frame, encode_frame
 from omni_core.events import Cancel, ReaderLost, Release
-from omni_core.serial import decode_control_frame, encode_frame
 from omni_ray.objects import OBJECT_THRESHOLD, HeldObjects, segment_name, take_releases
 from omni_ray.testing import add_node, on, wait_object_store_empty
 from omni_ray.testing import summary as reduced

@@ -8,7 +8,7 @@ import time
 import pytest
 import ray
 from omni_core import Pipeline
-from omni_core.shm import list_segments
+from omni_core.dataplane.shm import list_segments
 from omni_ray.testing import add_node, on
 from omni_testing.configs import chain
 

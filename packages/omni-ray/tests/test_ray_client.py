@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from omni_core.shm import list_segments
+from omni_core.dataplane.shm import list_segments
 from omni_ray.testing import free_port, simulated_cluster, wait_object_store_empty
 
 HERE = Path(__file__).resolve().parent

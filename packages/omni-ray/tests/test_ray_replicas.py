@@ -11,8 +11,8 @@ import time
 
 import ray
 from omni_core import Pipeline
-from omni_core.collector import collect
-from omni_core.shm import list_segments
+from omni_core.client.collector import collect
+from omni_core.dataplane.shm import list_segments
 from omni_ray.objects import OBJECT_THRESHOLD
 from omni_ray.testing import add_node, on, one_per_node, wait_object_store_empty
 from omni_ray.testing import summary as reduced
@@ -194,7 +194,7 @@ def test_each_replica_sees_its_own_devices_entry_and_the_stage_s_extra_env(clust
 
 def test_ray_client_health_lists_every_replica_once_the_actor_is_gone():
     from omni_core.config import parse_config
-    from omni_core.supervisor import stage_health
+    from omni_core.control.supervisor import stage_health
     from omni_ray.client import RayClientBackend
 
     cfg = chain(

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from omni_core.model_cache import build_once, cached
-from omni_core.named_models import NamedModel
-from omni_core.progress import Reporter
+from omni_core.models.model_cache import build_once, cached
+from omni_core.models.named_models import NamedModel
+from omni_core.observability.progress import Reporter
 from omni_hf import quiet_offline
 
 __all__ = ["NAMED", "named_models", "resolve_model"]

@@ -10,7 +10,7 @@
   text to the caller directly.
 
 The stages that hold a model (prefill, decode, talker) load it where
-:func:`omni_core.devices.place` puts them: the stage's ``devices`` (``cpu``, or GPUs: the
+:func:`omni_core.worker.devices.place` puts them: the stage's ``devices`` (``cpu``, or GPUs: the
 first one it is given) in its ``dtype`` (``auto``: float32 on a CPU, bfloat16 or float16
 on a GPU). A GPU asked for where torch sees none fails the load, naming the stage.
 Intake and postprocess load only a tokenizer.
@@ -24,7 +24,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from omni_core import Stage, StageEvent, StageInput
-from omni_core.devices import place
+from omni_core.worker.devices import place
 
 from omni_ar.detokenizer import IncrementalDetokenizer
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
@@ -98,8 +98,8 @@ class _ModelStage(Stage):
         )
 
     def _placement(self) -> tuple[str, str]:
-        """(device, dtype) of the stage's model: :func:`omni_core.devices.place` of its
-        ``devices`` and ``dtype`` (a :class:`omni_core.devices.DeviceError` where it asks
+        """(device, dtype) of the stage's model: :func:`omni_core.worker.devices.place` of its
+        ``devices`` and ``dtype`` (a :class:`omni_core.worker.devices.DeviceError` where it asks
         for a GPU torch does not see). vLLM on a GPU keeps ``auto``: it picks the dtype."""
         o = self.options
         p = place(self.ctx.name, self.ctx.devices, o.dtype)

@@ -1,7 +1,9 @@
 """omni-core: the runtime that runs stage pipelines, one process per stage."""
 
-from omni_core.collector import RequestHandle, RequestOutput
+from omni_core.client.collector import RequestHandle, RequestOutput
+from omni_core.client.pipeline import Pipeline
 from omni_core.config import ConfigError, PipelineConfig, load_config, parse_config
+from omni_core.dataplane.windows import Window
 from omni_core.events import (
     AnyEvent,
     Cancelled,
@@ -11,9 +13,7 @@ from omni_core.events import (
     ImageProgress,
     Segment,
 )
-from omni_core.pipeline import Pipeline
 from omni_core.stage import Stage, StageContext, StageEvent, StageInput
-from omni_core.windows import Window
 
 __all__ = [
     "AnyEvent",

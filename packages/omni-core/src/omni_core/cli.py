@@ -1,5 +1,5 @@
 """The ``omni`` command: ``omni stages``, ``omni run``, ``omni trace``, ``omni bench``,
-``omni models`` (:mod:`omni_core.named_models`), and
+``omni models`` (:mod:`omni_core.models.named_models`), and
 the subcommands plug-ins register under the entry-point group ``omni.commands`` (``omni
 serve`` from omni-serve)."""
 
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omni_core.image_files import save_image_event
+from omni_core.client.image_files import save_image_event
 from omni_core.registry import (
     RegistryError,
     benchmark_registry,
@@ -150,7 +150,7 @@ def show_start() -> None:
 
 
 def _run(args: argparse.Namespace, cfg: Any) -> int:
-    from omni_core.pipeline import Pipeline
+    from omni_core.client.pipeline import Pipeline
 
     request = _request_from_args(args)
     view = RunView(show=not args.json)
@@ -213,7 +213,7 @@ class RunView:
     def __init__(
         self, show: bool = True, out: Any = None, err: Any = None, tty: bool | None = None
     ) -> None:
-        from omni_core.progress import is_terminal
+        from omni_core.observability.progress import is_terminal
 
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
@@ -251,7 +251,7 @@ class RunView:
     def progress(self, ev: Any) -> None:
         """A request's sampling bar: opened by its first image event with a step, moved
         by the next, closed (a line that stays) by its last image or its end."""
-        from omni_core.progress import Bar
+        from omni_core.observability.progress import Bar
 
         rid, step = ev.request_id, getattr(ev, "step", None)
         bar = self.bars.get(rid)
@@ -390,7 +390,7 @@ def _event_json(ev: Any) -> dict[str, Any]:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from omni_core.pipeline import Pipeline
+    from omni_core.client.pipeline import Pipeline
 
     cfg = _load(args)
     if cfg is None:
@@ -405,7 +405,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     with open(args.out, "w") as f:
         json.dump(trace, f)
     if args.png is not None:
-        from omni_core.trace_png import write_timeline_png
+        from omni_core.observability.trace_png import write_timeline_png
 
         png = args.png or str(Path(args.out).with_suffix(".png"))
         try:
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _cmd_bench(args, rest)
     if args.command == "models":
-        from omni_core.named_models import main as models_main
+        from omni_core.models.named_models import main as models_main
 
         return models_main(rest)
     if args.command in plugins:

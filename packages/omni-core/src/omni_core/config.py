@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from omni_core.serial import DEFAULT_SHM_THRESHOLD
+from omni_core.dataplane.serial import DEFAULT_SHM_THRESHOLD
 
 NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 DEVICES_RE = re.compile(r"^\d+(,\d+)*$")

@@ -122,14 +122,14 @@ def command_registry() -> Registry:
 @functools.cache
 def backend_registry() -> Registry:
     """Execution backends besides ``local``: each entry point is a
-    :class:`~omni_core.launcher.Launcher` class taking the pipeline config."""
+    :class:`~omni_core.control.launcher.Launcher` class taking the pipeline config."""
     return Registry(BACKENDS_GROUP, "backend")
 
 
 @functools.cache
 def model_registry() -> Registry:
     """Named models by family: each entry point is a function returning that family's
-    :class:`~omni_core.named_models.NamedModel` list."""
+    :class:`~omni_core.models.named_models.NamedModel` list."""
     return Registry(MODELS_GROUP, "model family")
 
 

@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from omni_core.dataplane.windows import Window
 from omni_core.errors import UserInputError
 from omni_core.events import Error, ImageProgress, Segment
-from omni_core.windows import Window
 
 StageEvent = Segment | ImageProgress | Error
 """What :meth:`Stage.process` yields (or lists of them), made with

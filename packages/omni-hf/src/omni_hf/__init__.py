@@ -4,7 +4,7 @@ Environment settings for the Hugging Face libraries inside a worker (quiet logs,
 network for weights) and the wording of hub errors. Nothing here imports a Hugging Face
 library: call :func:`quiet_hub` or :func:`quiet_offline` *before* importing them, since
 they read these variables at import time. ``omni-core`` knows nothing of Hugging Face;
-the generic model cache (``omni_core.model_cache``) is the core's.
+the generic model cache (``omni_core.models.model_cache``) is the core's.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The caller is outside the cluster, so the control plane runs there: a
 :class:`~omni_ray.control_actor.ControlActor` pinned to the head node (the node of the
 client server). :class:`RayClientBackend` stands in for the orchestrator before the
-:class:`~omni_core.pipeline.Pipeline`: calls go to the actor, and one pump thread long-polls
+:class:`~omni_core.client.pipeline.Pipeline`: calls go to the actor, and one pump thread long-polls
 it for the events of every open request (a batch per call, never a call per event) and
 hands them to the requests' handles, arrays as numpy arrays the caller owns.
 
@@ -23,13 +23,13 @@ import uuid
 from typing import Any
 
 import numpy as np
-from omni_core.collector import Collector, RequestHandle
+from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig, split_worker
+from omni_core.control.zygote import inherited_env
+from omni_core.dataplane.serial import ArrayCodec, _from_bytes, check_request, decode_event_frame
 from omni_core.errors import RuntimeFailedError, StageStartError
 from omni_core.events import InlineArray
-from omni_core.host import CLIENT
-from omni_core.serial import ArrayCodec, _from_bytes, check_request, decode_event_frame
-from omni_core.zygote import inherited_env
+from omni_core.worker.host import CLIENT
 
 from omni_ray.control_actor import ControlActor, encode_config
 
@@ -358,7 +358,7 @@ def sweep_segments(pipeline_id: str) -> list[str]:
     """(A task on a node.) Unlink this node's segments of ``pipeline_id``; their names."""
     import os
 
-    from omni_core.shm import SHM_DIR, list_segments
+    from omni_core.dataplane.shm import SHM_DIR, list_segments
 
     gone = []
     for name in list_segments():

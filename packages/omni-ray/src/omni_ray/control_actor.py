@@ -1,7 +1,7 @@
 """The control plane as a Ray actor, for callers outside the cluster (Ray Client).
 
 A Ray Client caller cannot bind the head node's sockets nor map its shared memory, so
-:class:`ControlActor` runs the usual :class:`~omni_core.orchestrator.Orchestrator` (over a
+:class:`ControlActor` runs the usual :class:`~omni_core.control.orchestrator.Orchestrator` (over a
 :class:`~omni_ray.launcher.RayLauncher`, which finds Ray already initialized) on the head
 node, and hands the caller its events in batches: each request's events wait in its own
 inbox (merged, for a caller that polls slower than the stages produce, as the caller's own
@@ -21,11 +21,11 @@ import traceback
 from typing import Any
 
 import msgspec
-from omni_core.collector import RequestHandle
+from omni_core.client.collector import RequestHandle
+from omni_core.client.delivery import DONE, Inbox
 from omni_core.config import PipelineConfig
-from omni_core.delivery import DONE, Inbox
+from omni_core.dataplane.serial import _as_bytes_view, decode_json, encode_frame
 from omni_core.events import InlineArray
-from omni_core.serial import _as_bytes_view, decode_json, encode_frame
 
 log = logging.getLogger("omni.ray.client")
 BATCH_BYTES = 64 << 20  # a poll returns at most about this much (one larger event alone)
@@ -107,8 +107,8 @@ class ControlActor:
     """Run as a Ray actor (threaded: :meth:`poll` waits while calls go on) on the head node."""
 
     def __init__(self, cfg_json: bytes) -> None:
-        from omni_core.logs import configure_logging
-        from omni_core.orchestrator import Orchestrator
+        from omni_core.control.orchestrator import Orchestrator
+        from omni_core.observability.logs import configure_logging
 
         from omni_ray.launcher import RayLauncher
 

@@ -23,16 +23,16 @@ import msgspec
 import numpy as np
 import zmq
 from omni_core.config import split_worker
-from omni_core.events import Error, InlineArray, Release, ShmHandle, Submit
-from omni_core.serial import (
+from omni_core.dataplane.serial import (
     decode_control_frame,
     decode_data_frame,
     encode_frame,
     releases,
     salvage_frame,
 )
-from omni_core.shm import SegmentReader
-from omni_core.transport import RESULTS, Addresses, push_socket
+from omni_core.dataplane.shm import SegmentReader
+from omni_core.dataplane.transport import RESULTS, Addresses, push_socket
+from omni_core.events import Error, InlineArray, Release, ShmHandle, Submit
 
 from omni_ray.objects import OBJECT_THRESHOLD, is_object, key_of, segment_name
 from omni_ray.routes import owner_of, reader_of

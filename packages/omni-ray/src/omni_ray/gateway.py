@@ -63,8 +63,8 @@ from typing import Any
 
 import numpy as np
 import zmq
-from omni_core.shm import SegmentOwner, SegmentReader
-from omni_core.transport import (
+from omni_core.dataplane.shm import SegmentOwner, SegmentReader
+from omni_core.dataplane.transport import (
     Addresses,
     make_socket_dir,
     pull_socket,

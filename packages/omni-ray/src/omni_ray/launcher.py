@@ -23,11 +23,11 @@ import uuid
 from typing import Any
 
 from omni_core.config import PipelineConfig, split_worker
-from omni_core.launcher import Launcher, WorkerHandle
-from omni_core.serial import encode_json
-from omni_core.shm import SHM_DIR, list_segments
+from omni_core.control.launcher import Launcher, WorkerHandle
+from omni_core.control.zygote import inherited_env
+from omni_core.dataplane.serial import encode_json
+from omni_core.dataplane.shm import SHM_DIR, list_segments
 from omni_core.worker import WorkerSpec
-from omni_core.zygote import inherited_env
 
 from omni_ray.channel_auth import ChannelKeys, curve_available
 from omni_ray.gateway import NodeGateway

@@ -4,7 +4,7 @@ An array of at least :data:`OBJECT_THRESHOLD` bytes bound for readers on other n
 put into Ray's object store once, and the message carries a handle whose segment names
 the object (``ray:<pipeline>:<object id>``). When every reader of the array is on another
 node, the producer puts it itself (:class:`ObjectWriter`, the
-:class:`~omni_core.shm.ExternalWriter` of its process: one copy, no slot) and hands the
+:class:`~omni_core.dataplane.shm.ExternalWriter` of its process: one copy, no slot) and hands the
 reference, in-band, to each reader's node's gateway before the message leaves. Else it
 takes a slot as usual, and the gateway of the producer's node puts it (``ray.put`` from
 the slot, which goes back at once, as after a copy) when it forwards the message to a
@@ -13,7 +13,7 @@ Either way the receiving gateway borrows the reference (Ray's reference counting
 *holds* it for the reader. The reader's process maps the array from its own node's object
 store (zero-copy: a read-only view of Ray's shared memory) after asking its node's gateway
 to *lend* it the reference (another in-band borrow; ``SegmentReader.buffer`` calls the
-resolver this module registers in :data:`omni_core.shm.EXTERNAL_SEGMENTS`).
+resolver this module registers in :data:`omni_core.dataplane.shm.EXTERNAL_SEGMENTS`).
 
 The reference is held for exactly as long as a shared-memory slot would stay rented: the
 reader's :class:`~omni_core.events.Release` for it (sent, like every release, through its
@@ -33,10 +33,10 @@ import time
 from typing import Any
 
 import msgspec
+from omni_core.dataplane.serial import decode_control_frame, encode_frame
+from omni_core.dataplane.shm import EXTERNAL_SEGMENTS, EXTERNAL_WRITERS
 from omni_core.events import ReaderLost, Release
-from omni_core.host import CLIENT
-from omni_core.serial import decode_control_frame, encode_frame
-from omni_core.shm import EXTERNAL_SEGMENTS, EXTERNAL_WRITERS
+from omni_core.worker.host import CLIENT
 
 from omni_ray.routes import DRIVER, gateway_name, inbox_of
 
@@ -219,7 +219,7 @@ def install_writer(pipeline_id: str, worker: str, node_id: str, gateway: Any) ->
     """Let ``worker``'s process put its large arrays for readers on other nodes into the
     object store itself (``gateway``: its node's, which knows the routes). Keyed by the
     worker's name (``STAGE#i`` for a replica): the producer name its ArrayCodec asks
-    :data:`~omni_core.shm.EXTERNAL_WRITERS` with."""
+    :data:`~omni_core.dataplane.shm.EXTERNAL_WRITERS` with."""
     writer = ObjectWriter(pipeline_id, worker, node_id, gateway)
     EXTERNAL_WRITERS[worker] = writer
     return writer

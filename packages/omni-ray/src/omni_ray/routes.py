@@ -6,8 +6,8 @@ last ``.`` splits an endpoint name, whatever the worker's name holds."""
 
 from __future__ import annotations
 
-from omni_core.host import CLIENT
-from omni_core.transport import RESULTS, STATUS
+from omni_core.dataplane.transport import RESULTS, STATUS
+from omni_core.worker.host import CLIENT
 
 DRIVER = "@driver"  # the route owner of the orchestrator's endpoints
 

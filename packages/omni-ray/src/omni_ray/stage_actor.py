@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import msgspec
-from omni_core.launcher import worker_devices
+from omni_core.control.launcher import worker_devices
 from omni_core.worker import WorkerSpec
 
 from omni_ray.objects import install_reader, install_writer
@@ -62,7 +62,7 @@ class StageActor:
         return self.writer.puts
 
     def run(self) -> int:
-        from omni_core.logs import configure_logging
+        from omni_core.observability.logs import configure_logging
         from omni_core.worker import serve
 
         configure_logging()

@@ -12,7 +12,7 @@ import stat
 import sys
 
 from omni_core.cli import add_backend_args
-from omni_core.logs import configure_logging
+from omni_core.observability.logs import configure_logging
 
 from omni_serve.connections import (
     FD_RESERVE,

@@ -41,7 +41,7 @@ async def merged(
     pipeline. A request the pipeline refuses raises here (the others are cancelled).
 
     At most ``MERGE_WINDOW`` events per request wait here: a slow client leaves the rest
-    in each request's own inbox, where they coalesce (``omni_core.delivery``)."""
+    in each request's own inbox, where they coalesce (``omni_core.client.delivery``)."""
     q: asyncio.Queue[tuple[int, AnyEvent | BaseException | None]] = asyncio.Queue()
     room = asyncio.Semaphore(MERGE_WINDOW * len(requests))
 

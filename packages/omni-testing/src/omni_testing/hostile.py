@@ -13,15 +13,15 @@ from collections.abc import Iterator
 
 import msgspec
 import zmq
-from omni_core import shm as shm_module
-from omni_core.shm import SHM_DIR
+from omni_core.dataplane import shm as shm_module
+from omni_core.dataplane.shm import SHM_DIR
 
 NOBODY = 65534  # another user's uid (only root can give a file to it)
 
 
 class PlantedSegments:
     """Files planted in ``/dev/shm`` under names of ``prefix`` (an owner's,
-    :func:`omni_core.shm.owner_prefix`) and ``label``; :meth:`remove` deletes them."""
+    :func:`omni_core.dataplane.shm.owner_prefix`) and ``label``; :meth:`remove` deletes them."""
 
     def __init__(self, prefix: str, label: str) -> None:
         self.prefix, self.label = prefix, label

@@ -32,9 +32,9 @@ from typing import Any
 
 import zmq
 from omni_core import Pipeline
+from omni_core.dataplane.serial import encode_frame
+from omni_core.dataplane.shm import owner_prefix
 from omni_core.events import ReaderLost, Release, Segment, ShmHandle
-from omni_core.serial import encode_frame
-from omni_core.shm import owner_prefix
 from omni_testing.configs import chain
 from omni_testing.hostile import (
     PlantedSegments,

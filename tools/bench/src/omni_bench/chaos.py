@@ -36,11 +36,11 @@ from collections import Counter
 from typing import Any
 
 from omni_core import Pipeline, load_config
+from omni_core.control.supervisor import LATE_HEARTBEATS, MIN_LATE_S
+from omni_core.dataplane.serial import encode_frame
+from omni_core.dataplane.shm import list_segments
 from omni_core.errors import OverloadedError
 from omni_core.events import Segment
-from omni_core.serial import encode_frame
-from omni_core.shm import list_segments
-from omni_core.supervisor import LATE_HEARTBEATS, MIN_LATE_S
 from omni_testing.configs import chain
 from omni_testing.hostile import push_frames
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import msgspec
 from omni_core import Pipeline
-from omni_core.shm import list_segments
+from omni_core.dataplane.shm import list_segments
 from omni_testing.configs import chain
 
 from omni_bench.chaos import GRACE_LOST_S, Books
@@ -208,7 +208,7 @@ def dit_missing() -> str | None:
     for module in ("diffusers", "omni_dit", "omni_ar"):
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed"
-    from omni_core.named_models import installed_models
+    from omni_core.models.named_models import installed_models
 
     ready = {m.name for m in installed_models() if m.locate() is not None}
     for name in ("smollm2", "tiny-sd3-shapes"):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_core import Pipeline
-from omni_core.shm import list_segments
+from omni_core.dataplane.shm import list_segments
 from omni_testing.configs import chain
 
 from omni_bench.report import emit

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from omni_core.devices import default_dtype
+from omni_core.worker.devices import default_dtype
 from omni_hf import quiet_offline
 
 from omni_ar.engines.cpu_turns import cpu_turn
@@ -48,7 +48,7 @@ class TransformersEngine:
         (:mod:`omni_ar.engines.cpu_turns`)."""
         quiet_offline()
         self.model_dir = model
-        self.device = device  # "cpu" or "cuda:0" (omni_core.devices.place)
+        self.device = device  # "cpu" or "cuda:0" (omni_core.worker.devices.place)
         self.dtype = default_dtype(device) if dtype == "auto" else dtype
         self.threads = threads
         self.model: Any = None

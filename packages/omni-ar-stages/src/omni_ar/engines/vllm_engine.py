@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from omni_core.zygote import apply_thread_env
+from omni_core.control.zygote import apply_thread_env
 from omni_hf import quiet_offline
 
 from omni_ar.engines.cpu_turns import cpu_turn

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_core.errors import UserInputError
 from omni_core.events import Ack, Completed, SegmentRun, ShmHandle, Submit
-from omni_core.host import CLIENT, RequestFailed, WorkItem
+from omni_core.worker.host import CLIENT, RequestFailed, WorkItem
 
 if TYPE_CHECKING:
     from omni_core.worker.process import Worker

@@ -10,6 +10,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from omni_core.dataplane.poll_loop import PollLoop
+from omni_core.dataplane.serial import (
+    BadMessage,
+    decode_control_frame,
+    decode_data_frame,
+    salvage_frame,
+)
 from omni_core.events import (
     Ack,
     Cancel,
@@ -19,14 +26,7 @@ from omni_core.events import (
     SegmentGone,
     Shutdown,
 )
-from omni_core.gpu_stats import GpuProbe
-from omni_core.poll_loop import PollLoop
-from omni_core.serial import (
-    BadMessage,
-    decode_control_frame,
-    decode_data_frame,
-    salvage_frame,
-)
+from omni_core.observability.gpu_stats import GpuProbe
 
 if TYPE_CHECKING:
     from omni_core.worker.process import Worker

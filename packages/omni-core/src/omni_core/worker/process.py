@@ -18,15 +18,15 @@ import msgspec
 import zmq
 
 from omni_core.config import PipelineConfig
+from omni_core.dataplane.serial import ArrayCodec, decode_json, encode_frame, releases
+from omni_core.dataplane.shm import EXTERNAL_WRITERS, Arena, SegmentReader, owner_prefix
+from omni_core.dataplane.transport import Addresses, Outbox, Sender, Waker, pull_socket, push_socket
 from omni_core.events import Error, LoadFailed, Ready, ShmHandle, StageStats
-from omni_core.host import CLIENT, StageHost, stage_context
-from omni_core.logs import configure_logging
+from omni_core.observability.logs import configure_logging
 from omni_core.registry import load_stage_class
-from omni_core.serial import ArrayCodec, decode_json, encode_frame, releases
-from omni_core.shm import EXTERNAL_WRITERS, Arena, SegmentReader, owner_prefix
-from omni_core.transport import Addresses, Outbox, Sender, Waker, pull_socket, push_socket
 from omni_core.worker.admission import WorkQueue
 from omni_core.worker.control_io import WorkerIO
+from omni_core.worker.host import CLIENT, StageHost, stage_context
 from omni_core.worker.scheduler import Scheduler
 
 log = logging.getLogger("omni.worker")

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from omni_core.errors import UserInputError
 from omni_core.events import Error, Event, Segment, SegmentRun, ShmHandle, TraceMark, TraceSpan
-from omni_core.host import CLIENT, WorkItem
 from omni_core.stage import StageEvent
+from omni_core.worker.host import CLIENT, WorkItem
 
 if TYPE_CHECKING:
     import threading

@@ -13,8 +13,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from omni_core.client.image_files import png_bytes
 from omni_core.events import AnyEvent, ImageProgress
-from omni_core.image_files import png_bytes
 from omni_core.media import media_type_of, subtype
 
 from omni_serve.auth import require_api_key

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from omni_core.supervisor import stage_health
+from omni_core.control.supervisor import stage_health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_serve.auth import has_api_key, require_api_key

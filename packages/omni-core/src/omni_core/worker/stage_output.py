@@ -1,6 +1,6 @@
 """The output side of a stage: its per-request state, and the stamping of each event it
 emits (its stage name, the request's next sequence number, its arrays packed once for every
-reader, its destinations). :class:`~omni_core.host.StageHost` adds the input side.
+reader, its destinations). :class:`~omni_core.worker.host.StageHost` adds the input side.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_core.config import PipelineConfig
+from omni_core.dataplane.serial import ArrayCodec
+from omni_core.dataplane.windows import Window, WindowState
 from omni_core.events import (
     Completed,
     Error,
@@ -24,9 +26,7 @@ from omni_core.events import (
     ShmHandle,
     is_droppable,
 )
-from omni_core.serial import ArrayCodec
 from omni_core.stage import StageInput
-from omni_core.windows import Window, WindowState
 
 log = logging.getLogger("omni.host")
 CLIENT = "client"  # the destination name of the caller's collector

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_core.config import PipelineConfig, split_worker
+from omni_core.control.launcher import Launcher, WorkerHandle, report
 from omni_core.events import Heartbeat, LoadFailed, Ready, StageStats
-from omni_core.launcher import Launcher, WorkerHandle, report
 from omni_core.registry import load_stage_class
 
 log = logging.getLogger("omni.supervisor")

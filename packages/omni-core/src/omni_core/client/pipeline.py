@@ -17,14 +17,14 @@ import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
-from omni_core.collector import RequestHandle, RequestOutput, collect
+from omni_core.client.collector import RequestHandle, RequestOutput, collect
+from omni_core.client.inline import InlineRunner
 from omni_core.config import PipelineConfig, load_config, parse_config
+from omni_core.control.launcher import Launcher, ProcessLauncher
+from omni_core.control.orchestrator import Orchestrator
+from omni_core.control.supervisor import stage_health
 from omni_core.events import AnyEvent
-from omni_core.inline import InlineRunner
-from omni_core.launcher import Launcher, ProcessLauncher
-from omni_core.orchestrator import Orchestrator
 from omni_core.registry import RegistryError, backend_registry
-from omni_core.supervisor import stage_health
 
 
 def make_launcher(cfg: PipelineConfig) -> Launcher:

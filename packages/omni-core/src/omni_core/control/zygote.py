@@ -223,7 +223,7 @@ def clone_parent() -> int:
 def main(argv: list[str]) -> int:
     """``argv``: the socket's fd and the orchestrator's pid. Preload, then fork on demand
     until the launcher closes the socket."""
-    from omni_core.logs import configure_logging
+    from omni_core.observability.logs import configure_logging
     from omni_core.worker.process import name_process
 
     configure_logging()
@@ -378,7 +378,7 @@ ZYGOTE_BOOT = (
     "import ctypes, os, signal, sys; "
     "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
     "os.getppid() == int(sys.argv[2]) or sys.exit(3); "
-    "from omni_core.zygote import main; sys.exit(main(sys.argv[1:]))"
+    "from omni_core.control.zygote import main; sys.exit(main(sys.argv[1:]))"
 )
 
 
@@ -435,7 +435,7 @@ class Zygote:
         return self.proc is not None and self.proc.poll() is None
 
     def exit_reason(self) -> str:
-        from omni_core.launcher import exit_reason
+        from omni_core.control.launcher import exit_reason
 
         return exit_reason(self.proc.poll()) if self.proc is not None else "not started"
 

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from omni_core.collector import Collector, RequestHandle
+from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
 from omni_core.errors import OverloadedError
 from omni_core.events import Cancelled, Error

@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from omni_core.collector import Collector
+from omni_core.client.collector import Collector
 from omni_core.config import PipelineConfig, ReplicaSpec, replica_name
+from omni_core.control.supervisor import StageProc, Supervisor
 from omni_core.errors import StageDeadError
-from omni_core.supervisor import StageProc, Supervisor
 
 log = logging.getLogger("omni.replicas")
 GONE = ("dead", "stopped", "draining", "stopping")  # never bound to

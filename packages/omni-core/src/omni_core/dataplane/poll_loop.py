@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from omni_core.transport import Outbox, Waker
+from omni_core.dataplane.transport import Outbox, Waker
 
 log = logging.getLogger("omni.io")
 

@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_core.delivery import DONE, Inbox
+from omni_core.client.delivery import DONE, Inbox
+from omni_core.dataplane.serial import ArrayCodec
 from omni_core.events import (
     AnyEvent,
     Cancelled,
@@ -29,7 +30,6 @@ from omni_core.events import (
     TraceMark,
     is_droppable,
 )
-from omni_core.serial import ArrayCodec
 
 
 @dataclass

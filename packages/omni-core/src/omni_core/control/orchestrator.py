@@ -1,11 +1,11 @@
 """The control plane around the stage workers, the same on every backend.
 
-Through its launcher (:mod:`omni_core.launcher`: local processes, or Ray actors) the
+Through its launcher (:mod:`omni_core.control.launcher`: local processes, or Ray actors) the
 orchestrator starts the workers, waits for the ready handshake and seeds requests into the
 source stages. It is not on the data path between stages: workers write straight to each
 other, and the stages that stream to the caller write straight to the caller's collector
-socket. Three parts: the :class:`~omni_core.supervisor.Supervisor` (the workers' lives),
-the :class:`~omni_core.request_table.RequestTable` (open requests), and the
+socket. Three parts: the :class:`~omni_core.control.supervisor.Supervisor` (the workers' lives),
+the :class:`~omni_core.control.request_table.RequestTable` (open requests), and the
 :class:`ControlLoop`, the one I/O thread that owns this process's sockets; caller threads
 talk to it through an outbox.
 
@@ -27,8 +27,23 @@ from typing import Any
 import msgspec
 import zmq
 
-from omni_core.collector import Collector, RequestHandle
+from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig, replica_name
+from omni_core.control.launcher import Launcher, ProcessLauncher, WorkerHandle, report
+from omni_core.control.replicas import Autoscaler, Router
+from omni_core.control.request_table import RequestTable
+from omni_core.control.supervisor import StageProc, Supervisor
+from omni_core.dataplane.poll_loop import PollLoop
+from omni_core.dataplane.serial import (
+    ArrayCodec,
+    check_request,
+    decode_event_frame,
+    decode_status_frame,
+    releases,
+    salvage_frame,
+)
+from omni_core.dataplane.shm import SegmentReader
+from omni_core.dataplane.transport import Addresses, Outbox, Waker, pull_socket, push_socket
 from omni_core.errors import RuntimeFailedError, StageDeadError, StageStartError
 from omni_core.events import (
     Ack,
@@ -42,23 +57,8 @@ from omni_core.events import (
     StageStats,
     Submit,
 )
-from omni_core.host import CLIENT
-from omni_core.launcher import Launcher, ProcessLauncher, WorkerHandle, report
-from omni_core.poll_loop import PollLoop
-from omni_core.replicas import Autoscaler, Router
-from omni_core.request_table import RequestTable
-from omni_core.serial import (
-    ArrayCodec,
-    check_request,
-    decode_event_frame,
-    decode_status_frame,
-    releases,
-    salvage_frame,
-)
-from omni_core.shm import SegmentReader
-from omni_core.supervisor import StageProc, Supervisor
-from omni_core.trace import TraceLog
-from omni_core.transport import Addresses, Outbox, Waker, pull_socket, push_socket
+from omni_core.observability.trace import TraceLog
+from omni_core.worker.host import CLIENT
 
 log = logging.getLogger("omni.orchestrator")
 

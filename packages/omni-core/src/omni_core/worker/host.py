@@ -2,7 +2,7 @@
 
 A :class:`StageHost` owns one stage's per-request state: a :class:`WindowState` per inbound
 edge and fan-in pairing of windows into :class:`WorkItem` s; its base
-:class:`~omni_core.stage_output.StageOutput` numbers and stamps what the stage emits.
+:class:`~omni_core.worker.stage_output.StageOutput` numbers and stamps what the stage emits.
 The worker process and the in-process runner both drive a host; only how events move
 differs.
 """
@@ -15,6 +15,8 @@ from collections import deque
 from itertools import accumulate
 
 from omni_core.config import PipelineConfig
+from omni_core.dataplane.serial import ArrayCodec
+from omni_core.dataplane.windows import Piece, RunPiece, Window, WindowState
 from omni_core.events import (
     AnyEvent,
     Completed,
@@ -25,10 +27,8 @@ from omni_core.events import (
     Submit,
     is_droppable,
 )
-from omni_core.serial import ArrayCodec
 from omni_core.stage import Stage, StageContext, StageInput
-from omni_core.stage_output import CLIENT, RequestState, StageOutput, WorkItem
-from omni_core.windows import Piece, RunPiece, Window, WindowState
+from omni_core.worker.stage_output import CLIENT, RequestState, StageOutput, WorkItem
 
 log = logging.getLogger("omni.host")
 __all__ = ["CLIENT", "RequestFailed", "StageHost", "WorkItem", "stage_context"]

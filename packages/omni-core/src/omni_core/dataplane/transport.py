@@ -21,8 +21,8 @@ from typing import Any
 
 import zmq
 
-from omni_core.serial import encode_events_into, encode_frame
-from omni_core.shm import create_locked, lock_orphan
+from omni_core.dataplane.serial import encode_events_into, encode_frame
+from omni_core.dataplane.shm import create_locked, lock_orphan
 
 MAX_FRAME_MESSAGES = 256  # coalesce at most this many messages into one frame
 STREAMING_S = 0.01  # a stage that emitted this recently is streaming (see Sender.streaming)

@@ -2,7 +2,7 @@
 
 A frame on any socket is a msgpack list of messages, so a sender can coalesce what piled
 up while the socket was busy into one write. Arrays travel as handles: small ones inline,
-large ones written once into a shared-memory slot (see :mod:`omni_core.shm`).
+large ones written once into a shared-memory slot (see :mod:`omni_core.dataplane.shm`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
+from omni_core.dataplane.shm import EXTERNAL_WRITERS, Arena, SegmentReader
 from omni_core.events import (
     AnyEvent,
     Handle,
@@ -25,7 +26,6 @@ from omni_core.events import (
     ToOrchestrator,
     ToWorker,
 )
-from omni_core.shm import EXTERNAL_WRITERS, Arena, SegmentReader
 
 DEFAULT_SHM_THRESHOLD = 64 * 1024
 BYTES_DTYPE = "bytes"

@@ -16,12 +16,12 @@ from typing import Any
 
 import msgspec
 
-from omni_core.collector import Collector, RequestHandle
+from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
+from omni_core.dataplane.serial import ArrayCodec, decode_event_frame, encode_frame
 from omni_core.events import Cancelled, Event, Submit
-from omni_core.host import CLIENT, StageHost, WorkItem, stage_context
 from omni_core.registry import load_stage_class
-from omni_core.serial import ArrayCodec, decode_event_frame, encode_frame
+from omni_core.worker.host import CLIENT, StageHost, WorkItem, stage_context
 
 
 class InlineRunner:

@@ -26,13 +26,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from omni_core.config import PipelineConfig, split_worker
-from omni_core.devices import resolve_devices
-from omni_core.registry import load_stage_class
-from omni_core.serial import encode_json
-from omni_core.shm import SegmentOwner
-from omni_core.transport import make_socket_dir, remove_socket_dir
-from omni_core.worker import WorkerSpec
-from omni_core.zygote import (
+from omni_core.control.zygote import (
     Fork,
     ForkRefused,
     ForkUnsent,
@@ -42,6 +36,12 @@ from omni_core.zygote import (
     import_time_keys,
     inherited_env,
 )
+from omni_core.dataplane.serial import encode_json
+from omni_core.dataplane.shm import SegmentOwner
+from omni_core.dataplane.transport import make_socket_dir, remove_socket_dir
+from omni_core.registry import load_stage_class
+from omni_core.worker import WorkerSpec
+from omni_core.worker.devices import resolve_devices
 
 log = logging.getLogger("omni.launcher")
 start_log = logging.getLogger("omni.start")  # a line per step of a start (`omni run` shows them)
@@ -288,7 +288,7 @@ class Starter:
 class ProcessLauncher(Launcher):
     """The ``local`` backend: one OS process per stage worker, segments under /dev/shm.
 
-    Workers are forked from the pipeline's zygote (:mod:`omni_core.zygote`) with
+    Workers are forked from the pipeline's zygote (:mod:`omni_core.control.zygote`) with
     ``backend.start: zygote`` (the default), else spawned as fresh interpreters; a worker
     that cannot be forked is spawned, and the log says why. Every process is started from
     one long-lived thread of the launcher's: a worker's death signal is tied to the

@@ -5,8 +5,9 @@ A family registers a function under the entry-point group ``omni.models`` that r
 its :class:`NamedModel` list. ``omni models list`` shows them all (ready or not, where,
 how big); ``omni models pull NAME`` fetches or builds one once (the only step that may
 use the network: nothing is fetched when a pipeline runs), showing its progress: timed
-lines for its steps, a bar for a loop of known length (:class:`~omni_core.progress.Reporter`;
-plain lines when the output is not a terminal).
+lines for its steps, a bar for a loop of known length
+(:class:`~omni_core.observability.progress.Reporter`; plain lines when the output is not
+a terminal).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_core.progress import Reporter
+from omni_core.observability.progress import Reporter
 from omni_core.registry import RegistryError, model_registry
 
 

@@ -1,0 +1,1 @@
+"""Models the families name and build: the on-disk cache and ``omni models``."""

@@ -1,0 +1,1 @@
+"""Logs, traces, GPU figures and progress bars."""
