@@ -18,7 +18,11 @@ from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.engines.vllm_engine import engine_settings, set_vllm_env
 from omni_ar.multimodal.stages import MMDecode, MMPrefill
 from omni_ar.params import SamplingParams
-from omni_ar.stages import Decode, Intake, Postprocess, Prefill, Talker
+from omni_ar.stages.decode import Decode
+from omni_ar.stages.intake import Intake
+from omni_ar.stages.postprocess import Postprocess
+from omni_ar.stages.prefill import Prefill
+from omni_ar.stages.talker import Talker
 from omni_ar.text_encode import TextEncode
 from omni_core import Pipeline, StageInput
 from omni_core.config import ConfigError, parse_config

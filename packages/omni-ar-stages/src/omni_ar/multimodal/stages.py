@@ -38,7 +38,9 @@ from omni_ar.multimodal.media import (
     strip_media,
 )
 from omni_ar.params import RequestError, template_error
-from omni_ar.stages import Decode, DecodeOptions, ModelOptions, Postprocess, _ModelStage
+from omni_ar.stages.base import ModelOptions, ModelStage
+from omni_ar.stages.decode import Decode, DecodeOptions
+from omni_ar.stages.postprocess import Postprocess
 
 VLLM_UNSUPPORTED = (
     "engine 'vllm': vLLM 0.32 cannot continue a multimodal request without its media on "
@@ -51,7 +53,7 @@ VLLM_UNSUPPORTED = (
 
 
 class MMOptions(ModelOptions, kw_only=True):
-    """The ``ar.mm_*`` stages' options: :class:`~omni_ar.stages.ModelOptions` and image
+    """The ``ar.mm_*`` stages' options: :class:`~omni_ar.stages.base.ModelOptions` and image
     limits."""
 
     block_size: int = 16  # tokens per KV block; prefill and decode must agree
@@ -61,7 +63,7 @@ class MMOptions(ModelOptions, kw_only=True):
     allow_local_images: bool = False  # read paths and file:// URLs (the Python API's)
 
 
-class _MMStage(_ModelStage):
+class _MMStage(ModelStage):
     Options = MMOptions
     images = True
     unstructured = "the multimodal stages run the transformers engine"

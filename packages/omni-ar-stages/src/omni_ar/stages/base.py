@@ -1,0 +1,114 @@
+"""The base of the AR stages that hold an engine: their options, how they load the
+engine where their placement puts it, and how they read a request."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+from omni_core import Stage, StageInput
+from omni_core.worker.devices import place
+
+from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
+from omni_ar.models import resolve_model
+from omni_ar.params import RequestError, SamplingParams, parse_request
+
+
+class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The options every AR stage takes (``options:`` of a stage in the YAML)."""
+
+    model: str  # a Hugging Face model directory, or a named model ("smollm2")
+    engine: Literal["transformers", "vllm"] = "transformers"  # what runs the model
+    kv_connector: Literal["shm", "file"] = "shm"  # vLLM: how prefill's KV reaches decode
+    engine_args: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM: extra args
+    # the model's dtype; auto: float32 on a CPU, bfloat16 (else float16) on a GPU, and
+    # vLLM's own choice on a GPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # vLLM on a GPU: the share of its memory the engine may take (weights + KV cache)
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    threads: int | None = None  # torch threads in this worker
+    # on the CPU: engines naming the same turn compute one forward at a time, each on all
+    # of its threads (a split pipeline's prefill and decode on one machine's cores)
+    cpu_turns: str | None = None
+    max_prompt_tokens: int = 2048  # intake refuses longer prompts
+    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
+    default_max_tokens: int = 16  # for requests that do not say
+    chat: bool = False  # a plain "prompt" goes through the chat template as a user turn
+    system_prompt: str | None = None  # with chat: a system turn before a plain prompt
+
+
+class ModelStage(Stage):
+    Options = ModelOptions
+    preload = TRANSFORMERS_PRELOAD
+    images: ClassVar[bool] = False  # requests may carry image parts (the ar.mm_* stages)
+    kv_role: ClassVar[str | None] = None  # the vLLM engine's KV connector role
+    # why this stage cannot sample under a response_format's grammar ("": it can, on vLLM)
+    unstructured: ClassVar[str] = (
+        "the prefill -> decode split restarts the grammar at decode's first token"
+    )
+
+    @classmethod
+    def preload_modules(cls, options: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM reads its environment (set per stage, before its import) when it loads:
+        it is imported in the worker, the tokenizer's modules in the zygote."""
+        if options.get("engine") == "vllm":
+            return ("torch", "transformers.models.auto.tokenization_auto")
+        return cls.preload
+
+    def _engine(self, model: bool = True):  # type: ignore[no-untyped-def]
+        """The stage's engine; ``model``: it will load the model, on the device and in
+        the dtype of the stage's placement (else only a tokenizer, on the CPU)."""
+        o = self.options
+        device, dtype = self._placement() if model else ("cpu", "float32")
+        return load_engine(
+            o.engine,
+            resolve_model(o.model),
+            dtype,
+            o.threads,
+            device,
+            kv_role=self.kv_role,
+            kv_connector=o.kv_connector,
+            engine_args=o.engine_args,
+            gpu_memory_utilization=o.gpu_memory_utilization,
+            cpu_turns=o.cpu_turns,
+        )
+
+    def _placement(self) -> tuple[str, str]:
+        """(device, dtype) of the stage's model: :func:`omni_core.worker.devices.place` of its
+        ``devices`` and ``dtype`` (a :class:`omni_core.worker.devices.DeviceError` where it asks
+        for a GPU torch does not see). vLLM on a GPU keeps ``auto``: it picks the dtype."""
+        o = self.options
+        p = place(self.ctx.name, self.ctx.devices, o.dtype)
+        if o.engine == "vllm" and p.is_gpu and o.dtype == "auto":
+            return p.device, "auto"
+        return p.device, p.dtype
+
+    def _params(self, inp: StageInput):  # type: ignore[no-untyped-def]
+        """(prompt or messages, sampling params); every stage reads the request alike."""
+        o = self.options
+        request = inp.request
+        if "max_tokens" not in request:
+            request = {**request, "max_tokens": o.default_max_tokens}
+        source, params = parse_request(request, o.max_tokens_limit, images=self.images)
+        if o.chat and isinstance(source, str):
+            source = [{"role": "user", "content": source}]
+            if o.system_prompt:
+                source.insert(0, {"role": "system", "content": o.system_prompt})
+        return source, params
+
+    def _sampling_params(self, inp: StageInput) -> tuple[Any, SamplingParams]:
+        """``_params`` in a stage that samples: a RequestError naming ``response_format``
+        where the request asks for structured output this stage cannot hold to. Only
+        ``ar.generate`` on vLLM samples every token of a request under one grammar."""
+        source, params = self._params(inp)
+        if params.structured() is None:
+            return source, params
+        why = self.unstructured
+        if not why and self.options.engine != "vllm":
+            why = f"this stage runs engine {self.options.engine!r}"
+        if why:
+            raise RequestError(
+                "field 'response_format': structured output needs the ar.generate stage "
+                f"on engine vllm ({why})"
+            )
+        return source, params

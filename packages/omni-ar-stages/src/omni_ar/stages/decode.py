@@ -1,0 +1,209 @@
+"""``ar.decode`` (first token + KV -> the generated tokens) and ``ar.generate`` (prompt
+ids -> the generated tokens, in one engine): both stream the tokens in segments."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+from omni_core import StageEvent, StageInput
+
+from omni_ar.detokenizer import IncrementalDetokenizer
+from omni_ar.params import RequestError, Sampled, SamplingParams
+from omni_ar.stages.base import ModelOptions, ModelStage
+from omni_ar.stages.logprobs import LOCAL_PREFILL, TOP_IDS, token_texts, top_ids, top_payload
+
+
+class DecodeOptions(ModelOptions, kw_only=True):
+    """``ar.decode``'s and ``ar.generate``'s options: :class:`ModelOptions` and how
+    tokens are flushed downstream."""
+
+    max_segment_tokens: int = 8  # a segment goes out once it holds this many tokens
+    min_flush_interval_ms: float = 50.0  # ... or once this long passed since the last one
+    # detokenize in the decode loop itself (no postprocess stage): the baseline that
+    # `omni bench ar` compares the separate postprocess process against
+    inline_detokenize: bool = False
+
+
+class Decode(ModelStage):
+    """First token + KV -> the generated tokens, flushed in segments."""
+
+    Options = DecodeOptions
+    kv_role = "kv_consumer"
+
+    def load(self) -> None:
+        self.engine = self._engine()
+        self.engine.load_model()
+        if self.options.inline_detokenize:
+            self.engine.load_tokenizer()
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
+        for inp in batch:
+            try:
+                _, params = self._sampling_params(inp)
+            except RequestError as e:
+                yield inp.fail(e)
+                continue
+            w = inp.window
+            prompt = w.payloads[0].get("prompt_ids")
+            if w.payloads[0].get(LOCAL_PREFILL):  # prefill passed it on: prefilled here
+                yield from self._generate(inp, prompt, params)
+                continue
+            arrays = w.arrays
+            first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
+            first_top = [tuple(a) for a in w.payloads[0].get(TOP_IDS, [[]])[0]]
+            steps = self.engine.decode(first, arrays["keys"], arrays["values"], params, prompt)
+            n_prompt = w.payloads[0].get("prompt_tokens")
+            try:
+                # the first token goes out before any step; meanwhile the other requests
+                # that arrived with this one enter the engine (vLLM batches them from
+                # their first token on)
+                so_far = [Sampled((first, first_lp), first_top)]
+                yield from self._stream(inp, params, so_far, steps, n_prompt)
+            finally:
+                close = getattr(steps, "close", None)
+                if close is not None:
+                    close()
+
+    def _generate(
+        self, inp: StageInput, ids: list[int], params: SamplingParams
+    ) -> Iterator[StageEvent | None]:
+        """Prefill and decode ``ids`` in this stage's engine, streamed in segments. With
+        vLLM the request joins the engine's steps with every other one in flight."""
+        stream = getattr(self.engine, "stream", None)
+        try:
+            # vLLM: the request enters the engine now (a grammar it refuses: RequestError)
+            steps: Iterable[tuple[int, float]] | None = (
+                stream(ids, params) if stream is not None else None
+            )
+        except RequestError as e:
+            yield inp.fail(e)
+            return
+        if steps is not None:
+            so_far: list[tuple[int, float]] = []
+        else:  # transformers: one prefill pass, then the decode loop
+            pre = self.engine.prefill(ids, params)
+            first, lp, keys, values = pre
+            so_far = [Sampled((first, lp), pre.top)]
+            steps = self.engine.decode(first, keys, values, params, ids)
+        try:
+            yield None  # the requests that arrived with this one join the same steps
+            yield from self._stream(inp, params, so_far, steps, len(ids))
+        finally:
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()
+
+    def _stream(
+        self,
+        inp: StageInput,
+        params: SamplingParams,
+        tokens_so_far: list[tuple[int, float]],
+        steps: Iterable[tuple[int, float]],
+        prompt_tokens: int | None = None,
+    ) -> Iterator[StageEvent]:
+        """Flush ``tokens_so_far`` and then the tokens of ``steps`` in segments; the first
+        carries ``prompt_tokens`` (the prompt's length, for usage counts downstream).
+        With ``top_logprobs`` each segment's payload carries its tokens' alternatives
+        (``top_ids``, made text by :func:`top_payload`)."""
+        counted = {"prompt_tokens": prompt_tokens} if prompt_tokens is not None else {}
+        o = self.options
+        detok = (
+            IncrementalDetokenizer(self.engine.tokenizer, stop=params.stop)
+            if o.inline_detokenize
+            else None
+        )
+        tokens, logprobs = [t for t, _ in tokens_so_far], [lp for _, lp in tokens_so_far]
+        tops = [top_ids(s) for s in tokens_so_far]
+        total = len(tokens)
+        last_tok = tokens[-1] if tokens else None
+        # the first token leaves at once (time to first token): the stage's other streams
+        # may run engine steps before this one's next turn, and holding it for a segment
+        # would make each stream's first text wait one step longer than the last one's
+        last_flush = time.monotonic()
+        if tokens:  # prefill's first token: out before decode's first step
+            yield self._emit(inp, tokens, logprobs, tops, params, detok, counted)
+            if detok is not None and detok.stopped is not None:
+                return
+            tokens, logprobs, tops = [], [], []
+        else:
+            last_flush = 0.0  # the first step's token flushes as soon as it comes
+        for s in steps:
+            if inp.cancelled:
+                return
+            tok, lp = s
+            tokens.append(tok)
+            logprobs.append(lp)
+            tops.append(top_ids(s))
+            total += 1
+            last_tok = tok
+            now = time.monotonic()
+            if (
+                len(tokens) >= o.max_segment_tokens
+                or (now - last_flush) * 1000 >= o.min_flush_interval_ms
+            ):
+                yield self._emit(inp, tokens, logprobs, tops, params, detok, counted)
+                if detok is not None and detok.stopped is not None:
+                    return
+                tokens, logprobs, tops, last_flush = [], [], [], now
+        last = self._finish(params, total, last_tok)
+        yield self._emit(inp, tokens, logprobs, tops, params, detok, counted, last)
+
+    def _emit(self, inp, tokens, logprobs, tops, params, detok, counted, last=None):  # type: ignore[no-untyped-def]
+        """A segment of the tokens so far; the first to go carries (and empties)
+        ``counted``, the prompt's length."""
+        ev = self._segment(inp, tokens, logprobs, tops, params, detok, last=last)
+        ev.payload.update(counted)
+        counted.clear()
+        return ev
+
+    def _finish(self, params: SamplingParams, total: int, last_tok: int | None) -> str:
+        """Why generation ended: ``length`` when it reached ``max_tokens`` (the request's
+        or the stage's default) without ending at EOS, else ``stop`` (EOS)."""
+        eos = getattr(self.engine, "eos_ids", None) or set()
+        at_eos = last_tok in eos and not params.ignore_eos
+        return "length" if total >= params.max_tokens and not at_eos else "stop"
+
+    @staticmethod
+    def _segment(inp, tokens, logprobs, tops, params, detok, last):  # type: ignore[no-untyped-def]
+        """A segment of ``tokens``; ``last``: None, or the finish reason of the last one
+        (``stop`` or ``length``; a stop string found by ``detok`` makes it ``stop``)."""
+        payload = {} if last is None else {"finish_reason": last}
+        if detok is None and params.top_logprobs:  # postprocess makes them text
+            payload[TOP_IDS] = tops
+        if detok is not None:
+            text = detok.add(tokens)
+            if detok.stopped is not None:
+                payload = {"text": text, "finish_reason": "stop"}
+            elif last is not None:
+                payload["text"] = text + detok.flush()
+            else:
+                payload = {"text": text}
+            if params.logprobs:
+                payload["token_texts"] = token_texts(detok.tokenizer, tokens)
+            if params.top_logprobs:
+                payload["top_logprobs"] = top_payload(detok.tokenizer, tops)
+        lps = logprobs if params.logprobs else None
+        return inp.segment(
+            tokens, logprobs=lps, payload=payload, is_last="finish_reason" in payload
+        )
+
+
+class Generate(Decode):
+    """Prompt ids -> every generated token, prefill and decode in one engine, flushed in
+    segments: the fused stage for a model on one device. With vLLM the engine's own
+    scheduler batches every request in flight (continuous batching, chunked prefill);
+    no KV crosses a process. The prefill -> decode split (``ar.prefill`` + ``ar.decode``)
+    is for when the two sit on different devices or nodes."""
+
+    kv_role = None
+    unstructured = ""
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
+        for inp in batch:
+            try:
+                _, params = self._sampling_params(inp)
+            except RequestError as e:
+                yield inp.fail(e)
+                continue
+            yield from self._generate(inp, inp.window.tokens, params)

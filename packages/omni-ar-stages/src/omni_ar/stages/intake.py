@@ -1,0 +1,39 @@
+"""``ar.intake``: a request -> its prompt token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from omni_core import StageEvent, StageInput
+
+from omni_ar.params import RequestError, template_error
+from omni_ar.stages.base import ModelStage
+
+
+class Intake(ModelStage):
+    """Request -> prompt token ids (one segment), or an error naming the bad field."""
+
+    def load(self) -> None:
+        self.engine = self._engine(model=False)
+        self.engine.load_tokenizer()
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        for inp in batch:
+            try:
+                source, _ = self._params(inp)
+                ids = self.engine.encode(source)
+            except RequestError as e:
+                yield inp.fail(e)
+                continue
+            except Exception as e:  # e.g. a chat template that rejects the messages
+                yield inp.fail(template_error(e))
+                continue
+            if len(ids) > self.options.max_prompt_tokens:
+                yield inp.fail(
+                    RequestError(
+                        f"field 'prompt': {len(ids)} tokens, over max_prompt_tokens="
+                        f"{self.options.max_prompt_tokens}"
+                    )
+                )
+                continue
+            yield inp.segment(ids, is_last=True)

@@ -1,0 +1,71 @@
+"""``ar.prefill``: prompt ids -> the first token and the prompt's KV, for decode."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+import msgspec
+from omni_core import StageEvent, StageInput
+
+from omni_ar.params import RequestError, SamplingParams
+from omni_ar.stages.base import ModelOptions, ModelStage
+from omni_ar.stages.logprobs import LOCAL_PREFILL, TOP_IDS, top_ids
+
+
+class PrefillOptions(ModelOptions, kw_only=True):
+    """``ar.prefill``'s options: :class:`ModelOptions` and the local-prefill threshold."""
+
+    # conditional disaggregation: a prompt of at most this many tokens is not prefilled
+    # here but passed on, and the decode engine prefills it in its own steps, beside the
+    # requests it is decoding (no KV crosses); 0: every prompt is prefilled here
+    local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class Prefill(ModelStage):
+    """Prompt ids -> the first token, with the prompt's KV cache as arrays; or, for a
+    prompt of at most ``local_prefill_max_tokens``, the prompt alone, for decode to
+    prefill (a short prompt costs little to compute where it is decoded, and moving its
+    KV between two engines on one device costs more than it saves)."""
+
+    Options = PrefillOptions
+    kv_role = "kv_producer"
+
+    def load(self) -> None:
+        self.engine = self._engine()
+        self.engine.load_model()
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+        local = self.options.local_prefill_max_tokens
+        here: list[StageInput] = []
+        params: list[SamplingParams] = []
+        for inp in batch:
+            try:
+                p = self._sampling_params(inp)[1]
+            except RequestError as e:
+                yield inp.fail(e)
+                continue
+            ids = inp.window.tokens
+            if len(ids) <= local:  # no first token, no KV: decode prefills it
+                payload = {"prompt_tokens": len(ids), "prompt_ids": ids, LOCAL_PREFILL: True}
+                yield inp.segment([], payload=payload, is_last=True)
+                continue
+            here.append(inp)
+            params.append(p)
+        if not here:
+            return
+        batch = here
+        prompts = [inp.window.tokens for inp in batch]
+        results = self.engine.prefill_many(prompts, params)  # vLLM: one batch
+        for inp, ids, p, res in zip(batch, prompts, params, results, strict=True):
+            tok, lp, keys, values = res
+            payload: dict[str, Any] = {"prompt_tokens": len(ids), "prompt_ids": ids}
+            if p.top_logprobs:
+                payload[TOP_IDS] = [top_ids(res)]
+            yield inp.segment(
+                [tok],
+                logprobs=[lp],
+                arrays={"keys": keys, "values": values},
+                payload=payload,
+                is_last=True,
+            )
