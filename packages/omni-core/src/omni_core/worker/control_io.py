@@ -29,25 +29,53 @@ from omni_core.events import (
 from omni_core.observability.gpu_stats import GpuProbe
 
 if TYPE_CHECKING:
-    from omni_core.worker.process import Worker
+    from collections.abc import Callable
+
+    from omni_core.dataplane.shm import Arena, SegmentReader
+    from omni_core.dataplane.transport import Sender, Waker
+    from omni_core.worker.state import WorkerState
+    from omni_core.worker.work_queue import WorkQueue
 
 log = logging.getLogger("omni.worker")
 
 
 class WorkerIO(PollLoop):
-    def __init__(self, worker: Worker) -> None:
-        super().__init__(worker.waker, worker.outbox, worker.out)
-        self.w = worker
-        self.name = f"stage {worker.name!r} I/O"
-        self.queue = worker.queue
-        self.interval = worker.spec.config.heartbeat_interval_s
+    def __init__(
+        self,
+        state: WorkerState,
+        queue: WorkQueue,
+        *,
+        waker: Waker,
+        sender: Sender,
+        arena: Arena,
+        reader: SegmentReader,
+        data_in: zmq.Socket,
+        ctl_in: zmq.Socket,
+        out: dict[str, zmq.Socket],
+        send_status: Callable[[msgspec.Struct], None],
+        heartbeat_interval_s: float,
+        devices: str | None,
+        owner_pid: int,
+    ) -> None:
+        super().__init__(waker, state.outbox, out)
+        self.state = state
+        self.name = f"stage {state.name!r} I/O"
+        self.queue = queue
+        self.sender = sender  # the stage thread's: its tail is sent from here
+        self.arena = arena  # this worker's own slots (released by their readers)
+        self.reader = reader  # the segments this worker maps
+        self.data_in = data_in
+        self.ctl_in = ctl_in
+        self.send_status = send_status
+        self.interval = heartbeat_interval_s
+        self.owner_pid = owner_pid  # the orchestrator (0: no check)
         self.next_beat = 0.0
         self.data_on = False
-        self.gpu = GpuProbe(worker.spec.devices)
-        self.watch(worker.ctl_in, self.drain_control)
+        self.gpu = GpuProbe(devices)
+        self.watch(ctl_in, self.drain_control)
 
     def done(self) -> bool:
-        return self.w.io_done
+        return self.state.io_done
 
     def before_poll(self) -> float:
         room = self.queue.has_room()
@@ -55,9 +83,9 @@ class WorkerIO(PollLoop):
             self.queue.intake()
         if room != self.data_on:  # read upstream only while the work queue has room
             if room:
-                self.watch(self.w.data_in, self.drain_data)
+                self.watch(self.data_in, self.drain_data)
             else:
-                self.unwatch(self.w.data_in)
+                self.unwatch(self.data_in)
             self.data_on = room
         timeout = max(0.0, self.next_beat - time.monotonic())
         # While the stage streams output, look every gap_s for a batched tail to send,
@@ -65,50 +93,50 @@ class WorkerIO(PollLoop):
         # frame). While it computes without output (a model step), sleep: a tick every
         # gap_s would take the GIL from it a thousand times a second.
         if not self.may_sleep():
-            timeout = min(timeout, self.w.sender.gap_s)
+            timeout = min(timeout, self.sender.gap_s)
         return timeout
 
     def may_sleep(self) -> bool:
-        sender = self.w.sender
+        sender = self.sender
         return not (sender.waiting > 0 or sender.streaming())
 
     def tick(self, events: dict[Any, int]) -> None:
-        self.w.sender.flush_due()
+        self.sender.flush_due()
         if time.monotonic() >= self.next_beat:
             self.next_beat = time.monotonic() + self.interval
             self.heartbeat()
-            owner = self.w.spec.owner_pid
+            owner = self.owner_pid
             if owner and os.getppid() != owner:
-                log.error("orchestrator went away; worker %s exits", self.w.name)
+                log.error("orchestrator went away; worker %s exits", self.state.name)
                 os._exit(3)
 
     def heartbeat(self) -> None:
-        w = self.w
+        w, sender = self.state, self.sender
         s = w.stats
         with w.lock:
             s.queue_depth = len(self.queue.ready)
         s.inflight = w.inflight
-        s.outbox_depth = w.sender.pending
-        s.dropped = w.sender.drops
-        s.blocked_s = w.sender.blocked_s + w.arena.blocked_s
+        s.outbox_depth = sender.pending
+        s.dropped = sender.drops
+        s.blocked_s = sender.blocked_s + self.arena.blocked_s
         s.window_triggers = w.host.window_triggers
-        s.emitted = w.sender.sent
-        s.shm_slots_in_use = w.arena.slots_in_use
+        s.emitted = sender.sent
+        s.shm_slots_in_use = self.arena.slots_in_use
         self.gpu.sample(s)
         started = w.step_started
         s.busy_s = time.monotonic() - started if started else 0.0
-        spans, w.scheduler.spans = w.scheduler.spans, []
-        marks, w.scheduler.marks = w.scheduler.marks, []
+        spans, w.spans = w.spans, []
+        marks, w.marks = w.marks, []
         beat = Heartbeat(
             stage=w.name, pid=os.getpid(), ts=time.time(), stats=s, spans=spans, marks=marks
         )
-        w.send_status(beat)
+        self.send_status(beat)
 
     # -- control -------------------------------------------------------------------
     def drain_control(self) -> None:
         while True:
             try:
-                frame = self.w.ctl_in.recv(zmq.NOBLOCK, copy=False)
+                frame = self.ctl_in.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
@@ -116,26 +144,26 @@ class WorkerIO(PollLoop):
             except msgspec.DecodeError:
                 msgs, bad = salvage_frame(frame.buffer, "control")
                 for b in bad:  # nobody to answer: say it loudly, apply the rest
-                    log.error("stage %s: undecodable control message: %s", self.w.name, b.error)
+                    log.error("stage %s: undecodable control message: %s", self.state.name, b.error)
             for msg in msgs:
                 self.on_control(msg)
 
     def on_control(self, msg: Any) -> None:
-        w = self.w
+        w = self.state
         if isinstance(msg, Release):
-            if msg.segment == w.arena.name:  # else: meant for an earlier life
-                w.arena.release(msg.slots, msg.reader)
+            if msg.segment == self.arena.name:  # else: meant for an earlier life
+                self.arena.release(msg.slots, msg.reader)
         elif isinstance(msg, ReaderLost):
-            w.arena.forget_reader(msg.reader)
+            self.arena.forget_reader(msg.reader)
         elif isinstance(msg, SegmentGone):
-            w.codec.reader.forget(msg.segment)
+            self.reader.forget(msg.segment)
         elif isinstance(msg, Cancel):
             with w.work:
                 freed = self.queue.drop(msg.request_id)
             w.release(freed)
-            w.send_status(Ack(stage=w.name, kind="cancel", request_id=msg.request_id))
+            self.send_status(Ack(stage=w.name, kind="cancel", request_id=msg.request_id))
         elif isinstance(msg, Shutdown):
-            w.sender.stop = True  # a producer blocked on a full socket gives up
+            self.sender.stop = True  # a producer blocked on a full socket gives up
             with w.work:
                 w.stopping = True
                 w.drain = msg.drain
@@ -153,7 +181,7 @@ class WorkerIO(PollLoop):
                 if stash:
                     return
             try:
-                frame = self.w.data_in.recv(zmq.NOBLOCK, copy=False)
+                frame = self.data_in.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
@@ -168,9 +196,9 @@ class WorkerIO(PollLoop):
         for b in bad:
             source = f"stage {b.stage!r}" if b.stage else "upstream"
             why = f"a message from {source} cannot be decoded: {b.error}"
-            log.error("stage %s: %s (request %s)", self.w.name, why, b.request_id)
+            log.error("stage %s: %s (request %s)", self.state.name, why, b.request_id)
             if b.request_id is not None:
-                with self.w.work:
+                with self.state.work:
                     self.queue.fail(b.request_id, why, code="bad_message")
-                    freed = self.w.take_releasable()
-                self.w.release(freed)
+                    freed = self.state.take_releasable()
+                self.state.release(freed)

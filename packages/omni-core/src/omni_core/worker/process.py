@@ -1,5 +1,5 @@
-"""The worker process: its spec, the state its two threads share, and its life
-(load, ready handshake, run, shut down)."""
+"""The worker process: its spec, its parts (the stage, its host, sockets, the two threads'
+loops and the state they share), and its life (load, ready handshake, run, shut down)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,17 @@ import msgspec
 import zmq
 
 from omni_core.config import PipelineConfig
-from omni_core.dataplane.serial import ArrayCodec, decode_json, encode_frame, releases
+from omni_core.dataplane.serial import ArrayCodec, decode_json, encode_frame
 from omni_core.dataplane.shm import EXTERNAL_WRITERS, Arena, SegmentReader, owner_prefix
 from omni_core.dataplane.transport import Addresses, Outbox, Sender, Waker, pull_socket, push_socket
-from omni_core.events import Error, LoadFailed, Ready, ShmHandle, StageStats
+from omni_core.events import Error, LoadFailed, Ready, ShmHandle
 from omni_core.observability.logs import configure_logging
 from omni_core.registry import load_stage_class
-from omni_core.worker.admission import WorkQueue
 from omni_core.worker.control_io import WorkerIO
 from omni_core.worker.host import CLIENT, StageHost, stage_context
 from omni_core.worker.scheduler import Scheduler
+from omni_core.worker.state import WorkerState
+from omni_core.worker.work_queue import WorkQueue
 
 log = logging.getLogger("omni.worker")
 IO_FAILED_EXIT = 70  # the I/O thread failed: the worker exits, the orchestrator restarts it
@@ -49,7 +50,8 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
 
 
 class Worker:
-    """One stage's worker: the stage, its host, its sockets, and what both threads share."""
+    """One stage's worker: the stage, its host, its sockets, and its parts (the work queue,
+    the state both threads share, and, once the sockets are open, the threads' loops)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -70,22 +72,13 @@ class Worker:
         reader = SegmentReader(scope=owner_prefix(spec.arena))
         self.codec = ArrayCodec(self.name, self.arena, reader, threshold=cfg.shm_threshold_bytes)
         self.host = StageHost(cfg, self.stage_name, self.stage, self.codec)
-        self.lock = threading.Lock()  # guards host state (both threads touch it)
-        self.work = threading.Condition(self.lock)
-        self.queue = WorkQueue(self)
-        self.stopping = False
-        self.drain = False
-        self.deadline: float | None = None
-        self.io_done = False  # set by the stage thread when the I/O thread may exit
-        self.trace = cfg.trace  # record spans and marks for `omni trace`
-        self.stats = StageStats()
-        self.inflight = 0
-        # the stage thread's progress, for liveness: when its current step began (0: none)
-        self.step_started = 0.0
         self.waker = Waker()
-        self.outbox = Outbox(self.waker, capacity=max(64, self.capacity * 4))
+        outbox = Outbox(self.waker, capacity=max(64, self.capacity * 4))
+        self.state = WorkerState(self.name, self.host, outbox)
+        self.queue = WorkQueue(
+            self.state, self.capacity, self.waker, self.stage_name, self.send_status
+        )
         self.zctx = zmq.Context()
-        self.scheduler = Scheduler(self)
 
     def open_sockets(self) -> None:
         cfg = self.spec.config
@@ -115,20 +108,39 @@ class Worker:
                     self.zctx, self.addr.control(source), 100_000
                 )
 
+    def stage_loop(self) -> Scheduler:
+        """The stage thread's loop (after :meth:`open_sockets`: it sends through the
+        sender)."""
+        return Scheduler(
+            self.state,
+            self.queue,
+            self.stage,
+            self.sender,
+            max_inflight=self.max_inflight,
+            max_batch=self.max_batch,
+            trace=self.spec.config.trace,
+        )
+
+    def io_loop(self) -> WorkerIO:
+        """The I/O thread's loop (after :meth:`open_sockets`: it owns them from then on)."""
+        return WorkerIO(
+            self.state,
+            self.queue,
+            waker=self.waker,
+            sender=self.sender,
+            arena=self.arena,
+            reader=self.codec.reader,
+            data_in=self.data_in,
+            ctl_in=self.ctl_in,
+            out=self.out,
+            send_status=self.send_status,
+            heartbeat_interval_s=self.spec.config.heartbeat_interval_s,
+            devices=self.spec.devices,
+            owner_pid=self.spec.owner_pid,
+        )
+
     def send_status(self, msg: msgspec.Struct) -> None:
         self.status.send(encode_frame([msg]))
-
-    def release(self, handles: list[ShmHandle]) -> None:
-        """Hand slots back to their producers (through the I/O thread; never blocks)."""
-        if not handles:
-            return
-        for producer, msg in releases(handles, self.name):
-            self.outbox.put(f"ctl:{producer}", msg, block=False)
-
-    def take_releasable(self) -> list[ShmHandle]:
-        """(Lock held.) Slots the host let go of."""
-        freed, self.host.releasable = self.host.releasable, []
-        return freed
 
     def _dropped(self, msg: Any, dest: str) -> None:
         """``msg`` will never reach ``dest``: release its slots (and what an external
@@ -150,7 +162,7 @@ class Worker:
         self._dropped(msg, dest)
         if dest != CLIENT:
             return None
-        self.stats.errors += 1
+        self.state.stats.errors += 1
         return Error(
             request_id=msg.request_id,
             stage=self.stage_name,
@@ -223,19 +235,19 @@ def serve(spec: WorkerSpec) -> int:
     gc.set_threshold(20_000, 50, 100)
     # Ready goes out before the I/O thread owns the status socket
     worker.send_status(Ready(stage=name, pid=os.getpid(), load_s=time.monotonic() - t0))
-    io = WorkerIO(worker)
+    io, scheduler = worker.io_loop(), worker.stage_loop()
     thread = threading.Thread(
         target=io.run, args=(worker.io_failed,), name=f"omni-io-{name}", daemon=True
     )
     thread.start()
     try:
-        worker.scheduler.run()
+        scheduler.run()
     finally:
         try:
             worker.sender.flush()
             worker.stage.close()
         finally:
-            worker.io_done = True
+            worker.state.io_done = True
             worker.waker.idle = True
             worker.waker.wake()
             thread.join(timeout=5)

@@ -24,7 +24,10 @@ from omni_core.worker.host import CLIENT, WorkItem
 if TYPE_CHECKING:
     import threading
 
-    from omni_core.worker.process import Worker
+    from omni_core.dataplane.transport import Sender
+    from omni_core.stage import Stage
+    from omni_core.worker.state import WorkerState
+    from omni_core.worker.work_queue import WorkQueue
 
 log = logging.getLogger("omni.worker")
 
@@ -40,24 +43,37 @@ class _Active:
 
 
 class Scheduler:
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
-        self.host = worker.host
-        self.queue = worker.queue
-        self.spans: list[TraceSpan] = []  # shipped with the next heartbeat
-        self.marks: list[TraceMark] = []
+    def __init__(
+        self,
+        state: WorkerState,
+        queue: WorkQueue,
+        stage: Stage,
+        sender: Sender,
+        *,
+        max_inflight: int,
+        max_batch: int,
+        trace: bool,
+    ) -> None:
+        self.state = state
+        self.host = state.host
+        self.queue = queue
+        self.stage = stage
+        self.sender = sender  # to downstream stages and the caller
+        self.max_inflight = max_inflight  # generators run round-robin
+        self.max_batch = max_batch
+        self.trace = trace  # record spans and marks for `omni trace`
 
     def run(self) -> None:
-        w = self.w
+        w = self.state
         active: list[_Active] = []
         while True:
             if not active:
                 w.inflight = 0
-                w.sender.flush()  # nothing runs: send the tail now, not at the next tick
+                self.sender.flush()  # nothing runs: send the tail now, not at the next tick
             with w.work:
-                while len(active) < w.max_inflight:
+                while len(active) < self.max_inflight:
                     busy = {r for a in active for r in a.rids}
-                    batch = self.queue.take_batch(busy, w.max_batch)
+                    batch = self.queue.take_batch(busy, self.max_batch)
                     if batch:
                         active.append(self._start(batch))
                         w.inflight = len(active)
@@ -82,7 +98,7 @@ class Scheduler:
                 for a in active:
                     a.gen.close()
                 return
-            if len(active) == 1 and w.max_inflight == 1:
+            if len(active) == 1 and self.max_inflight == 1:
                 self._run_to_end(active.pop())
                 continue
             for a in list(active):  # round-robin one output per generator
@@ -90,17 +106,17 @@ class Scheduler:
                     active.remove(a)
 
     def _start(self, batch: list[WorkItem]) -> _Active:
-        self.w.step_started = time.monotonic()
+        self.state.step_started = time.monotonic()
         try:
-            gen = self.w.stage.process([item.inp for item in batch])
+            gen = self.stage.process([item.inp for item in batch])
         finally:
-            self.w.step_started = 0.0
+            self.state.step_started = 0.0
         rids = {item.inp.request_id for item in batch}
         cancels = [item.inp._cancelled for item in batch]
         return _Active(iter(gen), batch, rids, cancels, started=time.time())
 
     def _run_to_end(self, a: _Active) -> None:
-        w = self.w
+        w = self.state
         while self._step(a):
             if self.host.to_end:
                 with w.lock:
@@ -117,7 +133,7 @@ class Scheduler:
             a.gen.close()
             self._finish(a, failed=True)
             return False
-        w = self.w
+        w = self.state
         w.step_started = time.monotonic()
         try:
             out = next(a.gen)
@@ -175,28 +191,28 @@ class Scheduler:
             self._send_plain(plain)
 
     def _send_plain(self, evs: list[Segment]) -> None:
-        w = self.w
+        w = self.state
         with w.lock:
             out = self.host.emit_plain(evs)
             groups = self.host.by_destination(out) if out else {}
         if not out:
             return
-        if w.trace:
+        if self.trace:
             for m in out:
                 if type(m) is SegmentRun:
-                    self.marks.extend(
+                    w.marks.extend(
                         TraceMark(m.request_id, m.sequence + k, "segment", ts)
                         for k, ts in enumerate(m.ts)
                     )
                 else:
-                    self.marks.append(TraceMark(m.request_id, m.sequence, "segment", m.ts))
+                    w.marks.append(TraceMark(m.request_id, m.sequence, "segment", m.ts))
         events = sum(len(m) if type(m) is SegmentRun else 1 for m in out)
         for d, msgs in groups.items():
             n = events if msgs is out else sum(len(m) if type(m) is SegmentRun else 1 for m in msgs)
-            w.sender.put_many(d, msgs, n)
+            self.sender.put_many(d, msgs, n)
 
     def _handle(self, ev: StageEvent) -> None:
-        w, host = self.w, self.host
+        w, host = self.state, self.host
         st = host.requests.get(ev.request_id)
         if st is None or st.cancel.is_set():  # ended, cancelled or failed here
             return
@@ -210,23 +226,23 @@ class Scheduler:
             stamped, dests = host.emit(ev, handles)
             freed = host.forget(stamped.request_id) if error else None
         droppable = host.droppable(stamped)
-        if w.trace:
-            self.marks.append(
+        if self.trace:
+            w.marks.append(
                 TraceMark(stamped.request_id, stamped.sequence, stamped.event_type, stamped.ts)
             )
         for d in dests:
-            w.sender.put(d, stamped, droppable)
+            self.sender.put(d, stamped, droppable)
         if error:
             w.stats.errors += 1
             w.release(freed)
 
     def _fail_request(self, rid: str, message: str, code: str = "stage_error") -> None:
-        w = self.w
+        w = self.state
         with w.lock:
             ev = self.host.error(rid, message, code)
             freed = self.host.forget(rid)
             w.stats.errors += 1
-        w.sender.put(CLIENT, ev)
+        self.sender.put(CLIENT, ev)
         w.release(freed)
 
     def _fail_all(self, a: _Active, message: str, code: str = "stage_error") -> None:
@@ -236,12 +252,12 @@ class Scheduler:
         self._finish(a, failed=True)
 
     def _finish(self, a: _Active, failed: bool) -> None:
-        w = self.w
-        if w.trace:
+        w = self.state
+        if self.trace:
             first = a.items[0].inp
             index = first.windows and next(iter(first.windows.values())).index or 0
             rids = [item.inp.request_id for item in a.items]
-            self.spans.append(TraceSpan(rids, a.started, time.time(), a.outputs, index))
+            w.spans.append(TraceSpan(rids, a.started, time.time(), a.outputs, index))
         freed: list[ShmHandle] = []
         sends: list[tuple[Event, list[str]]] = []
         with w.lock:
@@ -254,5 +270,5 @@ class Scheduler:
             freed.extend(w.take_releasable())
         for ev, dests in sends:
             for d in dests:
-                w.sender.put(d, ev)
+                self.sender.put(d, ev)
         w.release(freed)

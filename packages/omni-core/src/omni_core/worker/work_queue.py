@@ -17,24 +17,43 @@ from omni_core.events import Ack, Completed, SegmentRun, ShmHandle, Submit
 from omni_core.worker.host import CLIENT, RequestFailed, WorkItem
 
 if TYPE_CHECKING:
-    from omni_core.worker.process import Worker
+    from collections.abc import Callable
+
+    import msgspec
+
+    from omni_core.dataplane.transport import Waker
+    from omni_core.worker.state import WorkerState
 
 
 class WorkQueue:
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
-        self.capacity = worker.capacity
+    """The ready work items (FIFO, at most ``capacity``) and the upstream messages not
+    yet taken in; ``state.lock`` guards both."""
+
+    def __init__(
+        self,
+        state: WorkerState,
+        capacity: int,
+        waker: Waker,
+        stage_name: str,
+        send_status: Callable[[msgspec.Struct], None],
+    ) -> None:
+        self.state = state
+        self.host = state.host
+        self.capacity = capacity
+        self.waker = waker  # wakes the I/O thread to take in again
+        self.stage_name = stage_name  # the stage an edge_end Ack names
+        self.send_status = send_status  # (I/O thread) to the orchestrator
         self.ready: deque[WorkItem] = deque()
         self.stash: deque[Any] = deque()  # decoded upstream messages not yet taken in
         self.idle_stage = False  # the stage thread waits for work (only then notify)
 
     def has_room(self) -> bool:
-        with self.w.lock:
-            return len(self.ready) < self.capacity and not self.w.stopping
+        with self.state.lock:
+            return len(self.ready) < self.capacity and not self.state.stopping
 
     def intake(self) -> None:
         """(I/O thread.) Turn stashed messages into work items while there is room."""
-        w, host, stash = self.w, self.w.host, self.stash
+        w, host, stash = self.state, self.host, self.stash
         now = time.monotonic()  # one clock read per intake: the items' queue entry
         with w.work:
             while stash and len(self.ready) < self.capacity:
@@ -53,12 +72,12 @@ class WorkQueue:
                         w.stats.received += 1
                         if type(msg) is Completed:
                             ack = Ack(
-                                stage=w.stage_name,
+                                stage=self.stage_name,
                                 kind="edge_end",
                                 request_id=msg.request_id,
                                 source=msg.stage,
                             )
-                            w.send_status(ack)
+                            self.send_status(ack)
                 except Exception as e:  # ends this request only; the I/O thread goes on
                     plain = isinstance(e, RequestFailed | UserInputError)
                     why = str(e) if plain else f"{type(e).__name__}: {e}"
@@ -78,13 +97,13 @@ class WorkQueue:
     def fail(self, rid: str, why: str, code: str = "stage_error") -> None:
         """(I/O thread, lock held.) End ``rid`` here: the caller gets an error (and then
         cancels the request everywhere)."""
-        host = self.w.host
+        host = self.host
         host.releasable.extend(host.forget(rid))
-        self.w.outbox.put(CLIENT, host.error(rid, why, code), block=False)
+        self.state.outbox.put(CLIENT, host.error(rid, why, code), block=False)
 
     def drop(self, rid: str) -> list[ShmHandle]:
         """(Lock held.) Forget a cancelled request: its queued items go; the slots freed."""
-        freed = self.w.host.forget(rid)
+        freed = self.host.forget(rid)
         kept = deque()
         for item in self.ready:
             if item.inp.request_id == rid:
@@ -93,7 +112,7 @@ class WorkQueue:
                 kept.append(item)
         self.ready = kept
         if self.idle_stage:  # the stage thread calls end_request
-            self.w.work.notify()
+            self.state.work.notify()
         return freed
 
     def take_batch(self, busy: set[str], max_batch: int) -> list[WorkItem]:
@@ -107,7 +126,7 @@ class WorkQueue:
             item = ready.popleft()
             rid = item.inp.request_id
             if item.inp.cancelled:
-                self.w.host.releasable.extend(item.release)
+                self.host.releasable.extend(item.release)
                 continue
             if rid in busy or rid in rids:  # keep a request's triggers in order
                 skipped.append(item)
@@ -115,7 +134,7 @@ class WorkQueue:
             batch.append(item)
             rids.add(rid)
         if batch:
-            stats, now = self.w.stats, time.monotonic()
+            stats, now = self.state.stats, time.monotonic()
             stats.dequeued += len(batch)
             for item in batch:
                 waited = now - item.queued_at
@@ -124,6 +143,6 @@ class WorkQueue:
                     stats.queued_max_s = waited
         if batch and (self.stash or len(ready) + len(batch) >= self.capacity):
             # the I/O thread stopped taking in while the queue was full: room again now
-            self.w.waker.kick()
+            self.waker.kick()
         ready.extendleft(reversed(skipped))
         return batch
