@@ -1,5 +1,5 @@
-"""The open requests of one pipeline: admission, deadlines, and what a stage's death
-does to them.
+"""The open requests of one pipeline: admission control (the ``max_queued_requests`` cap
+on open requests), deadlines, and what a stage's death does to them.
 
 Caller threads open and cancel requests; the orchestrator's I/O loop delivers events,
 expires deadlines and ends requests. Everything goes through :attr:`RequestTable.lock`,
@@ -35,17 +35,11 @@ class RequestTable:
         timeout_s: float | None,
         loop: asyncio.AbstractEventLoop | None,
     ) -> RequestHandle:
-        """Admit a request (or raise :class:`OverloadedError` past ``max_queued_requests``)."""
+        """Open a request once admitted (see :meth:`_admit`)."""
         if timeout_s is not None and not (0 < timeout_s < math.inf):
             raise ValueError(f"request {request_id}: timeout_s must be a positive finite number")
-        cap = self.cfg.max_queued_requests
         with self.lock:
-            n = len(self.collector.handles)
-            if cap is not None and n >= cap:
-                raise OverloadedError(
-                    f"{n} requests are open (max_queued_requests={cap}); retry later",
-                    retry_after_s=1.0,
-                )
+            self._admit()
             h = self.collector.open(request_id, loop)
             h.request = request
             if timeout_s is not None:
@@ -53,6 +47,17 @@ class RequestTable:
                 h.deadline_wall = time.time() + timeout_s
                 heapq.heappush(self.deadlines, (h.deadline, request_id))
         return h
+
+    def _admit(self) -> None:
+        """(Lock held.) Admission control of requests: raise :class:`OverloadedError`
+        while ``max_queued_requests`` are open."""
+        cap = self.cfg.max_queued_requests
+        n = len(self.collector.handles)
+        if cap is not None and n >= cap:
+            raise OverloadedError(
+                f"{n} requests are open (max_queued_requests={cap}); retry later",
+                retry_after_s=1.0,
+            )
 
     def cancel(self, request_id: str) -> str | None:
         """End a request as cancelled; its wire id (None: not open)."""
