@@ -121,8 +121,8 @@ def command_registry() -> Registry:
 
 @functools.cache
 def backend_registry() -> Registry:
-    """Execution backends besides ``local``: each entry point is a
-    :class:`~omni_core.control.launcher.Launcher` class taking the pipeline config."""
+    """Execution backends besides ``local``: each entry point is a factory taking the
+    pipeline config and returning a :class:`~omni_core.client.backend.Backend`."""
     return Registry(BACKENDS_GROUP, "backend")
 
 

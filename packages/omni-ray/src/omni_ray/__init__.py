@@ -1,4 +1,5 @@
-"""omni's ``ray`` backend (entry point ``ray`` of the ``omni.backends`` group)."""
+"""omni's ``ray`` backend (entry point ``ray`` of the ``omni.backends`` group:
+:func:`omni_ray.backend.make_backend`)."""
 
 from omni_ray.launcher import RayLauncher
 

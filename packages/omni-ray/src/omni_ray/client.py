@@ -13,7 +13,6 @@ If the actor or the connection to the cluster dies, every open request ends with
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
@@ -23,15 +22,17 @@ import uuid
 from typing import Any
 
 import numpy as np
+from omni_core.client.backend import Backend
 from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig, split_worker
 from omni_core.control.zygote import inherited_env
-from omni_core.dataplane.serial import ArrayCodec, _from_bytes, check_request, decode_event_frame
-from omni_core.errors import RuntimeFailedError, StageStartError
+from omni_core.dataplane.serial import ArrayCodec, array_from_flat, decode_event_frame
+from omni_core.errors import StageStartError
 from omni_core.events import InlineArray
 from omni_core.worker.host import CLIENT
 
 from omni_ray.control_actor import ControlActor, encode_config
+from omni_ray.segments import unlink_pipeline_segments
 
 log = logging.getLogger("omni.ray.client")
 POLL_S = 0.2  # how long one poll waits for an event when none is ready
@@ -46,7 +47,7 @@ def owned_array(handle: InlineArray, flat: np.ndarray) -> Any:
     read-only when Ray mapped them), copied when the caller could not write it."""
     if not flat.flags.writeable:
         flat = flat.copy()
-    return _from_bytes(flat, handle.dtype, handle.shape, handle.torch, owned=True)
+    return array_from_flat(flat, handle.dtype, handle.shape, handle.torch, owned=True)
 
 
 def why(e: BaseException) -> str:
@@ -62,12 +63,8 @@ def gone(e: BaseException) -> bool:
     return isinstance(e, (ray.exceptions.RayActorError, ConnectionError))
 
 
-def is_client_address(address: str | None) -> bool:
-    return bool(address) and address.startswith("ray://")  # type: ignore[union-attr]
-
-
-class RayClientBackend:
-    """The orchestrator's interface, served by a :class:`ControlActor` in the cluster."""
+class RayClientBackend(Backend):
+    """A :class:`Backend` served by a :class:`ControlActor` in the cluster."""
 
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
@@ -177,7 +174,7 @@ class RayClientBackend:
 
         try:
             refs = [
-                ray.remote(sweep_segments)
+                ray.remote(unlink_pipeline_segments)
                 .options(
                     num_cpus=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
@@ -202,29 +199,13 @@ class RayClientBackend:
             self.owns_ray = False
 
     # ------------------------------------------------------------------ requests
-    def submit(
-        self,
-        request: dict[str, Any],
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> RequestHandle:
-        if self.failure is not None:
-            raise RuntimeFailedError.of(self.failure)
-        if self.closing or self._pump is None:
-            raise RuntimeError("pipeline is not running")
-        rid = request_id or uuid.uuid4().hex
-        check_request(request, rid)
-        with self.lock:
-            h = self.collector.open(rid, loop)
-        try:
-            self._call(self.actor.submit, request, rid, timeout_s)
-        except BaseException:
-            with self.lock:
-                self.collector.handles.pop(rid, None)
-                self.collector.wire.pop(rid, None)
-            raise
-        return h
+    def running(self) -> bool:
+        return not self.closing and self._pump is not None
+
+    def send_request(
+        self, h: RequestHandle, request: dict[str, Any], timeout_s: float | None
+    ) -> None:
+        self._call(self.actor.submit, request, h.request_id, timeout_s)
 
     def cancel(self, request_id: str) -> bool:
         if request_id not in self.collector.handles or self.failure is not None:
@@ -267,7 +248,7 @@ class RayClientBackend:
             except Exception as e:
                 if gone(e):
                     self._fail(why(e), e)
-        return {**self._metrics, "in_flight": len(self.collector.handles)}
+        return {**self._metrics, "in_flight": self.open_requests()}
 
     def pids(self) -> dict[str, int]:
         raise RuntimeError("worker pids are not available over Ray Client (ray:// address)")
@@ -352,18 +333,3 @@ class RayClientBackend:
     def _fail_all(self, message: str, code: str) -> None:
         with self.lock:
             self.collector.fail_all(message, code)
-
-
-def sweep_segments(pipeline_id: str) -> list[str]:
-    """(A task on a node.) Unlink this node's segments of ``pipeline_id``; their names."""
-    import os
-
-    from omni_core.dataplane.shm import SHM_DIR, list_segments
-
-    gone = []
-    for name in list_segments():
-        if f"-{pipeline_id}-" in name:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, name))
-                gone.append(name)
-    return gone

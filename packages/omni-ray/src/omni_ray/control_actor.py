@@ -24,8 +24,12 @@ import msgspec
 from omni_core.client.collector import RequestHandle
 from omni_core.client.delivery import DONE, Inbox
 from omni_core.config import PipelineConfig
-from omni_core.dataplane.serial import _as_bytes_view, decode_json, encode_frame
+from omni_core.control.orchestrator import Orchestrator
+from omni_core.dataplane.serial import array_to_flat, decode_json, encode_frame
 from omni_core.events import InlineArray
+from omni_core.observability.logs import configure_logging
+
+from omni_ray.launcher import RayLauncher
 
 log = logging.getLogger("omni.ray.client")
 BATCH_BYTES = 64 << 20  # a poll returns at most about this much (one larger event alone)
@@ -93,7 +97,7 @@ class ForwardInbox(Inbox):
                 item = self.items.popleft()
                 handles, flats = {}, {}
                 for key, value in (item.__dict__.pop("arrays", None) or {}).items():
-                    flats[key], dtype, shape, torch_ = _as_bytes_view(value)
+                    flats[key], dtype, shape, torch_ = array_to_flat(value)
                     handles[key] = InlineArray(b"", dtype, shape, torch_)
                     size += flats[key].nbytes
                 item.device_handles = handles
@@ -107,11 +111,6 @@ class ControlActor:
     """Run as a Ray actor (threaded: :meth:`poll` waits while calls go on) on the head node."""
 
     def __init__(self, cfg_json: bytes) -> None:
-        from omni_core.control.orchestrator import Orchestrator
-        from omni_core.observability.logs import configure_logging
-
-        from omni_ray.launcher import RayLauncher
-
         configure_logging()
         self.cfg = decode_json(cfg_json, PipelineConfig)
         self.queue = EventQueue()

@@ -177,6 +177,7 @@ class NodeGateway:
             "auth_failures": self.auth_failures,  # handshakes refused on the channels
             "refused": refused,  # messages over channels that touched what is not theirs
             "objects_held": len(self.held),
+            "objects_held_for": self.held.by_reader(),
             "objects_put": puts,  # from slots (producers put theirs themselves)
             "channel_frames": self.channel_frames,
             "objects_released": self.held.released,

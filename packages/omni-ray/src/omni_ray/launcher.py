@@ -2,7 +2,8 @@
 
 The orchestrator (the same control plane as on the local backend) runs in the caller's
 process, which must be on a node of the cluster (the head, usually), or, for a Ray Client
-address (``ray://``), in an actor on the head node (:mod:`omni_ray.client`). The launcher joins
+address (``ray://``), in an actor on the head node (:mod:`omni_ray.client`;
+:mod:`omni_ray.backend` chooses). The launcher joins
 the cluster, puts a :class:`~omni_ray.gateway.NodeGateway` on every node (on nodes that
 join later too), starts one :class:`~omni_ray.stage_actor.StageActor` per worker (a
 stage's, or each replica's, ``STAGE#i``, of a stage with ``replicas``) with its stage's
@@ -26,13 +27,14 @@ from omni_core.config import PipelineConfig, split_worker
 from omni_core.control.launcher import Launcher, WorkerHandle
 from omni_core.control.zygote import inherited_env
 from omni_core.dataplane.serial import encode_json
-from omni_core.dataplane.shm import SHM_DIR, list_segments
+from omni_core.dataplane.shm import SHM_DIR
 from omni_core.worker import WorkerSpec
 
 from omni_ray.channel_auth import ChannelKeys, curve_available
 from omni_ray.gateway import NodeGateway
 from omni_ray.objects import install_reader, uninstall_reader
 from omni_ray.routes import gateway_name
+from omni_ray.segments import unlink_pipeline_segments
 from omni_ray.stage_actor import StageActor
 
 log = logging.getLogger("omni.ray")
@@ -110,14 +112,6 @@ class RayWorker(WorkerHandle):
 class RayLauncher(Launcher):
     """Starts each worker as a :class:`~omni_ray.stage_actor.StageActor` where its stage's
     ``placement`` lets Ray put it, with a gateway on every node (see the module)."""
-
-    @classmethod
-    def remote_backend(cls, cfg: PipelineConfig) -> Any:
-        """For a Ray Client address (``ray://``) the control plane runs in the cluster
-        (:mod:`omni_ray.client`); else None: the orchestrator runs here over this launcher."""
-        from omni_ray.client import RayClientBackend, is_client_address
-
-        return RayClientBackend(cfg) if is_client_address(cfg.backend.address) else None
 
     def __init__(self, cfg: PipelineConfig) -> None:
         import ray
@@ -358,10 +352,7 @@ class RayLauncher(Launcher):
             with contextlib.suppress(Exception):
                 ray.kill(gw, no_restart=True)
         # segments of gateways that died with their node, if that node was this host
-        for name in list_segments():
-            if f"-{self.pipeline_id}-" in name:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(SHM_DIR, name))
+        unlink_pipeline_segments(self.pipeline_id)
         self._shutdown_ray()
 
     def _shutdown_ray(self) -> None:

@@ -143,6 +143,15 @@ class HeldObjects:
         with self.lock:
             return len(self.refs)
 
+    def by_reader(self) -> dict[str, int]:
+        """How many objects are held for each reader (one held for two counts twice)."""
+        with self.lock:
+            counts: dict[str, int] = {}
+            for readers in self.readers.values():
+                for r in readers:
+                    counts[r] = counts.get(r, 0) + 1
+            return counts
+
 
 def take_releases(frame: bytes, held: HeldObjects) -> bytes | None:
     """A control frame on its way to a producer, less the releases of objects (they end

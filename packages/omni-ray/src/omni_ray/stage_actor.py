@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 import msgspec
-from omni_core.control.launcher import worker_devices
 from omni_core.worker import WorkerSpec
+from omni_core.worker.devices import worker_devices
 
 from omni_ray.objects import install_reader, install_writer
 from omni_ray.routes import gateway_name
@@ -49,7 +49,7 @@ class StageActor:
         self.spec.arena = ray.get(gw.create_segment.remote(worker, pool_bytes))
         # `devices` (the replica's entry) keeps its meaning inside the node: an index into
         # the GPUs Ray gave this actor
-        devices = worker_devices(self.spec.config, worker, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        devices = worker_devices(self.spec.config, worker)
         if devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before the stage imports torch
         self.spec.devices = devices

@@ -281,6 +281,12 @@ class Collector:
         self.handles.pop(h.request_id, None)
         self.wire.pop(h.wire_id, None)
 
+    def forget(self, h: RequestHandle) -> None:
+        """Drop a request that was never sent: it ends with no event and counts nowhere."""
+        self.unbind(h)
+        self.handles.pop(h.request_id, None)
+        self.wire.pop(h.wire_id, None)
+
     def take_orphans(self) -> list[str]:
         orphans, self.orphans = self.orphans, []
         return orphans

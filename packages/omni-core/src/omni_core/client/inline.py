@@ -8,23 +8,24 @@ outputs with and without worker processes.
 
 from __future__ import annotations
 
-import asyncio
+import threading
 import time
-import uuid
 from collections import deque
 from typing import Any
 
 import msgspec
 
+from omni_core.client.backend import Backend
 from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
 from omni_core.dataplane.serial import ArrayCodec, decode_event_frame, encode_frame
 from omni_core.events import Cancelled, Event, Submit
 from omni_core.registry import load_stage_class
+from omni_core.worker.devices import worker_devices
 from omni_core.worker.host import CLIENT, StageHost, WorkItem, stage_context
 
 
-class InlineRunner:
+class InlineRunner(Backend):
     def __init__(self, cfg: PipelineConfig) -> None:
         # every stage once, in this process: replicas are a matter of worker processes
         one = [msgspec.structs.replace(s, replicas=1) for s in cfg.stages]
@@ -34,31 +35,28 @@ class InlineRunner:
         self.collector = Collector(
             cfg.sinks(), cfg.client_streams(), ArrayCodec(CLIENT), cfg.preview_streams()
         )
+        self.lock = threading.Lock()
+        self.started = False
 
     def start(self) -> None:
         for name in self.order:
             st = self.cfg.stage(name)
             cls = load_stage_class(st.kind)
-            # devices: cpu keeps a stage on the CPU here too; a GPU list means this
-            # process's first GPU (one process cannot give each stage its own view)
-            d = self.cfg.worker_devices(name, 0)  # one replica in-process
-            devices = "" if d == "cpu" else None if d is None else "0"
+            devices = worker_devices(self.cfg, name, in_process=True)
             stage = cls(stage_context(self.cfg, name, devices))
             stage.load()
             codec = ArrayCodec(name, threshold=self.cfg.shm_threshold_bytes)
             self.hosts[name] = StageHost(self.cfg, name, stage, codec)
+        self.started = True
 
-    def submit(
-        self,
-        request: dict[str, Any],
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> RequestHandle:
+    def running(self) -> bool:
+        return self.started
+
+    def send_request(
+        self, h: RequestHandle, request: dict[str, Any], timeout_s: float | None
+    ) -> None:
         """Run the request to its end now; the handle then replays its events."""
-        rid = request_id or uuid.uuid4().hex
-        h = self.collector.open(rid, loop)
-        timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
+        rid = h.request_id
         deadline = time.monotonic() + timeout_s if timeout_s is not None else None
         work: deque[tuple[str, WorkItem]] = deque()
         msg = Submit(request_id=rid, request=request)
@@ -98,7 +96,6 @@ class InlineRunner:
         for host in self.hosts.values():
             host.forget(rid)
             host.end_requests(host.take_ended())
-        return h
 
     def cancel(self, request_id: str) -> bool:
         return False  # requests have already run to their end when submit returns
@@ -115,6 +112,7 @@ class InlineRunner:
         }
 
     def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
+        self.started = False
         for host in self.hosts.values():
             host.stage.close()
         self.collector.fail_all("pipeline closed before the request finished")

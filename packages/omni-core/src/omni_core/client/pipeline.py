@@ -17,49 +17,36 @@ import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
+from omni_core.client.backend import Backend
 from omni_core.client.collector import RequestHandle, RequestOutput, collect
 from omni_core.client.inline import InlineRunner
 from omni_core.config import PipelineConfig, load_config, parse_config
-from omni_core.control.launcher import Launcher, ProcessLauncher
+from omni_core.control.launcher import ProcessLauncher
 from omni_core.control.orchestrator import Orchestrator
 from omni_core.control.supervisor import stage_health
 from omni_core.events import AnyEvent
 from omni_core.registry import RegistryError, backend_registry
 
 
-def make_launcher(cfg: PipelineConfig) -> Launcher:
-    """The launcher of ``cfg.backend.kind``: ``local``, or one from ``omni.backends``."""
+def make_backend(cfg: PipelineConfig) -> Backend:
+    """What runs the pipeline: the in-process runner (``mrs.enabled: false``), the
+    orchestrator over local processes (backend ``local``), or what the factory registered
+    under ``omni.backends`` for ``cfg.backend.kind`` makes for the config (a callable
+    taking the config and returning a :class:`Backend`)."""
+    if not cfg.mrs.enabled:
+        return InlineRunner(cfg)
     if cfg.backend.kind == "local":
-        return ProcessLauncher(cfg)
-    return _backend_class(cfg.backend.kind)(cfg)
-
-
-def _backend_class(kind: str) -> Any:
+        return Orchestrator(cfg, ProcessLauncher(cfg))
+    kind = cfg.backend.kind
     try:
-        return backend_registry().load(kind)
+        factory = backend_registry().load(kind)
     except RegistryError as e:
         hint = " (install omni-ray: pip install packages/omni-ray)" if kind == "ray" else ""
         raise RegistryError(f"backend {kind!r}: {e}{hint}") from None
-
-
-def make_backend(cfg: PipelineConfig) -> Any:
-    """What runs the pipeline: the in-process runner, the orchestrator over the config's
-    launcher, or, when the backend's class asks to host the control plane elsewhere for
-    this config (a classmethod ``remote_backend(cfg)`` returning an object, not None),
-    that object.
-
-    Such an object stands in for the :class:`Orchestrator` before the caller: ``start``,
-    ``submit`` (with ``loop=``), ``cancel``, ``health``, ``failure``, ``metrics``,
-    ``close(graceful, timeout_s)`` and ``collector.handles`` (the open requests).
-    """
-    if not cfg.mrs.enabled:
-        return InlineRunner(cfg)
-    if cfg.backend.kind != "local":
-        hook = getattr(_backend_class(cfg.backend.kind), "remote_backend", None)
-        remote = hook(cfg) if hook is not None else None
-        if remote is not None:
-            return remote
-    return Orchestrator(cfg, make_launcher(cfg))
+    backend = factory(cfg)
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend {kind!r} made a {type(backend).__name__}, not a Backend")
+    return backend
 
 
 class Pipeline:
@@ -89,7 +76,7 @@ class Pipeline:
             cfg = load_config(config)
         cfg = cfg.with_backend(backend, address)
         self.config = cfg
-        self.backend: Orchestrator | InlineRunner | Any = make_backend(cfg)
+        self.backend = make_backend(cfg)
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -112,7 +99,7 @@ class Pipeline:
             return
         if drain:
             end = time.monotonic() + timeout_s
-            while self.backend.collector.handles and time.monotonic() < end:
+            while self.backend.open_requests() and time.monotonic() < end:
                 time.sleep(0.01)
         self.backend.close(graceful=True, timeout_s=timeout_s)
         self._started = False
@@ -183,14 +170,13 @@ class Pipeline:
         spawn), the zygote's ``state`` (preloading | ready | restarting | failed | off),
         ``pid``, ``restarts``, ``preload_s``, ``preloaded`` modules, a ``note`` on what
         happened to it, and the stages always spawned with why. None on other backends."""
-        describe = getattr(self.backend, "zygote", None)
-        return describe() if describe is not None else None
+        return self.backend.zygote()
 
     @property
     def failure(self) -> dict[str, str] | None:
         """Set once the runtime itself failed for good: ``{"part", "error"}``; every
         request then fails with ``runtime_failed`` until the pipeline is started anew."""
-        return getattr(self.backend, "failure", None)
+        return self.backend.failure
 
     @property
     def healthy(self) -> bool:
@@ -212,16 +198,7 @@ class Pipeline:
         """
         if not self.config.trace:
             raise RuntimeError("tracing is off: set `trace: true` in the pipeline config")
-        if not isinstance(self.backend, Orchestrator):
-            raise RuntimeError(
-                "traces are recorded by an orchestrator in this process (mrs.enabled: true, "
-                f"not {type(self.backend).__name__})"
-            )
-        log = self.backend.trace
-        client = self.backend.collector.trace or []
-        log.add("client", [], client)
-        self.backend.collector.trace = []
-        return log.chrome(self.backend.pids())
+        return self.backend.chrome_trace()
 
 
 # Pipelines still open when the interpreter exits (or the caller gets SIGTERM) are closed,

@@ -3,8 +3,9 @@
 The orchestrator's control plane (ready handshake, death, restarts, deadlines, cancel) is
 the same on every backend; a launcher supplies the part that differs: where a worker runs
 and how its end is noticed. :class:`ProcessLauncher` (the ``local`` backend) starts one OS
-process per stage on this machine; other backends register a launcher class under the
-``omni.backends`` entry-point group (the Ray backend lives in the ``omni-ray`` distribution).
+process per stage on this machine; a backend registered under the ``omni.backends``
+entry-point group (the Ray backend, in the ``omni-ray`` distribution) runs the orchestrator
+over a launcher of its own.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from omni_core.dataplane.shm import SegmentOwner
 from omni_core.dataplane.transport import make_socket_dir, remove_socket_dir
 from omni_core.registry import load_stage_class
 from omni_core.worker import WorkerSpec
-from omni_core.worker.devices import resolve_devices
+from omni_core.worker.devices import worker_devices
 
 log = logging.getLogger("omni.launcher")
 start_log = logging.getLogger("omni.start")  # a line per step of a start (`omni run` shows them)
@@ -71,15 +72,6 @@ def exit_reason(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def worker_devices(cfg: PipelineConfig, worker: str, parent: str | None = None) -> str | None:
-    """The ``CUDA_VISIBLE_DEVICES`` of ``worker`` (its replica's ``devices`` entry resolved
-    against ``parent``, this process's own list by default); None: inherit."""
-    stage, index = split_worker(worker)
-    if parent is None:
-        parent = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return resolve_devices(cfg.worker_devices(stage, index), parent)
 
 
 class WorkerHandle(ABC):

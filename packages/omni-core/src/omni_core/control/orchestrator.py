@@ -21,12 +21,12 @@ import logging
 import threading
 import time
 import traceback
-import uuid
 from typing import Any
 
 import msgspec
 import zmq
 
+from omni_core.client.backend import Backend
 from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig, replica_name
 from omni_core.control.launcher import Launcher, ProcessLauncher, WorkerHandle, report
@@ -36,7 +36,6 @@ from omni_core.control.supervisor import StageProc, Supervisor
 from omni_core.dataplane.poll_loop import PollLoop
 from omni_core.dataplane.serial import (
     ArrayCodec,
-    check_request,
     decode_event_frame,
     decode_status_frame,
     releases,
@@ -44,7 +43,7 @@ from omni_core.dataplane.serial import (
 )
 from omni_core.dataplane.shm import SegmentReader
 from omni_core.dataplane.transport import Addresses, Outbox, Waker, pull_socket, push_socket
-from omni_core.errors import RuntimeFailedError, StageDeadError, StageStartError
+from omni_core.errors import StageDeadError, StageStartError
 from omni_core.events import (
     Ack,
     Cancel,
@@ -292,7 +291,7 @@ class ControlLoop(PollLoop):
                 self.outbox.put(f"ctl:{name}", msg, block=False)
 
 
-class Orchestrator:
+class Orchestrator(Backend):
     def __init__(self, cfg: PipelineConfig, launcher: Launcher | None = None) -> None:
         self.cfg = cfg
         self.sources = cfg.sources()
@@ -307,6 +306,7 @@ class Orchestrator:
         if cfg.trace:
             self.collector.trace = []
         self.requests = RequestTable(cfg, self.collector)
+        self.lock = self.requests.lock
         self.router = Router(cfg, self.supervisor, self.collector)
         self.autoscaler = Autoscaler(cfg, self.supervisor, self.collector)
         self.waker = Waker()
@@ -435,17 +435,12 @@ class Orchestrator:
         )
 
     # ------------------------------------------------------------------ API
-    def submit(
-        self,
-        request: dict[str, Any],
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> RequestHandle:
-        if self.failure is not None:
-            raise RuntimeFailedError.of(self.failure)
-        if self.closing or self._thread is None:
-            raise RuntimeError("pipeline is not running")
+    def running(self) -> bool:
+        return not self.closing and self._thread is not None
+
+    def check_serving(self) -> None:
+        """Also raise :class:`StageDeadError` when a stage has no live worker left."""
+        super().check_serving()
         live = {p.stage for p in self.procs.values() if p.state != "dead"}
         dead = [p for p in self.procs.values() if p.state == "dead" and p.stage not in live]
         if dead:
@@ -454,15 +449,26 @@ class Orchestrator:
                 f"stage {p.stage!r} is dead ({p.exit_reason}, after {p.restarts} restarts); "
                 "the pipeline cannot serve requests"
             )
-        rid = request_id or uuid.uuid4().hex
-        timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
-        check_request(request, rid)
-        with self.requests.lock:  # the binding sees every earlier request's
+
+    def open_request(
+        self,
+        request_id: str,
+        request: dict[str, Any],
+        timeout_s: float | None,
+        loop: asyncio.AbstractEventLoop | None,
+    ) -> RequestHandle:
+        """Admitted by the request table and bound to replicas (under its lock: the
+        binding sees every earlier request's)."""
+        with self.requests.lock:
             routes = self.router.bind()
-            h = self.requests.open(rid, request, timeout_s, loop)
+            h = self.requests.open(request_id, request, timeout_s, loop)
             self.collector.bind(h, routes)
-        self.send_submit(rid, request, h.deadline_wall, routes)
         return h
+
+    def send_request(
+        self, h: RequestHandle, request: dict[str, Any], timeout_s: float | None
+    ) -> None:
+        self.send_submit(h.wire_id, request, h.deadline_wall, h.routes)
 
     def resubmit(self, h: RequestHandle) -> None:
         """A new attempt of a request (its idempotent stage died), bound anew: the
@@ -540,6 +546,12 @@ class Orchestrator:
 
     def pids(self) -> dict[str, int]:
         return {n: p.worker.pid for n, p in self.procs.items()}
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The workers' spans and marks so far, with the caller's arrivals."""
+        self.trace.add("client", [], self.collector.trace or [])
+        self.collector.trace = []
+        return self.trace.chrome(self.pids())
 
     # ------------------------------------------------------------------ stop
     def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:

@@ -186,7 +186,7 @@ def _is_torch(value: Any) -> bool:
     return mod.startswith("torch") and "torch" in sys.modules
 
 
-def _as_bytes_view(value: Any) -> tuple[np.ndarray, str, tuple[int, ...], bool]:
+def array_to_flat(value: Any) -> tuple[np.ndarray, str, tuple[int, ...], bool]:
     """(flat uint8 view, dtype string, shape, is_torch) of an array-like payload."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         flat = np.frombuffer(value, dtype=np.uint8)
@@ -212,7 +212,7 @@ def _as_bytes_view(value: Any) -> tuple[np.ndarray, str, tuple[int, ...], bool]:
     )
 
 
-def _from_bytes(
+def array_from_flat(
     raw: np.ndarray, dtype: str, shape: tuple[int, ...], torch_: bool, owned: bool
 ) -> Any:
     """Rebuild an array over ``raw`` (a flat uint8 array) without copying, except that a
@@ -270,7 +270,7 @@ class ArrayCodec:
         writer = EXTERNAL_WRITERS.get(self.producer)
         try:
             for key, value in arrays.items():
-                flat, dtype, shape, torch_ = _as_bytes_view(value)
+                flat, dtype, shape, torch_ = array_to_flat(value)
                 n = flat.size
                 if self.arena is None or n < self.threshold:
                     handles[key] = InlineArray(flat.tobytes(), dtype, shape, torch_)
@@ -315,7 +315,7 @@ class ArrayCodec:
                 elif raw.flags.writeable:  # fan-out peers share the slot
                     raw.flags.writeable = False
                 shm.append(h)
-            arrays[key] = _from_bytes(raw, h.dtype, h.shape, h.torch, copy)
+            arrays[key] = array_from_flat(raw, h.dtype, h.shape, h.torch, copy)
         return arrays, shm
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from omni_core.config import PipelineConfig, split_worker
+
 
 def resolve_devices(devices: str | int | None, parent_visible: str | None) -> str | None:
     """The ``CUDA_VISIBLE_DEVICES`` value for a worker, or None to inherit the parent's.
@@ -31,6 +33,25 @@ def resolve_devices(devices: str | int | None, parent_visible: str | None) -> st
             return visible[devices]
         return str(devices)
     return ",".join(d.strip() for d in devices.split(","))
+
+
+def worker_devices(
+    cfg: PipelineConfig, worker: str, parent: str | None = None, in_process: bool = False
+) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` of ``worker`` (a stage's name, or ``STAGE#i``): its
+    replica's ``devices`` entry resolved against ``parent``, this process's own list by
+    default (see :func:`resolve_devices`); None: inherit.
+
+    ``in_process`` (a stage run in the caller's process, which cannot give each stage its
+    own view): ``devices: cpu`` is still the CPU (``""``), any GPU list this process's
+    first GPU (``"0"``)."""
+    stage, index = split_worker(worker)
+    devices = cfg.worker_devices(stage, index)
+    if in_process:
+        return "" if devices == "cpu" else None if devices is None else "0"
+    if parent is None:
+        parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return resolve_devices(devices, parent)
 
 
 class DeviceError(RuntimeError):
