@@ -130,8 +130,6 @@ def text_server(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> It
     server = start_server(
         chained("tiny_chat", ar_stages(tiny_llama)),
         tmp_path_factory.mktemp("text-server"),
-        "--max-tokens",
-        "256",
     )
     yield server
     stop_server(server)

@@ -28,8 +28,8 @@ class FakePipe:
     (events) or raises ``refuse``; ``requests``: what it was given."""
 
     def __init__(self, request_timeout_s: float | None = None, intake: str = "ar.intake") -> None:
-        stages = [SimpleNamespace(name="intake", kind=intake)]
-        stages.append(SimpleNamespace(name="decode", kind="ar.decode"))
+        stages = [SimpleNamespace(name="intake", kind=intake, options={"model": "m"})]
+        stages.append(SimpleNamespace(name="decode", kind="ar.decode", options={"model": "m"}))
         self.config = SimpleNamespace(
             name="fake", stages=stages, request_timeout_s=request_timeout_s
         )
@@ -449,3 +449,36 @@ def test_body_limit_fits_images_and_names_itself(pipe):
     assert r.status_code == 413
     err = r.json()["error"]
     assert err["code"] == "body_too_large" and "1000 bytes (--max-body-bytes)" in err["message"]
+
+
+def test_max_tokens_over_the_stages_limit_is_refused_before_the_pipeline(pipe):
+    """The limit is the stages' ``max_tokens_limit`` (the smallest declared), checked by
+    the server: the request never reaches the pipeline."""
+    pipe.config.stages[1].options["max_tokens_limit"] = 8
+    client = client_of(pipe)
+    r = post(client, max_tokens=9)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "limit of 8 (option max_tokens_limit of stage 'decode')" in r.text
+    assert pipe.requests == []
+    assert post(client, max_tokens=8).status_code == 200
+    assert pipe.requests[-1]["max_tokens"] == 8
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_finish_reason_is_the_stages(pipe, stream):
+    def ended(reason: str | None) -> Script:
+        payload = {"text": "hi"} if reason is None else {"text": "hi", "finish_reason": reason}
+        return lambda rid: [
+            Segment(request_id=rid, stage="decode", tokens=[1], payload=payload, is_last=True)
+        ]
+
+    client = client_of(pipe)
+    for reason, expected in (("length", "length"), ("stop", "stop"), (None, "stop")):
+        pipe.script = ended(reason)
+        r = post(client, stream, max_tokens=1)
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(x[6:]) for x in r.text.split("\n") if x.startswith("data: {")]
+            assert chunks[-1]["choices"][0]["finish_reason"] == expected
+        else:
+            assert r.json()["choices"][0]["finish_reason"] == expected

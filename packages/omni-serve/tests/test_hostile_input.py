@@ -25,12 +25,14 @@ HEX_ID = re.compile(r"[0-9a-f]{32}")
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    """intake -> a 2 s stage; requests capped at 0.5 s and 8 tokens; one extra Host name
-    and one CORS origin."""
+    """intake (at most 8 tokens) -> a 2 s stage; requests capped at 0.5 s; one extra Host
+    name and one CORS origin."""
+    config = intake_then("hostile", tiny_llama, slow(2.0))
+    config["stages"][0]["options"].update(max_tokens_limit=8, default_max_tokens=8)
     s = start_server(
-        intake_then("hostile", tiny_llama, slow(2.0)),
+        config,
         tmp_path_factory.mktemp("hostile"),
-        *("--request-timeout", "0.5", "--max-tokens", "8"),
+        *("--request-timeout", "0.5"),
         *("--allowed-host", "api.test", "--cors-origin", "https://app.test"),
     )
     yield s
@@ -125,15 +127,17 @@ def test_image_sizes_in_other_digits(image_server):
     assert_bad_field(r, "seed")  # seed + 1 would not fit
 
 
-def test_the_servers_max_tokens_cap_below_the_stages(server):
-    """``--max-tokens 8`` while the intake stage takes up to 4096: 9 is refused by the
-    server itself (without its cap the request would reach the pipeline)."""
+def test_the_stages_max_tokens_limit_checked_by_the_server(server):
+    """The intake's ``max_tokens_limit: 8``: 9 is refused by the server itself, before the
+    pipeline (whose slow stage would hold it past the 0.5 s cap)."""
     url = f"{server.url}/v1/completions"
-    err = assert_bad_field(httpx.post(url, json={"prompt": "x", "max_tokens": 9}), "max_tokens")
-    assert "over this server's limit of 8" in err["message"]
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 9}, timeout=30)
+    err = assert_bad_field(r, "max_tokens")
+    limit = "over this pipeline's limit of 8 (option max_tokens_limit of stage 'intake')"
+    assert limit in err["message"]
     body = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
-    assert "over this server's limit of 8" in assert_bad_field(r, "max_tokens")["message"]
+    assert limit in assert_bad_field(r, "max_tokens")["message"]
     # 8 passes the server and reaches the pipeline (which then runs past the 0.5 s cap)
     r = httpx.post(url, json={"prompt": "x", "max_tokens": 8}, timeout=30)
     assert r.status_code == 504, r.text
@@ -293,7 +297,6 @@ def test_an_empty_api_key_is_a_startup_error(tmp_path, monkeypatch):
         ["--request-timeout", "-1"],
         ["--request-timeout", "1e9"],
         ["--max-queued-requests", "0"],
-        ["--max-tokens", "0"],
     ],
 )
 def test_bad_flags_are_refused(tmp_path, args):

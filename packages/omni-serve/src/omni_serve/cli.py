@@ -178,9 +178,6 @@ def parser() -> argparse.ArgumentParser:
         "(default: 10485760 = 10 MiB)",
     )
     p.add_argument(
-        "--max-tokens", type=positive_int, default=4096, help="limit of a request's max_tokens"
-    )
-    p.add_argument(
         "--max-image-pixels",
         type=positive_int,
         default=1024 * 1024,
@@ -282,7 +279,6 @@ def settings_of(
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         max_body_bytes_in_flight=args.max_body_bytes_in_flight,
-        max_tokens=args.max_tokens,
         max_image_pixels=args.max_image_pixels,
         max_chat_image_pixels=args.max_chat_image_pixels,
         max_images=args.max_images,

@@ -24,6 +24,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from omni_serve.body import INT_MAX, INT_MIN
 from omni_serve.errors import APIError, bad_field
+from omni_serve.limits import TokenLimit, check_max_tokens
 from omni_serve.settings import MAX_TIMEOUT_S
 
 # every integer a stage gets fits in 64 bits (a float such as 1e30 is refused too)
@@ -233,7 +234,7 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out or "body"
 
 
-def _sampling(req: _TextBody, max_tokens: int | None, limit: int) -> dict[str, Any]:
+def _sampling(req: _TextBody, max_tokens: int | None, limit: TokenLimit | None) -> dict[str, Any]:
     if req.n != 1:
         raise bad_field("n", "only n=1 is supported for text")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -241,8 +242,7 @@ def _sampling(req: _TextBody, max_tokens: int | None, limit: int) -> dict[str, A
             raise bad_field(name, "not supported (only 0)")
     out: dict[str, Any] = {}
     if max_tokens is not None:
-        if max_tokens > limit:
-            raise bad_field("max_tokens", f"{max_tokens} is over this server's limit of {limit}")
+        check_max_tokens(max_tokens, limit)
         out["max_tokens"] = max_tokens
     for name in ("temperature", "top_p", "seed", "ignore_eos"):
         value = getattr(req, name)
@@ -290,9 +290,10 @@ def _image(where: str, part: ImagePart, role: str, images: bool, remote: bool) -
 
 
 def chat_request(
-    req: ChatRequest, max_tokens_limit: int, images: bool = False, remote: bool = False
+    req: ChatRequest, limit: TokenLimit | None, images: bool = False, remote: bool = False
 ) -> dict[str, Any]:
-    """The pipeline request of a chat completion; ``images``: the pipeline reads image
+    """The pipeline request of a chat completion; ``limit``: the pipeline's largest
+    ``max_tokens`` (None: unknown, the pipeline checks it); ``images``: the pipeline reads image
     parts; ``remote``: http(s) image URLs are allowed (:func:`omni_serve.media.fetch_remote`
     inlines them before the request is submitted)."""
     if req.top_logprobs is not None and not req.logprobs:
@@ -314,7 +315,7 @@ def chat_request(
             ]
         messages.append({"role": role, "content": content})
     out: dict[str, Any] = {"messages": messages}
-    out.update(_sampling(req, req.max_completion_tokens or req.max_tokens, max_tokens_limit))
+    out.update(_sampling(req, req.max_completion_tokens or req.max_tokens, limit))
     if req.logprobs:
         out["logprobs"] = True
         if req.top_logprobs:
@@ -322,8 +323,8 @@ def chat_request(
     return out
 
 
-def completion_request(req: CompletionRequest, max_tokens_limit: int) -> dict[str, Any]:
-    """The pipeline request of a (legacy) completion."""
+def completion_request(req: CompletionRequest, limit: TokenLimit | None) -> dict[str, Any]:
+    """The pipeline request of a (legacy) completion; ``limit`` as :func:`chat_request`'s."""
     prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
@@ -334,7 +335,7 @@ def completion_request(req: CompletionRequest, max_tokens_limit: int) -> dict[st
     if req.suffix:
         raise bad_field("suffix", "not supported")
     out: dict[str, Any] = {"prompt": prompt}
-    out.update(_sampling(req, req.max_tokens, max_tokens_limit))
+    out.update(_sampling(req, req.max_tokens, limit))
     if req.logprobs is not None:  # 0: the chosen tokens' logprobs; N: and the top N
         out["logprobs"] = True
         if req.logprobs:
@@ -343,10 +344,11 @@ def completion_request(req: CompletionRequest, max_tokens_limit: int) -> dict[st
 
 
 def image_requests(
-    req: ImageRequest, max_pixels: int, max_images: int, max_tokens_limit: int
+    req: ImageRequest, max_pixels: int, max_images: int, limit: TokenLimit | None
 ) -> list[dict[str, Any]]:
     """One pipeline request per image asked for (``n``); with ``n > 1`` image ``i`` gets
-    seed ``seed + i`` (``seed`` defaults to 0), so the images differ and are reproducible."""
+    seed ``seed + i`` (``seed`` defaults to 0), so the images differ and are reproducible;
+    ``limit``: the largest ``max_tokens`` of a mixed pipeline's AR stages."""
     if not 1 <= req.n <= max_images:
         raise bad_field("n", f"expected 1..{max_images}, got {req.n}")
     if req.response_format == "url":
@@ -376,6 +378,8 @@ def image_requests(
         image["preview_every"] = 0
     if req.seed is not None and req.seed + req.n - 1 > INT_MAX:
         raise bad_field("seed", f"seed + n - 1 must fit in 64 bits (at most {INT_MAX})")
+    if req.max_tokens is not None:
+        check_max_tokens(req.max_tokens, limit)
     out = []
     for i in range(req.n):
         one = dict(image)
@@ -383,11 +387,6 @@ def image_requests(
             one["seed"] = (req.seed or 0) + i
         request: dict[str, Any] = {"prompt": req.prompt, "image": one}
         if req.max_tokens is not None:
-            if req.max_tokens > max_tokens_limit:
-                raise bad_field(
-                    "max_tokens",
-                    f"{req.max_tokens} is over this server's limit of {max_tokens_limit}",
-                )
             request["max_tokens"] = req.max_tokens
         out.append(request)
     return out

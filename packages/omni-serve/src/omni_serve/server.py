@@ -14,6 +14,7 @@ from omni_core import Pipeline
 
 from omni_serve.body import BodyBudget
 from omni_serve.errors import APIError
+from omni_serve.limits import TokenLimit, token_limit
 from omni_serve.metrics import ServerMetrics
 from omni_serve.settings import ServeSettings
 
@@ -42,6 +43,8 @@ class Server:
     metrics: ServerMetrics = field(init=False)
     served: list[str] = field(init=False)
     images: bool = field(init=False)  # chat requests may carry images
+    # the largest max_tokens, as the pipeline's stages declare it (None: none declares it)
+    max_tokens_limit: TokenLimit | None = field(init=False)
     bodies: BodyBudget = field(init=False)  # request bodies held at once, server-wide
     created: int = field(default_factory=lambda: int(time.time()))
     # big bodies are parsed off the event loop one at a time (omni_serve.body.off_loop)
@@ -51,6 +54,7 @@ class Server:
         self.metrics = ServerMetrics(self.pipe)
         self.served = endpoints(self.pipe)
         self.images = bool({s.kind for s in self.pipe.config.stages} & MM_SOURCES)
+        self.max_tokens_limit = token_limit(self.pipe.config.stages)
         assert self.settings.max_body_bytes_in_flight is not None  # set by ServeSettings
         self.bodies = BodyBudget(self.settings.max_body_bytes_in_flight)
         self.metrics.body_bytes.set_function(lambda: self.bodies.used)

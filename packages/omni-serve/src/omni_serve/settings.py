@@ -58,8 +58,6 @@ class ServeSettings:
     max_body_bytes_in_flight: int | None = None
     """Bytes of request bodies held at once in the whole server (past it: 503 with
     ``Retry-After``); None: ``BODIES_IN_FLIGHT`` x ``max_body_bytes``."""
-    max_tokens: int = 4096
-    """The largest ``max_tokens`` a text request may ask for."""
     max_image_pixels: int = 1024 * 1024
     """The largest image (width x height) an image request may ask for (``size``)."""
     max_chat_image_pixels: int = MAX_CHAT_IMAGE_PIXELS
@@ -126,7 +124,6 @@ class ServeSettings:
             "max_chat_images",
             "max_image_bytes",
             "max_body_bytes",
-            "max_tokens",
             "max_image_pixels",
             "max_chat_image_pixels",
             "max_images",

@@ -71,7 +71,7 @@ class TextState:
 
     parts: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    end: str | None = None
+    end: str | None = None  # the finish reason the stages sent
     prompt_tokens: int = 0  # the AR stages pass the prompt's length along
     # each token's logprob, when the request asked for logprobs
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -106,16 +106,12 @@ class TextState:
     def text(self) -> str:
         return "".join(self.parts)
 
-    def finish_reason(self, max_tokens: int | None) -> str:
-        """``stop`` (end of sequence or a stop string), or ``length`` at ``max_tokens``:
-        as the AR stages decided it (decode knows why it stopped); for a pipeline whose
-        stages say only ``end``, ``length`` when the request's ``max_tokens`` was
-        reached."""
-        if self.end in ("stop", "length"):
-            return self.end
-        if self.end == "end" and max_tokens is not None and len(self.tokens) >= max_tokens:
-            return "length"
-        return "stop"
+    @property
+    def finish_reason(self) -> str:
+        """Why the text ended, as the AR stages said it with their last text (decode
+        decides: ``stop`` at end of sequence or a stop string, ``length`` at
+        ``max_tokens``); ``stop`` where the pipeline's stages say nothing."""
+        return self.end or "stop"
 
     def usage(self) -> dict[str, int]:
         n = len(self.tokens)

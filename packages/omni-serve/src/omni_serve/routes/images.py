@@ -60,7 +60,7 @@ def prepare(server: Server, raw: bytearray) -> tuple[ImageRequest, list[dict[str
     req = parse(ImageRequest, parse_json(raw))
     server.check_model(req.model, IMAGES)
     s = server.settings
-    preqs = image_requests(req, s.max_image_pixels, s.max_images, s.max_tokens)
+    preqs = image_requests(req, s.max_image_pixels, s.max_images, server.max_tokens_limit)
     for preq in preqs:
         check_values(preq, IMAGE_PARAMS)
     return req, preqs

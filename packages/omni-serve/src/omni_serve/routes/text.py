@@ -53,7 +53,6 @@ class TextChunks:
     rid: str
     path: str
     chat: bool
-    max_tokens: int | None
     include_usage: bool
     logprobs: bool = False
     top_logprobs: bool = False  # completions: top_logprobs is a list (else null)
@@ -97,8 +96,7 @@ class TextChunks:
         return out
 
     def closing(self) -> list[bytes]:
-        finish = self.state.finish_reason(self.max_tokens)
-        out = [*self.opening, self.chunk({} if self.chat else "", finish)]
+        out = [*self.opening, self.chunk({} if self.chat else "", self.state.finish_reason)]
         if self.include_usage:
             usage = self.state.usage()
             out.append(sse({**self.head, "object": self.object, "choices": [], "usage": usage}))
@@ -116,15 +114,14 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     log.info("%s: request started (pipeline id %s)", path, pid, extra={"request_id": rid})
     stream = merged(server.pipe, [preq], [pid], server.timeout_of(req.timeout_s))
     head = {"id": oid, "created": int(time.time()), "model": server.settings.model_name}
-    max_tokens = preq.get("max_tokens")
     wants_logprobs = bool(preq.get("logprobs"))
     top = "top_logprobs" in preq
     if not req.stream:
         events = (await collect(request, stream, 1, rid, {}))[0]
-        return complete(server, path, t0, rid, head, events, chat, max_tokens, wants_logprobs, top)
+        return complete(server, path, t0, rid, head, events, chat, wants_logprobs, top)
     first = await first_event(request, stream, rid, {})
     usage = bool(req.stream_options and req.stream_options.include_usage)
-    writer = TextChunks(head, rid, path, chat, max_tokens, usage, wants_logprobs, top)
+    writer = TextChunks(head, rid, path, chat, usage, wants_logprobs, top)
     return SSEAnswer(server, path, t0, rid, {}).response(first, stream, writer)
 
 
@@ -154,11 +151,11 @@ def prepare(
         req = parse(ChatRequest, body)
         server.check_model(req.model, CHAT)
         remote = server.settings.allow_remote_images
-        preq = chat_request(req, server.settings.max_tokens, server.images, remote)
+        preq = chat_request(req, server.max_tokens_limit, server.images, remote)
     else:
         req = parse(CompletionRequest, body)
         server.check_model(req.model, COMPLETIONS)
-        preq = completion_request(req, server.settings.max_tokens)
+        preq = completion_request(req, server.max_tokens_limit)
     check_values(preq)
     return req, preq
 
@@ -171,7 +168,6 @@ def complete(
     head: dict[str, Any],
     events: list[AnyEvent],
     chat: bool,
-    max_tokens: int | None,
     logprobs: bool = False,
     top_logprobs: bool = False,
 ) -> Response:
@@ -181,7 +177,7 @@ def complete(
         state.add(ev)
     choice: dict[str, Any] = {
         "index": 0,
-        "finish_reason": state.finish_reason(max_tokens),
+        "finish_reason": state.finish_reason,
         "logprobs": None,
     }
     if logprobs:
