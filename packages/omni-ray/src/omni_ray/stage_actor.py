@@ -9,7 +9,8 @@ import time
 from typing import Any
 
 import msgspec
-from omni_core.worker import WorkerSpec
+from omni_core.observability.logs import configure_logging
+from omni_core.worker import WorkerSpec, serve
 from omni_core.worker.devices import worker_devices
 
 from omni_ray.objects import install_reader, install_writer
@@ -62,8 +63,5 @@ class StageActor:
         return self.writer.puts
 
     def run(self) -> int:
-        from omni_core.observability.logs import configure_logging
-        from omni_core.worker import serve
-
         configure_logging()
         return serve(self.spec)

@@ -19,6 +19,8 @@ from omni_core.config import PipelineConfig
 from omni_core.dataplane.serial import check_request
 from omni_core.errors import RuntimeFailedError
 
+ReaderLoop = asyncio.AbstractEventLoop | None  # where an asyncio reader takes the events
+
 
 class Backend(ABC):
     """Runs one pipeline's requests; the caller's side of them is :attr:`collector`.
@@ -54,7 +56,7 @@ class Backend(ABC):
         request: dict[str, Any],
         request_id: str | None = None,
         timeout_s: float | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
+        loop: ReaderLoop = None,
     ) -> RequestHandle:
         """Start a request (``timeout_s`` None: the config's ``request_timeout_s``); its
         events come through the handle (to ``loop`` for an asyncio reader)."""
@@ -79,11 +81,7 @@ class Backend(ABC):
             raise RuntimeError("pipeline is not running")
 
     def open_request(
-        self,
-        request_id: str,
-        request: dict[str, Any],
-        timeout_s: float | None,
-        loop: asyncio.AbstractEventLoop | None,
+        self, request_id: str, request: dict[str, Any], timeout_s: float | None, loop: ReaderLoop
     ) -> RequestHandle:
         """The new request's handle, open in the collector."""
         with self.lock:

@@ -34,6 +34,7 @@ from omni_core.control.zygote import (
     Zygote,
     ZygoteGone,
     clone_unsupported,
+    exit_reason,
     import_time_keys,
     inherited_env,
 )
@@ -60,18 +61,6 @@ _WORKER_BOOT = (
     "os.getppid() == int(sys.argv[2]) or sys.exit(3); "
     "from omni_core.worker import main; sys.exit(main(sys.argv[1:2]))"
 )
-
-
-def exit_reason(code: int | None) -> str:
-    """Words for a process exit status (``Popen.returncode``)."""
-    if code is None:
-        return "running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 class WorkerHandle(ABC):

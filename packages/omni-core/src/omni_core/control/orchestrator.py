@@ -16,7 +16,6 @@ says what failed, health is unhealthy, and ``submit`` raises :class:`RuntimeFail
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from omni_core.client.backend import Backend
+from omni_core.client.backend import Backend, ReaderLoop
 from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig, replica_name
 from omni_core.control.launcher import Launcher, ProcessLauncher, WorkerHandle, report
@@ -451,11 +450,7 @@ class Orchestrator(Backend):
             )
 
     def open_request(
-        self,
-        request_id: str,
-        request: dict[str, Any],
-        timeout_s: float | None,
-        loop: asyncio.AbstractEventLoop | None,
+        self, request_id: str, request: dict[str, Any], timeout_s: float | None, loop: ReaderLoop
     ) -> RequestHandle:
         """Admitted by the request table and bound to replicas (under its lock: the
         binding sees every earlier request's)."""

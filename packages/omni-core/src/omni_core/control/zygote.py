@@ -129,6 +129,18 @@ def recv(sock: socket.socket) -> Message | None:
 
 
 # -- forking --------------------------------------------------------------------------
+def exit_reason(code: int | None) -> str:
+    """Words for a process exit status (``Popen.returncode``)."""
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def clone_unsupported() -> str:
     """Why this platform cannot ``clone(CLONE_PARENT)`` ("" when it can)."""
     if not sys.platform.startswith("linux"):
@@ -435,8 +447,6 @@ class Zygote:
         return self.proc is not None and self.proc.poll() is None
 
     def exit_reason(self) -> str:
-        from omni_core.control.launcher import exit_reason
-
         return exit_reason(self.proc.poll()) if self.proc is not None else "not started"
 
     def follow(self, timeout_s: float) -> bool:
