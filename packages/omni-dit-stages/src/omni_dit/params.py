@@ -1,13 +1,16 @@
-"""The ``image`` part of a request, validated by the plan stage.
+"""The ``image`` part of a request, parsed once by the plan stage.
 
 A request that makes a picture carries its parameters under ``"image"``, next to the
 prompt (so AR stages in the same pipeline read their own fields and leave these alone):
 ``{"prompt": "a red fox", "image": {"width": 256, "height": 256, "steps": 12}}``.
-Every error names the field.
+Every error names the field. Plan, the DiT family's entry, parses them into
+:class:`ImageParams` and sends those on (:func:`params_payload`); the stages after it read
+them back as they were sent (:func:`forwarded_params`), never parsing the request again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import msgspec
@@ -102,3 +105,23 @@ def image_fields(request: dict[str, Any], defaults: dict[str, Any] | None = None
         )
     except msgspec.ValidationError:
         return msgspec.convert(defaults or {}, ImageParams)
+
+
+PARAMS = "image_params"
+"""The payload key of a request's :class:`ImageParams` (msgpack), from plan on."""
+
+_params_decoder = msgspec.msgpack.Decoder(ImageParams)
+
+
+def params_payload(params: ImageParams) -> dict[str, bytes]:
+    """The payload that carries a request's parsed ``params`` to the next stage."""
+    return {PARAMS: msgspec.msgpack.encode(params)}
+
+
+def forwarded_params(payloads: Iterable[dict[str, Any]]) -> ImageParams:
+    """The params plan parsed, from the upstream window's payloads (decoded as they were
+    encoded, not checked again)."""
+    for payload in payloads:
+        if PARAMS in payload:
+            return _params_decoder.decode(payload[PARAMS])
+    raise ImageRequestError("no image parameters from upstream (is plan before this stage?)")

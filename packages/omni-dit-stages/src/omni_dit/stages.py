@@ -38,7 +38,13 @@ from omni_core.worker.devices import Placement, place
 
 from omni_dit import models
 from omni_dit.architectures import Architecture, architecture
-from omni_dit.params import ImageParams, ImageRequestError, parse_image_request
+from omni_dit.params import (
+    ImageParams,
+    ImageRequestError,
+    forwarded_params,
+    params_payload,
+    parse_image_request,
+)
 from omni_dit.preview import cached_projection, project
 
 
@@ -84,14 +90,6 @@ def _arrays(inp: StageInput) -> dict[str, Any]:
     for p in inp.window.pieces:
         out.update(p.arrays)
     return out
-
-
-def _image_params(inp: StageInput) -> ImageParams:
-    """The validated image fields plan forwarded in its payload."""
-    for p in inp.window.pieces:
-        if "image" in p.payload:
-            return msgspec.convert(p.payload["image"], ImageParams)
-    raise ImageRequestError("no image parameters from upstream (is plan before this stage?)")
 
 
 def _negatives_flag(inp: StageInput) -> bool | None:
@@ -164,7 +162,7 @@ class Plan(Stage):
                     "pooled": pooled,
                     "timesteps": schedule.timesteps.numpy().astype(np.float32),
                 },
-                payload={"image": msgspec.to_builtins(p)},
+                payload=params_payload(p),
                 is_last=True,
             )
 
@@ -256,7 +254,7 @@ class Sample(Stage):
         dtype, device = self.transformer.dtype, self.placement.device
         for inp in batch:
             try:
-                params = _image_params(inp)
+                params = forwarded_params(inp.window.payloads)
             except ImageRequestError as e:
                 yield inp.fail(e)
                 continue
@@ -313,7 +311,7 @@ class Sample(Stage):
         for k, j in enumerate(jobs):
             yield j.inp.segment(
                 arrays={"latents": np.ascontiguousarray(final[k : k + 1])},
-                payload={"image": msgspec.to_builtins(j.params)},
+                payload=params_payload(j.params),
                 is_last=True,
             )
 
@@ -357,7 +355,7 @@ class VaeDecode(Stage):
                 yield inp.fail(f"upstream sent no 'latents' (arrays: {sorted(a) or 'none'})")
                 continue
             try:
-                params = _image_params(inp)
+                params = forwarded_params(inp.window.payloads)
             except ImageRequestError as e:
                 yield inp.fail(e)
                 continue
@@ -376,7 +374,7 @@ class VaeDecode(Stage):
             for (inp, _, params), image in zip(items, images, strict=True):
                 yield inp.segment(
                     arrays={"image": np.ascontiguousarray(image, dtype=np.float32)},
-                    payload={"image": msgspec.to_builtins(params)},
+                    payload=params_payload(params),
                     is_last=True,
                 )
 
@@ -393,7 +391,7 @@ class Encode(Stage):
         for inp in batch:
             image = _arrays(inp).get("image")
             try:
-                params = _image_params(inp)
+                params = forwarded_params(inp.window.payloads)
             except ImageRequestError as e:
                 yield inp.fail(e)
                 continue
