@@ -4,25 +4,12 @@ tree passes."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 CI = Path(__file__).resolve().parents[1]
-
-
-def load(name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(f"ci_{name}", CI / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-check_imports = load("check_imports")
 
 
 def tree(root: Path, files: dict[str, str]) -> Path:
@@ -58,19 +45,17 @@ CLEAN = {
 }
 
 
-def run(root: Path) -> tuple[int, str]:
+def run(root: Path | None = None) -> tuple[int, str]:
+    where = [] if root is None else ["--root", str(root)]
     r = subprocess.run(
-        [sys.executable, str(CI / "check_imports.py"), "--root", str(root)],
-        capture_output=True,
-        text=True,
+        [sys.executable, str(CI / "check_imports.py"), *where], capture_output=True, text=True
     )
     return r.returncode, r.stdout + r.stderr
 
 
 def test_a_clean_tree_passes(tmp_path):
     code, out = run(tree(tmp_path, CLEAN))
-    assert code == 0, out
-    assert check_imports.check(tmp_path) == []
+    assert code == 0 and "no circle" in out, out
 
 
 def test_a_circle_and_private_imports_fail(tmp_path):
@@ -99,10 +84,10 @@ def test_a_circle_and_private_imports_fail(tmp_path):
     assert "alpha: 2 modules in a circle: alpha._util, alpha.core" in out
     assert "alpha._util -> alpha.core -> alpha._util" in out
     assert "packages/alpha/src/alpha/_util.py:2: alpha._util imports alpha.core" in out
-    private = [f.text for f in check_imports.check(tmp_path) if f.kind == "private"]
+    private = out.split("private names (3):\n")[1].splitlines()
     uses = sorted(t.split(" uses ")[1].split(",")[0] for t in private)
     assert uses == ["alpha._util._helper", "alpha.core._hidden", "alpha.core._util"]
-    assert all("beta" in t and "a private name of alpha" in t for t in private)
+    assert all("beta (beta)" in t and "a private name of alpha" in t for t in private)
 
 
 def test_a_module_importing_itself_is_a_circle(tmp_path):
@@ -111,7 +96,7 @@ def test_a_module_importing_itself_is_a_circle(tmp_path):
     assert code == 1 and "alpha: 1 modules in a circle: alpha.types" in out, out
 
 
-def test_the_repository(capsys):
-    """The check runs over this repository (its findings are the lead's to clear)."""
-    assert check_imports.main([]) in (0, 1)
-    assert capsys.readouterr().out
+def test_the_repository():
+    """The check runs over this repository (what it finds fails `hatch run lint`)."""
+    code, out = run()
+    assert code in (0, 1) and "Traceback" not in out, out
