@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 
 class WorkQueue:
-    """The ready work items (FIFO, at most ``capacity``) and the upstream messages not
-    yet taken in; ``state.lock`` guards both."""
+    """The ready work items (FIFO, at most ``capacity``; ``state.lock`` guards them) and
+    the upstream messages the I/O thread decoded but has not taken in yet (``stash``)."""
 
     def __init__(
         self,
