@@ -27,19 +27,10 @@ from typing import Any
 from omni_core import Pipeline, load_config
 from omni_core.config import WindowSpec
 
+from omni_bench.prompts import PROMPTS
 from omni_bench.report import emit
 
 CHAIN_CONFIG = "configs/ar_chain.yaml"
-PROMPTS = [
-    "Write a haiku about foxes in the snow.",
-    "Explain what a pipeline is in one sentence.",
-    "List three colors of autumn leaves.",
-    "What is the capital of France?",
-    "Describe a red fox.",
-    "Give me a short poem about rivers.",
-    "Why is the sky blue?",
-    "Name a famous painter.",
-]
 
 
 def config(model: str, inline: bool) -> dict[str, Any]:

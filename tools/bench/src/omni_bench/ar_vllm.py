@@ -50,7 +50,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from omni_bench.ar import PROMPTS
+from omni_bench.prompts import PROMPTS
 
 READY, RESULT = "OMNI-BENCH-READY", "OMNI-BENCH-RESULT "
 ARMS = ("fused", "fused_1t", "split", "split_turns", "split_file")  # omni's

@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from omni_bench.ar import PROMPTS  # the same fixed prompts as omni bench ar
+from omni_bench.prompts import PROMPTS
 from omni_bench.report import emit
 
 SERVED_NAME = "bench"
