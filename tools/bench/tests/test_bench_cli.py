@@ -112,3 +112,34 @@ def test_ipc_through_ray_keys():
         "ray_cross_node_vs_local.events_per_s_1k >= 0.5",
         "ray_objects_left == 0",
     }
+
+
+def test_revisions_runs_a_bench_at_an_earlier_commit_and_here():
+    """``omni bench revisions``: the earlier commit's code really runs (its own checkout,
+    installed apart), and nothing of it is left behind."""
+    import glob
+    import tempfile
+
+    left_before = set(glob.glob(f"{tempfile.gettempdir()}/omni-bench-revisions-*"))
+    args = ["pipeline", "--hold", "0.02", "--requests", "6", "--serial-requests", "3"]
+    r = bench("revisions", "--before", "HEAD~1", "--", *args)
+    assert r["bench"][:1] == ["pipeline"]
+    head = subprocess.run(["git", "rev-parse", "HEAD~1"], capture_output=True, text=True)
+    assert r["before"]["commit"] == head.stdout.strip() != r["after"]["commit"]
+    for side in ("before", "after"):
+        (run,) = r[side]["runs"]
+        assert run["ideal_rps"] == 50.0 and run["throughput_rps"] > 0, run
+    assert set(glob.glob(f"{tempfile.gettempdir()}/omni-bench-revisions-*")) == left_before
+    worktrees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True)
+    assert "omni-bench-revisions-" not in worktrees.stdout
+
+
+def test_revisions_refuses_a_missing_bench_and_an_unknown_commit():
+    out = subprocess.run([*OMNI, "bench", "revisions", "--before", "HEAD"], capture_output=True)
+    assert out.returncode == 2 and b"name the benchmark" in out.stderr
+    out = subprocess.run(
+        [*OMNI, "bench", "revisions", "--before", "no-such-rev-x", "--", "pipeline"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0 and "no-such-rev-x" in out.stderr

@@ -34,7 +34,7 @@ def _git(*args: str, cwd: str) -> str:
 
 
 def earlier_environment(repo: str, rev: str, where: str) -> str:
-    """``rev`` of ``repo`` checked out and installed under ``where``: its ``omni`` command."""
+    """``rev`` of ``repo`` checked out and installed under ``where``: its Python."""
     src = os.path.join(where, "src")
     _git("worktree", "add", "--detach", src, rev, cwd=repo)
     env_dir = os.path.join(where, "venv")
@@ -57,12 +57,14 @@ def earlier_environment(repo: str, rev: str, where: str) -> str:
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    return os.path.join(env_dir, "bin", "omni")
+    return python
 
 
-def run_bench(omni: str, bench: list[str]) -> dict[str, Any]:
-    """One run of ``omni bench BENCH... --json``: its last JSON line, or the error."""
-    cmd = [omni, "bench", *bench, *([] if "--json" in bench else ["--json"])]
+def run_bench(python: str, bench: list[str]) -> dict[str, Any]:
+    """One run of ``omni bench BENCH... --json`` by ``python``'s environment: its last JSON
+    line, or the error."""
+    omni = [python, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
+    cmd = [*omni, "bench", *bench, *([] if "--json" in bench else ["--json"])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", required=True, help="the earlier commit (any git revision)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--keep", action="store_true", help="keep the worktree and environment")
+    ap.add_argument("--json", action="store_true", help="(the result is always JSON)")
     ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- NAME [ARGS...]")
     args = ap.parse_args(argv)
     bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
@@ -84,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds: at least 1")
     repo = _git("rev-parse", "--show-toplevel", cwd=os.getcwd())
     where = tempfile.mkdtemp(prefix="omni-bench-revisions-")
-    here = shutil.which("omni") or os.path.join(os.path.dirname(sys.executable), "omni")
     try:
         before = earlier_environment(repo, args.before, where)
         res: dict[str, Any] = {
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for _ in range(args.rounds):
             res["before"]["runs"].append(run_bench(before, bench))
-            res["after"]["runs"].append(run_bench(here, bench))
+            res["after"]["runs"].append(run_bench(sys.executable, bench))
     finally:
         if args.keep:
             print(f"kept: {where}", file=sys.stderr)
