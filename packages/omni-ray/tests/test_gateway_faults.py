@@ -20,6 +20,7 @@ from omni_core.dataplane.transport import RESULTS, Addresses, push_socket
 from omni_core.events import Error, InlineArray, Release, Segment, ShmHandle
 from omni_ray import gateway as gateway_module
 from omni_ray.gateway import GATEWAY_ERROR, NodeGateway
+from omni_ray.objects import segment_name
 
 HERE, THERE, HEAD = "node-here", "node-there", "node-head"
 GARBAGE = b"garbage with \xa3shm in it"  # carries the shm tag: the gateway decodes it
@@ -163,6 +164,54 @@ def test_an_unexpected_delivery_error_drops_that_batch_only(zctx, caplog):
         logged = [r for r in caplog.records if "unexpected error" in r.getMessage()]
         assert logged and logged[0].exc_info is not None
         assert gw.failure() is None
+        sock.close(linger=0)
+    finally:
+        gw.close()
+
+
+class FakeRef:
+    def __init__(self, key):
+        self.key = key
+
+    def hex(self):
+        return self.key
+
+
+def wait_held(gw, n, timeout=10.0):
+    end = time.monotonic() + timeout
+    while len(gw.held) != n:
+        assert time.monotonic() < end, (len(gw.held), gw.held.by_reader())
+        time.sleep(0.02)
+
+
+def test_a_readers_release_of_an_object_ends_here_while_its_producer_restarts(zctx):
+    """A reader here releases objects its producer (on another node) put: the releases
+    end at this gateway at once, even while the producer is restarting and frames for
+    it (an earlier release of a slot) wait for its new place."""
+    gw, rec = make_gateway()
+    try:
+        gw.set_routes({"b": (HERE, 2)})  # the reader lives here
+        keys = ["k0", "k1", "k2"]
+        gw.held.hold("b", [FakeRef(k) for k in keys], producer="a")
+        assert [r.key for r in gw.lend(keys, "b")] == keys  # b maps them
+        gw.set_routes({"a": (None, 3)})  # the producer died: it is restarting
+
+        def release(key):
+            segment = segment_name(gw.pipeline_id, key)
+            return Release(slots=[(0, 0)], segment=segment, reader="b")
+
+        # a release of a slot of a's earlier life: it waits for a's new place (the
+        # object's release in its frame ends here as it is taken in)
+        slot = Release(slots=[(64, 3)], segment="omni-1-x-a-0-" + "0" * 16, reader="b")
+        sock = push_socket(zctx, gw.addr.control("a"))
+        sock.send(encode_frame([slot, release("k0")]))
+        wait_held(gw, 2)  # taken in: it waits now
+        for key in ("k1", "k2"):  # the frames after it
+            sock.send(encode_frame([release(key)]))
+        wait_held(gw, 0)  # while a is not placed
+        assert gw.held.released == 3 and rec.calls.empty()
+        gw.set_routes({"a": (THERE, 4)})  # its new life: what waited goes on
+        assert decode_control_frame(rec.wait("a.ctl", 1)[0]) == [slot]
         sock.close(linger=0)
     finally:
         gw.close()

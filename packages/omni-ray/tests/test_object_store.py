@@ -137,7 +137,10 @@ def wait_released(pipe):
     """Until no gateway holds an object for a reader."""
     end = time.monotonic() + 20
     while held(pipe):
-        assert time.monotonic() < end, gateway_infos(pipe)
+        if time.monotonic() > end:
+            infos = gateway_infos(pipe)
+            keep = ("objects_held", "objects_held_for", "objects_put", "objects_released")
+            raise AssertionError({n[:8]: {k: i[k] for k in keep} for n, i in infos.items()})
         time.sleep(0.1)
 
 

@@ -89,6 +89,7 @@ MAX_BATCH_BYTES = 64 << 20  # a call's frames sit in Ray's object store at once
 HWM = 1000
 _ZERO_COPY = 1 << 20
 RETRY_S = 0.02  # between tries of a delivery (a route being set, a gateway restarting)
+RETRY_MS = int(RETRY_S * 1000)
 ERROR_PAUSE_S = 0.1  # after an unexpected error, so a recurring one cannot spin a core
 
 __all__ = ["GATEWAY_ERROR", "NodeGateway", "gateway_name"]
@@ -422,8 +423,13 @@ class NodeGateway:
                     self.channels[endpoint] = chan.getsockopt_string(zmq.LAST_ENDPOINT)
             local = push_socket(self.zctx, self.inner.endpoint(endpoint), HWM)
             socks.append(local)
+            # frames taken in but not passed on: their worker is (re)starting, not placed
+            waiting: list[bytes] = []
             while not self.stop:
-                ready = dict(poller.poll(100))
+                room = len(waiting) < MAX_BATCH_FRAMES
+                if not room:  # (the sockets are not read: their senders wait)
+                    time.sleep(RETRY_S)
+                ready = dict(poller.poll(RETRY_MS if waiting else 100)) if room else {}
                 if watch is not None and watch.monitor in ready:
                     failed = watch.count()
                     with self.lock:
@@ -440,16 +446,17 @@ class NodeGateway:
                     )
                 pending = _take(pull) if pull in ready else []
                 incoming = _take_channel(chan) if chan is not None and chan in ready else []
-                if not pending and not incoming:
+                if not pending and not incoming and not waiting:
                     continue
                 try:
                     for f, sender in incoming:  # from another node: what it may not send
                         f = self.frames.screen(endpoint, f, outs, sender)  # is refused
                         if f is not None:
                             pending.append(f)
-                    if control:
+                    if control:  # at once, even while earlier frames wait for a place
                         pending = [f for f in (take_releases(f, self.held) for f in pending) if f]
-                    self._pass_on(endpoint, pending, local, outs)
+                    waiting.extend(pending)
+                    self._pass_on(endpoint, waiting, local, outs)
                 except zmq.ZMQError:
                     raise  # a socket of this thread is broken: it cannot go on
                 except Exception as e:
@@ -457,10 +464,11 @@ class NodeGateway:
                         "gateway %s: %s: unexpected error forwarding %d frame(s); dropped",
                         self.node_id[:8],
                         endpoint,
-                        len(pending),
+                        len(waiting),
                     )
-                    for f in pending:  # the frames not passed on yet
+                    for f in waiting:  # the frames not passed on yet
                         self.frames.drop(endpoint, f, outs, f"{type(e).__name__}: {e}")
+                    waiting.clear()
                     time.sleep(ERROR_PAUSE_S)
         except BaseException as e:
             if not self.stop:
@@ -485,7 +493,10 @@ class NodeGateway:
         self, endpoint: str, pending: list[bytes], local: zmq.Socket, outs: dict[str, zmq.Socket]
     ) -> None:
         """Forward ``pending`` in order; each frame leaves the list once it is passed on
-        (or dropped), so the caller knows what is left should this raise."""
+        (or dropped), so the caller knows what is left should this raise. Returns with
+        frames left while their worker is not placed (it is restarting): the caller takes
+        in what comes meanwhile (a reader's release of an object ends at this gateway, and
+        must not wait for the producer's new life) and calls again."""
         inlined = False
         refs: list[Any] = []
         while pending and not self.stop:
@@ -497,6 +508,8 @@ class NodeGateway:
                     del pending[0]
                 return
             if target is None:  # the worker is (re)starting: wait for its place
+                if not inlined:
+                    return
                 # what these frames carry was for its earlier life (whose requests
                 # failed with it): their objects are not kept waiting in the store
                 refs.clear()

@@ -93,7 +93,13 @@ def object_store_usage(address: str | None = None) -> dict[str, int]:
 
     address = address or ray.get_runtime_context().gcs_address
     stats = get_memory_info_reply(get_state_from_address(address)).store_stats
-    return {"objects": stats.num_local_objects, "bytes": stats.object_store_bytes_used}
+    return {
+        "objects": stats.num_local_objects,
+        "bytes": stats.object_store_bytes_used,
+        # what an owner pins (a copy elsewhere is a cache Ray may evict at will)
+        "primary_copies": stats.num_object_store_primary_copies,
+        "primary_bytes": stats.object_store_bytes_primary_copy,
+    }
 
 
 def wait_object_store_empty(
