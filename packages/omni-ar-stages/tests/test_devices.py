@@ -17,7 +17,7 @@ from omni_ar.engines import vllm_engine
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.engines.vllm_engine import engine_settings, set_vllm_env
 from omni_ar.multimodal.stages import MMDecode, MMPrefill
-from omni_ar.params import SamplingParams
+from omni_ar.params import SamplingParams, params_payload
 from omni_ar.stages.decode import Decode
 from omni_ar.stages.intake import Intake
 from omni_ar.stages.postprocess import Postprocess
@@ -202,7 +202,8 @@ def test_prefill_and_decode_on_the_cpu_equal_the_model(tiny_model, reference):
     prefill.load()
     decode.load()
     ids = prefill.engine.load_tokenizer()(PROMPT)["input_ids"]
-    (ev,) = _run(prefill, ids)
+    # the request's params, as ar.intake parses them and sends them on
+    (ev,) = _run(prefill, ids, payload=params_payload(SamplingParams(max_tokens=16)))
     keys = ev.arrays["keys"]
     assert type(keys).__name__ == "ndarray" and keys.dtype == "float32"
     out = _run(decode, ev.tokens, ev.arrays, ev.payload)

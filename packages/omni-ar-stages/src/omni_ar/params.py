@@ -65,6 +65,27 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return None
 
 
+PARAMS = "params"  # a segment payload's entry: the request's params, parsed at intake
+
+
+def params_payload(params: SamplingParams) -> dict[str, Any]:
+    """The payload entry that carries a request's params on to the next stage (with the
+    request's first segment): the AR stages parse a request once, where it enters them."""
+    return {PARAMS: msgspec.to_builtins(params)}
+
+
+def carried_params(window: Any) -> SamplingParams:
+    """The params that came with the request's first segment in ``window`` (the first
+    window of the request: it holds that segment)."""
+    for payload in window.payloads:
+        if PARAMS in payload:
+            return msgspec.convert(payload[PARAMS], SamplingParams)
+    raise RuntimeError(
+        "no request params from upstream: an AR stage follows ar.intake or ar.mm_intake "
+        "(or a stage of theirs that passes the params on)"
+    )
+
+
 class Sampled(tuple):  # type: ignore[type-arg]
     """A token an engine produced: a plain tuple, ``(token, logprob)`` (or prefill's
     ``(token, logprob, keys, values)``), so it unpacks as the pairs it replaced, and

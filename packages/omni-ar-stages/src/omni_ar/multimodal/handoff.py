@@ -1,7 +1,7 @@
 """The ``requires_kv`` handoff: what prefill hands decode instead of media, and the
 checks decode runs before it continues from the KV.
 
-Prefill's segment payload carries ``handoff``::
+Prefill's segment payload carries ``handoff`` (:class:`omni_ar.handoff.MMHandoff`)::
 
     {"requires_kv": true, "prompt_token_ids": [...], "block_size": 16,
      "mm_items": [{"hash": "...", "offset": 12, "length": 16}, ...],
@@ -22,9 +22,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
-ITEM_KEYS = {"hash", "offset", "length"}
+from omni_ar.handoff import MMHandoff, MMItem, kv_of_arrays, media_arrays
 
 
 class AdmissionError(Exception):
@@ -32,7 +33,7 @@ class AdmissionError(Exception):
 
 
 def block_hashes(
-    ids: list[int], items: list[dict[str, Any]], block_size: int, n: int | None = None
+    ids: list[int], items: list[MMItem], block_size: int, n: int | None = None
 ) -> list[str]:
     """Chained hashes of the blocks of ``ids[:n]`` (the last one may be partial), each
     over its token ids and the hashes of the items whose spans overlap it."""
@@ -53,55 +54,95 @@ def block_hashes(
 
 @dataclass(frozen=True)
 class Admission:
+    handoff: MMHandoff  # the contract, checked
+    kv: tuple[Any, Any]  # the KV it came with: (keys, values)
     kv_tokens: int  # KV positions decode uses (the rest of the prompt it recomputes)
     block_hashes: list[str]  # decode's names for the blocks of the KV it received
 
 
 def admit(
-    handoff: dict[str, Any] | None,
+    sent: dict[str, Any] | None,
     arrays: dict[str, Any],
     block_size: int,
     kv_shape: tuple[int, int, int],
     placeholder_id: int,
 ) -> Admission:
-    """Every check of the contract, in order; :class:`AdmissionError` names the first
-    that fails. ``kv_shape`` is the model's (layers, kv heads, head dim)."""
-    if handoff is None:
+    """Every check of the contract ``sent`` (as it arrived), in order;
+    :class:`AdmissionError` names the first that fails. ``kv_shape`` is the model's
+    (layers, kv heads, head dim)."""
+    h = read_contract(sent)
+    check_requires_kv(h)
+    check_block_size(h, block_size)
+    check_no_media_arrays(arrays)
+    required = check_spans(h, placeholder_id)
+    kv = check_kv_coverage(h, arrays, kv_shape, required)
+    t = kv[0].shape[2]
+    names = check_block_hashes(h, t)
+    return Admission(h, kv, min(t, len(h.prompt_token_ids) - 1), names)
+
+
+def read_contract(sent: dict[str, Any] | None) -> MMHandoff:
+    """The contract, typed: present, well formed, with a prompt, and items that carry no
+    media (only a hash and a placeholder span)."""
+    if sent is None:
         raise AdmissionError("handoff: prefill sent no handoff (payload 'handoff' missing)")
-    ids = handoff.get("prompt_token_ids")
-    if not isinstance(ids, list) or not ids:
-        raise AdmissionError("handoff: 'prompt_token_ids' is missing or empty")
-    n = len(ids)
-    items = handoff.get("mm_items") or []
-    if items and handoff.get("requires_kv") is not True:
+    extras = MMHandoff.item_extras(sent)
+    if extras:
+        i, extra = extras[0]
         raise AdmissionError(
-            f"requires_kv: the request has {len(items)} media item(s) but requires_kv is "
+            f"mm item {i}: carries a media payload ({', '.join(extra)}); a requires_kv "
+            "item carries only its hash and placeholder span"
+        )
+    try:
+        h = msgspec.convert(sent, MMHandoff)
+    except msgspec.ValidationError as e:
+        raise AdmissionError(f"handoff: {e}") from None
+    if not h.prompt_token_ids:
+        raise AdmissionError("handoff: 'prompt_token_ids' is missing or empty")
+    return h
+
+
+def check_requires_kv(h: MMHandoff) -> None:
+    """Media items need ``requires_kv``: this decode stage has no vision encoder."""
+    if h.mm_items and not h.requires_kv:
+        raise AdmissionError(
+            f"requires_kv: the request has {len(h.mm_items)} media item(s) but requires_kv is "
             "not set, and this decode stage has no vision encoder"
         )
-    if handoff.get("block_size") != block_size:
+
+
+def check_block_size(h: MMHandoff, block_size: int) -> None:
+    """Both sides name blocks of the same size."""
+    if h.block_size != block_size:
         raise AdmissionError(
-            f"block size: prefill named blocks of {handoff.get('block_size')} tokens, this "
+            f"block size: prefill named blocks of {h.block_size} tokens, this "
             f"decode stage uses {block_size}"
         )
-    media = sorted(set(arrays) - {"keys", "values"})
+
+
+def check_no_media_arrays(arrays: dict[str, Any]) -> None:
+    """Only the KV arrives: no media arrays beside it."""
+    media = media_arrays(arrays)
     if media:
         raise AdmissionError(
             f"media payload: arrays {media} arrived with a requires_kv request; it carries "
             "only item hashes and placeholder spans"
         )
+
+
+def check_spans(h: MMHandoff, placeholder_id: int) -> int:
+    """Each item's hash and placeholder span (inside the prompt, before its final token,
+    which decode recomputes), and no placeholder token outside every span; returns the
+    prompt positions the KV must cover (up to the end of the last span)."""
+    ids = h.prompt_token_ids
+    n = len(ids)
     required = 0
     claimed = np.zeros(n, dtype=bool)
-    for i, it in enumerate(items):
-        extra = sorted(set(it) - ITEM_KEYS)
-        if extra:
-            raise AdmissionError(
-                f"mm item {i}: carries a media payload ({', '.join(extra)}); a requires_kv "
-                "item carries only its hash and placeholder span"
-            )
-        if not isinstance(it.get("hash"), str) or not it["hash"]:
+    for i, it in enumerate(h.mm_items):
+        if not it["hash"]:
             raise AdmissionError(f"mm item {i}: empty hash")
-        off, length = it.get("offset"), it.get("length")
-        if not isinstance(off, int) or not isinstance(length, int) or off < 0 or length < 1:
+        off, length = it["offset"], it["length"]
+        if off < 0 or length < 1:
             raise AdmissionError(f"mm item {i}: invalid placeholder span {off!r}+{length!r}")
         end = off + length
         if end > n:
@@ -122,12 +163,21 @@ def admit(
             f"placeholders: prompt position {int(stray[0])} holds a placeholder token "
             "outside every item's span"
         )
-    keys, values = arrays.get("keys"), arrays.get("values")
-    if keys is None or values is None:
+    return required
+
+
+def check_kv_coverage(
+    h: MMHandoff, arrays: dict[str, Any], kv_shape: tuple[int, int, int], required: int
+) -> tuple[Any, Any]:
+    """The KV arrived, fits the model, covers every placeholder (the first ``required``
+    positions, never recomputed) and no more than the prompt; returns (keys, values)."""
+    kv = kv_of_arrays(arrays)
+    if kv is None:
         raise AdmissionError(
             f"kv coverage: no KV arrived ('keys'/'values' missing); positions [0, {required}) "
             "hold placeholders and are never recomputed"
         )
+    keys, values = kv
     want = (kv_shape[0], kv_shape[1], kv_shape[2])
     if (
         keys.ndim != 4
@@ -139,6 +189,7 @@ def admit(
             f"fit this model's (layers, kv heads, head dim) = {want}"
         )
     t = keys.shape[2]
+    items = h.mm_items
     if t < required:
         worst = max(range(len(items)), key=lambda i: items[i]["offset"] + items[i]["length"])
         it = items[worst]
@@ -146,10 +197,17 @@ def admit(
             f"kv coverage: the KV covers {t} prompt positions; mm item {worst}'s "
             f"placeholders [{it['offset']}, {it['offset'] + it['length']}) need {required}"
         )
+    n = len(h.prompt_token_ids)
     if t > n:
         raise AdmissionError(f"kv coverage: KV of {t} positions for a prompt of {n} tokens")
-    names = handoff.get("kv_block_hashes") or []
-    mine = block_hashes(ids, items, block_size, t)
+    return kv
+
+
+def check_block_hashes(h: MMHandoff, t: int) -> list[str]:
+    """Prefill's names of the ``t`` positions' KV blocks are decode's own: the KV was
+    computed for these tokens and media; returns the names."""
+    names = h.kv_block_hashes
+    mine = block_hashes(h.prompt_token_ids, h.mm_items, h.block_size, t)
     if len(names) != len(mine):
         raise AdmissionError(
             f"block hashes: the KV is named by {len(names)} block hashes but covers "
@@ -157,12 +215,13 @@ def admit(
         )
     for b, (theirs, ours) in enumerate(zip(names, mine, strict=True)):
         if theirs != ours:
+            size = h.block_size
             raise AdmissionError(
-                f"block hashes: KV block {b} (positions [{b * block_size}, "
-                f"{min((b + 1) * block_size, t)})) was computed for other tokens or media "
+                f"block hashes: KV block {b} (positions [{b * size}, "
+                f"{min((b + 1) * size, t)})) was computed for other tokens or media "
                 f"({theirs} != {ours})"
             )
-    return Admission(min(t, n - 1), mine)
+    return mine
 
 
 class PrefixCache:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from omni_core import StageEvent, StageInput
 
+from omni_ar.handoff import Handoff, MMHandoff, MMItem
 from omni_ar.models import resolve_model
 from omni_ar.multimodal.engine import VLMEngine
 from omni_ar.multimodal.handoff import AdmissionError, PrefixCache, admit, block_hashes
@@ -37,7 +38,7 @@ from omni_ar.multimodal.media import (
     load_images,
     strip_media,
 )
-from omni_ar.params import RequestError, template_error
+from omni_ar.params import RequestError, carried_params, params_payload, template_error
 from omni_ar.stages.base import ModelOptions, ModelStage
 from omni_ar.stages.decode import Decode, DecodeOptions
 from omni_ar.stages.postprocess import Postprocess
@@ -75,11 +76,12 @@ class _MMStage(ModelStage):
         device, dtype = self._placement() if model else ("cpu", "float32")
         return VLMEngine(resolve_model(o.model), dtype=dtype, threads=o.threads, device=device)
 
-    def _messages(self, inp: StageInput) -> tuple[list[dict[str, Any]] | None, Any]:
-        """(chat messages, or None for a plain prompt; sampling params); a
-        ``response_format`` that asks for structured output fails (at intake already)."""
-        source, params = self._sampling_params(inp)
-        return (source if isinstance(source, list) else None), params
+    def _messages(self, inp: StageInput) -> list[dict[str, Any]] | None:
+        """The request's chat messages (a plain prompt as a user turn with ``chat``), or
+        None for a plain prompt; mm_intake checked them."""
+        request = inp.request
+        source = self._chat(request["messages"] if "messages" in request else request["prompt"])
+        return source if isinstance(source, list) else None
 
 
 class MMIntake(_MMStage):
@@ -93,7 +95,10 @@ class MMIntake(_MMStage):
         o = self.options
         for inp in batch:
             try:
-                messages, _ = self._messages(inp)
+                source, params = self._parse(inp)
+                # a response_format that asks for structured output fails here already
+                self._check_sampling(params)
+                messages = source if isinstance(source, list) else None
                 pixels: list[Any] = []
                 if messages is not None:
                     count = sum(1 for _ in image_parts(messages))
@@ -123,14 +128,11 @@ class MMIntake(_MMStage):
                     )
                 )
                 continue
-            items = [
-                {"hash": image_hash(px), "offset": off, "length": n}
-                for px, (off, n) in zip(pixels, spans, strict=True)
-            ]
+            items = _items(pixels, spans)
             yield inp.segment(
                 ids,
                 arrays={f"image_{i}": px for i, px in enumerate(pixels)},
-                payload={"mm_items": items},
+                payload={"mm_items": items, **params_payload(params)},
                 is_last=True,
             )
 
@@ -169,18 +171,15 @@ class MMPrefill(_MMStage):
                 # The request this stage forwards is this very dict: each receiving stage
                 # decodes its own copy off the wire, so this edits no one else's.
                 strip_media(messages, [it["hash"] for it in items])
-            handoff = {
-                "requires_kv": bool(items),
-                "prompt_token_ids": ids,
-                "block_size": o.block_size,
-                "mm_items": items,
-                "kv_block_hashes": block_hashes(ids, items, o.block_size, keys.shape[2]),
-            }
-            yield inp.segment(
-                arrays={"keys": keys, "values": values},
-                payload={"handoff": handoff, "cached_tokens": cached},
-                is_last=True,
+            contract = MMHandoff(
+                requires_kv=bool(items),
+                prompt_token_ids=ids,
+                block_size=o.block_size,
+                mm_items=items,
+                kv_block_hashes=block_hashes(ids, items, o.block_size, keys.shape[2]),
             )
+            handoff = Handoff(params=carried_params(w), mm=contract, cached_tokens=cached)
+            yield handoff.segment(inp, kv=(keys, values))
 
 
 class MMDecodeOptions(DecodeOptions, kw_only=True):
@@ -210,46 +209,42 @@ class MMDecode(_MMStage, Decode):
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
-            messages, params = self._messages(inp)
+            messages = self._messages(inp)
             w = inp.window
-            handoff = next((p["handoff"] for p in w.payloads if "handoff" in p), None)
+            sent = MMHandoff.as_sent(w)
             try:
                 if self.options.media == "reprocess":
-                    handoff = self._rerender(messages, handoff)
+                    sent = self._rerender(messages, sent)
                 elif messages is not None and has_media(messages):
                     raise AdmissionError(
                         "media payload: the request still carries image data; a requires_kv "
                         "request carries only item hashes"
                     )
                 adm = admit(
-                    handoff,
+                    sent,
                     w.arrays,
                     self.options.block_size,
                     self.engine.kv_shape,
                     self.engine.placeholder_id,
                 )
-                steps = self.engine.resume(
-                    handoff["prompt_token_ids"],  # type: ignore[index]
-                    w.arrays["keys"],
-                    w.arrays["values"],
-                    adm.kv_tokens,
-                    params,
-                )
+                params = self._check_sampling(Handoff.read(w).params)
+                keys, values = adm.kv
+                ids = adm.handoff.prompt_token_ids
+                steps = self.engine.resume(ids, keys, values, adm.kv_tokens, params)
                 first = next(steps)
             except AdmissionError as e:
                 yield inp.fail(f"requires_kv admission: {e}")
                 continue
-            n_prompt = len(handoff["prompt_token_ids"])  # type: ignore[index]
-            yield from self._stream(inp, params, [first], steps, prompt_tokens=n_prompt)
+            yield from self._stream(inp, params, [first], steps, prompt_tokens=len(ids))
 
     def _rerender(
-        self, messages: list[dict[str, Any]] | None, handoff: dict[str, Any] | None
+        self, messages: list[dict[str, Any]] | None, sent: dict[str, Any] | None
     ) -> dict[str, Any] | None:
         """The full-media baseline: decode the request's images, hash them, run the image
         processor and re-tokenize, as a decode that receives media does to build its
         input (the pixel values would ride with it, unused where the KV covers)."""
-        if messages is None or handoff is None:
-            return handoff
+        if messages is None or sent is None:
+            return sent
         try:
             o = self.options
             pixels = load_images(
@@ -260,11 +255,15 @@ class MMDecode(_MMStage, Decode):
         if pixels:
             self.engine.pixel_values(pixels)
         ids, spans = self.engine.encode_mm(messages, [p.shape[:2] for p in pixels])
-        items = [
-            {"hash": image_hash(px), "offset": off, "length": n}
-            for px, (off, n) in zip(pixels, spans, strict=True)
-        ]
-        return {**handoff, "prompt_token_ids": ids, "mm_items": items}
+        return MMHandoff.rerendered(sent, ids, _items(pixels, spans))
+
+
+def _items(pixels: list[Any], spans: list[tuple[int, int]]) -> list[MMItem]:
+    """Each image's hash and the span of its placeholders."""
+    return [
+        MMItem(hash=image_hash(px), offset=off, length=n)
+        for px, (off, n) in zip(pixels, spans, strict=True)
+    ]
 
 
 class MMPostprocess(Postprocess):

@@ -1,11 +1,15 @@
 """The AR stages: intake -> prefill -> decode -> postprocess, each in its own worker.
 
-* intake: validate the request, apply the chat template, tokenize (a source stage).
+* intake: validate the request, apply the chat template, tokenize (a source stage). The
+  request is parsed here, once: its params (:class:`omni_ar.params.SamplingParams`)
+  travel on with its first segment, and each later stage takes them from there.
 * prefill: the prompt forward pass; emits the first token and the KV cache as arrays,
-  which cross to decode through the shared-memory data plane.
+  which cross to decode through the shared-memory data plane, with a
+  :class:`omni_ar.handoff.Handoff`.
 * decode: rebuilds the cache and steps; flushes a segment every ``max_segment_tokens``
   tokens, after ``min_flush_interval_ms``, or at the end; stops at its next step when
-  the request is cancelled.
+  the request is cancelled. It decides the finish reason: its last segment carries
+  ``finish_reason`` (``stop`` or ``length``).
 * postprocess: incremental detokenization and stop strings, off the decode loop; streams
   text to the caller directly.
 

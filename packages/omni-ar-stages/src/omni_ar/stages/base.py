@@ -11,7 +11,7 @@ from omni_core.worker.devices import place
 
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
 from omni_ar.models import resolve_model
-from omni_ar.params import RequestError, SamplingParams, parse_request
+from omni_ar.params import RequestError, SamplingParams, carried_params, parse_request
 
 
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -30,6 +30,8 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # on the CPU: engines naming the same turn compute one forward at a time, each on all
     # of its threads (a split pipeline's prefill and decode on one machine's cores)
     cpu_turns: str | None = None
+    # the request's limits and defaults: they apply where it enters the family (ar.intake,
+    # ar.mm_intake), which parses it once; the later stages take its params as parsed there
     max_prompt_tokens: int = 2048  # intake refuses longer prompts
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     default_max_tokens: int = 16  # for requests that do not say
@@ -83,26 +85,37 @@ class ModelStage(Stage):
             return p.device, "auto"
         return p.device, p.dtype
 
-    def _params(self, inp: StageInput):  # type: ignore[no-untyped-def]
-        """(prompt or messages, sampling params); every stage reads the request alike."""
+    def _parse(self, inp: StageInput) -> tuple[Any, SamplingParams]:
+        """(prompt or messages, sampling params) of a request entering the family: parsed
+        and checked here, once, by the options of this (intake) stage; the params travel
+        on with the request's events (:func:`omni_ar.params.params_payload`)."""
         o = self.options
         request = inp.request
         if "max_tokens" not in request:
             request = {**request, "max_tokens": o.default_max_tokens}
         source, params = parse_request(request, o.max_tokens_limit, images=self.images)
+        return self._chat(source), params
+
+    def _chat(self, source: Any) -> Any:
+        """A plain prompt as a user turn (after the system prompt) with ``chat``."""
+        o = self.options
         if o.chat and isinstance(source, str):
             source = [{"role": "user", "content": source}]
             if o.system_prompt:
                 source.insert(0, {"role": "system", "content": o.system_prompt})
-        return source, params
+        return source
 
-    def _sampling_params(self, inp: StageInput) -> tuple[Any, SamplingParams]:
-        """``_params`` in a stage that samples: a RequestError naming ``response_format``
+    def _sampling_params(self, inp: StageInput) -> SamplingParams:
+        """The params that came with the request (:func:`omni_ar.params.carried_params`),
+        checked by :meth:`_check_sampling`."""
+        return self._check_sampling(carried_params(inp.window))
+
+    def _check_sampling(self, params: SamplingParams) -> SamplingParams:
+        """``params`` in a stage that samples: a RequestError naming ``response_format``
         where the request asks for structured output this stage cannot hold to. Only
         ``ar.generate`` on vLLM samples every token of a request under one grammar."""
-        source, params = self._params(inp)
         if params.structured() is None:
-            return source, params
+            return params
         why = self.unstructured
         if not why and self.options.engine != "vllm":
             why = f"this stage runs engine {self.options.engine!r}"
@@ -111,4 +124,4 @@ class ModelStage(Stage):
                 "field 'response_format': structured output needs the ar.generate stage "
                 f"on engine vllm ({why})"
             )
-        return source, params
+        return params

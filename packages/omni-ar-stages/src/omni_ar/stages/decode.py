@@ -9,9 +9,15 @@ from collections.abc import Iterable, Iterator
 from omni_core import StageEvent, StageInput
 
 from omni_ar.detokenizer import IncrementalDetokenizer
-from omni_ar.params import RequestError, Sampled, SamplingParams
+from omni_ar.handoff import Handoff, kv_of_arrays
+from omni_ar.params import (
+    RequestError,
+    Sampled,
+    SamplingParams,
+    params_payload,
+)
 from omni_ar.stages.base import ModelOptions, ModelStage
-from omni_ar.stages.logprobs import LOCAL_PREFILL, TOP_IDS, token_texts, top_ids, top_payload
+from omni_ar.stages.logprobs import TOP_IDS, token_texts, top_ids, top_payload
 
 
 class DecodeOptions(ModelOptions, kw_only=True):
@@ -39,27 +45,29 @@ class Decode(ModelStage):
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         for inp in batch:
+            w = inp.window
+            handoff = Handoff.read(w)
             try:
-                _, params = self._sampling_params(inp)
+                params = self._check_sampling(handoff.params)
             except RequestError as e:
                 yield inp.fail(e)
                 continue
-            w = inp.window
-            prompt = w.payloads[0].get("prompt_ids")
-            if w.payloads[0].get(LOCAL_PREFILL):  # prefill passed it on: prefilled here
+            prompt = handoff.prompt_ids
+            if handoff.local_prefill:  # prefill passed it on: prefilled here
                 yield from self._generate(inp, prompt, params)
                 continue
-            arrays = w.arrays
+            kv = kv_of_arrays(w.arrays)
+            if kv is None:
+                yield inp.fail("prefill sent no KV (arrays 'keys'/'values' missing)")
+                continue
             first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
-            first_top = [tuple(a) for a in w.payloads[0].get(TOP_IDS, [[]])[0]]
-            steps = self.engine.decode(first, arrays["keys"], arrays["values"], params, prompt)
-            n_prompt = w.payloads[0].get("prompt_tokens")
+            steps = self.engine.decode(first, *kv, params, prompt)
             try:
                 # the first token goes out before any step; meanwhile the other requests
                 # that arrived with this one enter the engine (vLLM batches them from
                 # their first token on)
-                so_far = [Sampled((first, first_lp), first_top)]
-                yield from self._stream(inp, params, so_far, steps, n_prompt)
+                so_far = [Sampled((first, first_lp), handoff.first_top)]
+                yield from self._stream(inp, params, so_far, steps, handoff.prompt_tokens)
             finally:
                 close = getattr(steps, "close", None)
                 if close is not None:
@@ -100,13 +108,14 @@ class Decode(ModelStage):
         params: SamplingParams,
         tokens_so_far: list[tuple[int, float]],
         steps: Iterable[tuple[int, float]],
-        prompt_tokens: int | None = None,
+        prompt_tokens: int,
     ) -> Iterator[StageEvent]:
         """Flush ``tokens_so_far`` and then the tokens of ``steps`` in segments; the first
-        carries ``prompt_tokens`` (the prompt's length, for usage counts downstream).
+        carries ``prompt_tokens`` (the prompt's length, for usage counts downstream) and
+        the request's params (for the stages downstream); the last, ``finish_reason``.
         With ``top_logprobs`` each segment's payload carries its tokens' alternatives
         (``top_ids``, made text by :func:`top_payload`)."""
-        counted = {"prompt_tokens": prompt_tokens} if prompt_tokens is not None else {}
+        counted = {**params_payload(params), "prompt_tokens": prompt_tokens}
         o = self.options
         detok = (
             IncrementalDetokenizer(self.engine.tokenizer, stop=params.stop)
@@ -151,7 +160,7 @@ class Decode(ModelStage):
 
     def _emit(self, inp, tokens, logprobs, tops, params, detok, counted, last=None):  # type: ignore[no-untyped-def]
         """A segment of the tokens so far; the first to go carries (and empties)
-        ``counted``, the prompt's length."""
+        ``counted``: the request's params and the prompt's length."""
         ev = self._segment(inp, tokens, logprobs, tops, params, detok, last=last)
         ev.payload.update(counted)
         counted.clear()
@@ -202,7 +211,7 @@ class Generate(Decode):
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         for inp in batch:
             try:
-                _, params = self._sampling_params(inp)
+                params = self._sampling_params(inp)
             except RequestError as e:
                 yield inp.fail(e)
                 continue

@@ -6,12 +6,13 @@ from collections.abc import Iterator
 
 from omni_core import StageEvent, StageInput
 
-from omni_ar.params import RequestError, template_error
+from omni_ar.params import RequestError, params_payload, template_error
 from omni_ar.stages.base import ModelStage
 
 
 class Intake(ModelStage):
-    """Request -> prompt token ids (one segment), or an error naming the bad field."""
+    """Request -> prompt token ids (one segment, with the request's params as parsed
+    here), or an error naming the bad field."""
 
     def load(self) -> None:
         self.engine = self._engine(model=False)
@@ -20,7 +21,7 @@ class Intake(ModelStage):
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             try:
-                source, _ = self._params(inp)
+                source, params = self._parse(inp)
                 ids = self.engine.encode(source)
             except RequestError as e:
                 yield inp.fail(e)
@@ -36,4 +37,4 @@ class Intake(ModelStage):
                     )
                 )
                 continue
-            yield inp.segment(ids, is_last=True)
+            yield inp.segment(ids, payload=params_payload(params), is_last=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 TOP_IDS = "top_ids"  # decode -> postprocess: per token, its alternatives' [id, logprob]
-LOCAL_PREFILL = "local_prefill"  # prefill -> decode: the prompt alone, decode prefills it
 
 
 class Alternatives:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from omni_core import StageEvent, StageInput
 
 from omni_ar.detokenizer import IncrementalDetokenizer
+from omni_ar.params import carried_params
 from omni_ar.stages.base import ModelStage
 from omni_ar.stages.logprobs import Alternatives, token_texts, top_payload
 
@@ -29,7 +30,7 @@ class Postprocess(ModelStage):
             rid = inp.request_id
             d = self.detoks.get(rid)
             if d is None:
-                _, params = self._params(inp)
+                params = carried_params(inp.window)  # with decode's first segment
                 d = self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
                 self.want_logprobs[rid] = params.logprobs
                 if params.top_logprobs:

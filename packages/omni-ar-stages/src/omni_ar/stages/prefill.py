@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 from omni_core import StageEvent, StageInput
 
+from omni_ar.handoff import Handoff
 from omni_ar.params import RequestError, SamplingParams
 from omni_ar.stages.base import ModelOptions, ModelStage
-from omni_ar.stages.logprobs import LOCAL_PREFILL, TOP_IDS, top_ids
+from omni_ar.stages.logprobs import top_ids
 
 
 class PrefillOptions(ModelOptions, kw_only=True):
@@ -41,14 +42,15 @@ class Prefill(ModelStage):
         params: list[SamplingParams] = []
         for inp in batch:
             try:
-                p = self._sampling_params(inp)[1]
+                p = self._sampling_params(inp)
             except RequestError as e:
                 yield inp.fail(e)
                 continue
             ids = inp.window.tokens
             if len(ids) <= local:  # no first token, no KV: decode prefills it
-                payload = {"prompt_tokens": len(ids), "prompt_ids": ids, LOCAL_PREFILL: True}
-                yield inp.segment([], payload=payload, is_last=True)
+                handoff = Handoff(params=p, prompt_ids=ids, prompt_tokens=len(ids))
+                handoff.local_prefill = True
+                yield handoff.segment(inp, [])
                 continue
             here.append(inp)
             params.append(p)
@@ -59,13 +61,7 @@ class Prefill(ModelStage):
         results = self.engine.prefill_many(prompts, params)  # vLLM: one batch
         for inp, ids, p, res in zip(batch, prompts, params, results, strict=True):
             tok, lp, keys, values = res
-            payload: dict[str, Any] = {"prompt_tokens": len(ids), "prompt_ids": ids}
+            handoff = Handoff(params=p, prompt_ids=ids, prompt_tokens=len(ids))
             if p.top_logprobs:
-                payload[TOP_IDS] = [top_ids(res)]
-            yield inp.segment(
-                [tok],
-                logprobs=[lp],
-                arrays={"keys": keys, "values": values},
-                payload=payload,
-                is_last=True,
-            )
+                handoff.top_ids = [top_ids(res)]
+            yield handoff.segment(inp, [tok], [lp], (keys, values))
