@@ -50,26 +50,20 @@ class PipelineCollector(Collector):
         health = self.pipe.health()
         stages: dict[str, dict[str, Any]] = m["stages"]
         for key, doc in STAGE_COUNTERS.items():
-            c = CounterMetricFamily(f"omni_stage_{key}", doc, labels=["stage"])
-            for name, s in stages.items():
-                c.add_metric([name], s.get(key, 0))
-            yield c
-        blocked = CounterMetricFamily(
+            yield _per_stage(CounterMetricFamily, f"omni_stage_{key}", doc, stages, key)
+        yield _per_stage(
+            CounterMetricFamily,
             "omni_stage_blocked_seconds",
             "time a stage waited on a full destination or shared-memory pool (watermarks)",
-            labels=["stage"],
+            stages,
+            "blocked_s",
+            default=0.0,
         )
-        restarts = CounterMetricFamily("omni_stage_restarts", "worker restarts", labels=["stage"])
-        for name, s in stages.items():
-            blocked.add_metric([name], s.get("blocked_s", 0.0))
-            restarts.add_metric([name], s.get("restarts", 0))
-        yield blocked
-        yield restarts
+        yield _per_stage(
+            CounterMetricFamily, "omni_stage_restarts", "worker restarts", stages, "restarts"
+        )
         for key, doc in STAGE_GAUGES.items():
-            g = GaugeMetricFamily(f"omni_stage_{key}", doc, labels=["stage"])
-            for name, s in stages.items():
-                g.add_metric([name], s.get(key, 0))
-            yield g
+            yield _per_stage(GaugeMetricFamily, f"omni_stage_{key}", doc, stages, key)
         util = GaugeMetricFamily(
             "omni_stage_gpu_utilization_percent",
             "utilisation of a stage's GPU (NVML; absent where unknown)",
@@ -108,6 +102,21 @@ class PipelineCollector(Collector):
             s.add_sample(f"{name}_count", {}, r["count"])
             s.add_sample(f"{name}_sum", {}, r.get("mean", 0.0) * r["count"])
             yield s
+
+
+def _per_stage(
+    family: type[CounterMetricFamily | GaugeMetricFamily],
+    name: str,
+    doc: str,
+    stages: dict[str, dict[str, Any]],
+    key: str,
+    default: float = 0,
+) -> Metric:
+    """A family with a sample per stage: its figure ``key`` (``default`` where it has none)."""
+    metric = family(name, doc, labels=["stage"])
+    for stage, figures in stages.items():
+        metric.add_metric([stage], figures.get(key, default))
+    return metric
 
 
 class ServerMetrics:
