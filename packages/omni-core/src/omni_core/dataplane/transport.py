@@ -141,15 +141,22 @@ class Addresses:
 SocketSetup = Callable[[zmq.Socket], None]
 
 
+def _socket(
+    ctx: zmq.Context, kind: int, options: dict[int, int], setup: SocketSetup | None
+) -> zmq.Socket:
+    """A socket of ``kind`` with ``options`` set, then ``setup`` run: ready to connect or bind."""
+    s = ctx.socket(kind)
+    for option, value in options.items():
+        s.setsockopt(option, value)
+    if setup is not None:
+        setup(s)
+    return s
+
+
 def push_socket(
     ctx: zmq.Context, address: str, hwm: int = 1000, setup: SocketSetup | None = None
 ) -> zmq.Socket:
-    s = ctx.socket(zmq.PUSH)
-    s.setsockopt(zmq.SNDHWM, hwm)
-    s.setsockopt(zmq.LINGER, 2000)
-    s.setsockopt(zmq.IMMEDIATE, 0)
-    if setup is not None:
-        setup(s)
+    s = _socket(ctx, zmq.PUSH, {zmq.SNDHWM: hwm, zmq.LINGER: 2000, zmq.IMMEDIATE: 0}, setup)
     s.connect(address)
     return s
 
@@ -157,11 +164,7 @@ def push_socket(
 def pull_socket(
     ctx: zmq.Context, address: str, hwm: int = 1000, setup: SocketSetup | None = None
 ) -> zmq.Socket:
-    s = ctx.socket(zmq.PULL)
-    s.setsockopt(zmq.RCVHWM, hwm)
-    s.setsockopt(zmq.LINGER, 0)
-    if setup is not None:
-        setup(s)
+    s = _socket(ctx, zmq.PULL, {zmq.RCVHWM: hwm, zmq.LINGER: 0}, setup)
     s.bind(address)
     return s
 
