@@ -238,9 +238,7 @@ class RunView:
     def event(self, ev: Any, files: list[Path]) -> None:
         self.counts[ev.stage] = self.counts.get(ev.stage, 0) + 1
         self.clear()
-        if self.text_open:  # the text stream ended: its own line
-            self.out.write("\n")
-            self.text_open = False
+        self.end_text_line()
         self.out.write(_describe(ev) + "\n")
         self.out.flush()
         for f in files:
@@ -274,13 +272,17 @@ class RunView:
 
     def end(self) -> None:
         self.clear()
-        if self.text_open:
-            self.out.write("\n")
-            self.out.flush()
-            self.text_open = False
+        self.end_text_line()
+        self.out.flush()
         for bar in self.bars.values():
             bar.close()
         self.bars.clear()
+
+    def end_text_line(self) -> None:
+        """The streamed text stopped: close its line, so what follows starts on its own."""
+        if self.text_open:
+            self.out.write("\n")
+            self.text_open = False
 
     # -- the last line of a terminal ---------------------------------------------------
     def clear(self) -> None:
