@@ -227,17 +227,25 @@ class _Job:
         )
 
 
-class Sample(Stage):
-    """The denoising loop; previews every ``image.preview_every`` steps."""
+class _ModelStage(Stage):
+    """A stage running the checkpoint's models (dit.sample, dit.vae): its :meth:`load`
+    places them and reads the architecture before a subclass loads its weights."""
 
     Options = ModelOptions
     preload = models.PRELOAD
 
     def load(self) -> None:
-        o = self.options
         self.placement = placement(self)
-        _threads(o.threads)
-        self.arch = load_architecture(o)
+        _threads(self.options.threads)
+        self.arch = load_architecture(self.options)
+
+
+class Sample(_ModelStage):
+    """The denoising loop; previews every ``image.preview_every`` steps."""
+
+    def load(self) -> None:
+        super().load()
+        o = self.options
         self.transformer = self.arch.load_transformer(
             self.placement.dtype, o.variant, self.placement.device
         )
@@ -328,17 +336,12 @@ class Sample(Stage):
         return torch.cat(embeds), torch.cat(pooled)
 
 
-class VaeDecode(Stage):
+class VaeDecode(_ModelStage):
     """Final latents -> an RGB image, float32 ``(height, width, 3)`` in [0, 1]."""
 
-    Options = ModelOptions
-    preload = models.PRELOAD
-
     def load(self) -> None:
+        super().load()
         o = self.options
-        self.placement = placement(self)
-        _threads(o.threads)
-        self.arch = load_architecture(o)
         self.vae = self.arch.load_vae(self.placement.dtype, o.variant, self.placement.device)
         from diffusers.image_processor import VaeImageProcessor
 

@@ -64,8 +64,8 @@ class TextEncode(Stage):
             torch.set_num_threads(o.threads)
         self.arch = architecture(resolve_model(o.model, variant=o.variant))
         where = self.placement
-        self.pipe = self.arch.load_text_pipeline(where.dtype, o.variant, o, where.device)
-        self.arch.encode(self.pipe, ["warm up"], None, o, where.device)
+        self.pipeline = self.arch.load_text_pipeline(where.dtype, o.variant, o, where.device)
+        self.arch.encode(self.pipeline, ["warm up"], None)
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         o = self.options
@@ -85,9 +85,7 @@ class TextEncode(Stage):
             if not jobs:
                 continue
             negatives = [neg for _, _, neg in jobs] if guided else None
-            out = self.arch.encode(
-                self.pipe, [text for _, text, _ in jobs], negatives, o, self.placement.device
-            )
+            out = self.arch.encode(self.pipeline, [text for _, text, _ in jobs], negatives)
             embeds, pooled, neg, neg_pooled = (  # to the host once per tensor
                 None if x is None else x.float().cpu().numpy() for x in out
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -19,11 +20,29 @@ class TextOptions(msgspec.Struct, kw_only=True):
     clip_skip: int | None = None  # CLIP layers skipped from the end (SD3)
 
 
+@dataclass(frozen=True)
+class TextPipeline:
+    """A diffusers pipeline with its text encoders loaded for ``options`` on ``device``:
+    what :meth:`Architecture.encode` encodes with."""
+
+    pipe: Any
+    options: TextOptions
+    device: str
+
+    def encode_prompt(self, **kwargs: Any) -> Any:
+        """The pipeline's own ``encode_prompt`` on its device, in inference mode."""
+        import torch
+
+        with torch.inference_mode():
+            return self.pipe.encode_prompt(device=torch.device(self.device), **kwargs)
+
+
 class Architecture:
     """One diffusers architecture, read from a checkpoint directory's configs (no
     weights are loaded until a ``load_*`` call)."""
 
     pipeline_class: ClassVar[str]  # the diffusers pipeline it mirrors
+    transformer_class: ClassVar[str]  # the diffusers class of its transformer
     label: ClassVar[str]
     default_guidance: ClassVar[float]  # image.guidance when a request leaves it out
     max_sequence_length: ClassVar[int]  # T5 tokens when the options leave it out
@@ -93,7 +112,10 @@ class Architecture:
 
     def load_transformer(self, dtype: str, variant: str | None, device: str = "cpu") -> Any:
         """The transformer in ``dtype`` on ``device``, in eval mode."""
-        raise NotImplementedError
+        import diffusers
+
+        cls = getattr(diffusers, self.transformer_class)
+        return models.load_part(cls, self.path, "transformer", dtype, variant, device)
 
     def predict(
         self, transformer: Any, latents: Any, t: Any, embeds: Any, pooled: Any, p: ImageParams
@@ -129,20 +151,26 @@ class Architecture:
 
     def load_text_pipeline(
         self, dtype: str, variant: str | None, o: TextOptions, device: str = "cpu"
-    ) -> Any:
+    ) -> TextPipeline:
         """The diffusers pipeline with its tokenizers and text encoders loaded in
-        ``dtype`` on ``device`` (and no transformer weights, no VAE)."""
+        ``dtype`` on ``device`` (and no transformer weights, no VAE), for ``o``."""
         raise NotImplementedError
 
     TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
     def text_pipeline(
-        self, cls: Any, dtype: str, variant: str | None, device: str = "cpu", **parts: Any
-    ) -> Any:
+        self,
+        cls: Any,
+        dtype: str,
+        variant: str | None,
+        o: TextOptions,
+        device: str = "cpu",
+        **parts: Any,
+    ) -> TextPipeline:
         """``cls.from_pretrained`` of this checkpoint without its VAE (and whatever
         ``parts`` replace), offline: the text encoders and tokenizers it loads, the
         encoders moved to ``device`` (one by one: ``pipe.to`` would move a stand-in
-        transformer on the meta device too)."""
+        transformer on the meta device too), for the options ``o``."""
         pipe = cls.from_pretrained(
             self.path,
             vae=None,
@@ -155,7 +183,7 @@ class Architecture:
             encoder = getattr(pipe, name, None)
             if encoder is not None:
                 encoder.to(device)
-        return pipe
+        return TextPipeline(pipe, o, device)
 
     def require_parts(self, parts: list[str]) -> None:
         """:class:`ModelError` naming the parts ``model_index.json`` does not list."""
@@ -168,15 +196,10 @@ class Architecture:
             )
 
     def encode(
-        self,
-        pipe: Any,
-        prompts: list[str],
-        negatives: list[str] | None,
-        o: TextOptions,
-        device: str = "cpu",
+        self, pipeline: TextPipeline, prompts: list[str], negatives: list[str] | None
     ) -> tuple[Any, Any, Any, Any]:
         """``(embeds (B, tokens, width), pooled (B, width), negative_embeds,
-        negative_pooled)`` by the pipeline's own ``encode_prompt`` on ``device`` (where
+        negative_pooled)`` by the pipeline's own ``encode_prompt`` on its device (where
         the encoders are; the tensors stay there), the negatives (None without guidance)
         encoded as the pipeline encodes them."""
         raise NotImplementedError

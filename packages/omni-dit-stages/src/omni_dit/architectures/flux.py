@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from omni_dit import models
-from omni_dit.architectures.base import Architecture, TextOptions
+from omni_dit.architectures.base import Architecture, TextOptions, TextPipeline
 from omni_dit.params import ImageParams
 
 
 class Flux(Architecture):
     pipeline_class = "FluxPipeline"
+    transformer_class = "FluxTransformer2DModel"
     label = "Flux.1"
     default_guidance = 3.5  # the pipeline's guidance_scale
     max_sequence_length = 512
@@ -67,13 +68,6 @@ class Flux(Architecture):
         scheduler.set_begin_index(0)
         return scheduler
 
-    def load_transformer(self, dtype: str, variant: str | None, device: str = "cpu") -> Any:
-        from diffusers import FluxTransformer2DModel
-
-        return models.load_part(
-            FluxTransformer2DModel, self.path, "transformer", dtype, variant, device
-        )
-
     def forward(
         self, transformer: Any, x: Any, t: Any, embeds: Any, pooled: Any, p: ImageParams
     ) -> Any:
@@ -108,33 +102,26 @@ class Flux(Architecture):
 
     def load_text_pipeline(
         self, dtype: str, variant: str | None, o: TextOptions, device: str = "cpu"
-    ) -> Any:
+    ) -> TextPipeline:
         from diffusers import FluxPipeline
 
         for name, value, default in (("use_t5", o.use_t5, True), ("clip_skip", o.clip_skip, None)):
             if value != default:
                 raise models.ModelError(f"option {name!r}: Flux's encode_prompt has no such choice")
         self.require_parts(["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"])
-        return self.text_pipeline(FluxPipeline, dtype, variant, device, transformer=None)
+        return self.text_pipeline(FluxPipeline, dtype, variant, o, device, transformer=None)
 
     def encode(
-        self,
-        pipe: Any,
-        prompts: list[str],
-        negatives: list[str] | None,
-        o: TextOptions,
-        device: str = "cpu",
+        self, pipeline: TextPipeline, prompts: list[str], negatives: list[str] | None
     ) -> tuple[Any, Any, Any, Any]:
-        import torch
+        o = pipeline.options
 
         def encode(texts: list[str]) -> tuple[Any, Any]:
-            with torch.inference_mode():
-                embeds, pooled, _ = pipe.encode_prompt(
-                    prompt=texts,
-                    prompt_2=None,
-                    device=torch.device(device),
-                    max_sequence_length=o.max_sequence_length or self.max_sequence_length,
-                )
+            embeds, pooled, _ = pipeline.encode_prompt(
+                prompt=texts,
+                prompt_2=None,
+                max_sequence_length=o.max_sequence_length or self.max_sequence_length,
+            )
             return embeds, pooled
 
         embeds, pooled = encode(prompts)

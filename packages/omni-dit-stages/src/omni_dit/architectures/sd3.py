@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_dit import models
-from omni_dit.architectures.base import Architecture, TextOptions
+from omni_dit.architectures.base import Architecture, TextOptions, TextPipeline
 from omni_dit.params import ImageParams, ImageRequestError
 
 
 class SD3(Architecture):
     pipeline_class = "StableDiffusion3Pipeline"
+    transformer_class = "SD3Transformer2DModel"
     label = "Stable Diffusion 3"
     default_guidance = 1.0  # no guidance unless asked (the configs set the checkpoint's)
     max_sequence_length = 256
@@ -75,13 +75,6 @@ class SD3(Architecture):
         retrieve_timesteps(scheduler, steps, latents.device, **kwargs)
         return scheduler
 
-    def load_transformer(self, dtype: str, variant: str | None, device: str = "cpu") -> Any:
-        from diffusers import SD3Transformer2DModel
-
-        return models.load_part(
-            SD3Transformer2DModel, self.path, "transformer", dtype, variant, device
-        )
-
     def forward(
         self, transformer: Any, x: Any, t: Any, embeds: Any, pooled: Any, p: ImageParams
     ) -> Any:
@@ -95,7 +88,7 @@ class SD3(Architecture):
 
     def load_text_pipeline(
         self, dtype: str, variant: str | None, o: TextOptions, device: str = "cpu"
-    ) -> Any:
+    ) -> TextPipeline:
         import torch
         from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
@@ -108,28 +101,20 @@ class SD3(Architecture):
         self.require_parts(parts + (["text_encoder_3", "tokenizer_3"] if o.use_t5 else []))
         skip = {} if o.use_t5 else {"text_encoder_3": None, "tokenizer_3": None}
         return self.text_pipeline(
-            StableDiffusion3Pipeline, dtype, variant, device, transformer=stand_in, **skip
+            StableDiffusion3Pipeline, dtype, variant, o, device, transformer=stand_in, **skip
         )
 
     def encode(
-        self,
-        pipe: Any,
-        prompts: list[str],
-        negatives: list[str] | None,
-        o: TextOptions,
-        device: str = "cpu",
+        self, pipeline: TextPipeline, prompts: list[str], negatives: list[str] | None
     ) -> tuple[Any, Any, Any, Any]:
-        import torch
-
-        with torch.inference_mode():
-            embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
-                prompt=prompts,
-                prompt_2=None,
-                prompt_3=None,
-                device=torch.device(device),
-                do_classifier_free_guidance=negatives is not None,
-                negative_prompt=negatives,
-                clip_skip=o.clip_skip,
-                max_sequence_length=o.max_sequence_length or self.max_sequence_length,
-            )
+        o = pipeline.options
+        embeds, neg, pooled, neg_pooled = pipeline.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            do_classifier_free_guidance=negatives is not None,
+            negative_prompt=negatives,
+            clip_skip=o.clip_skip,
+            max_sequence_length=o.max_sequence_length or self.max_sequence_length,
+        )
         return embeds, pooled, neg, neg_pooled
