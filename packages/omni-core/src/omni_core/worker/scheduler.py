@@ -84,8 +84,11 @@ class Scheduler:
                         return
                     if w.deadline is not None and time.time() > w.deadline:
                         return
-                    if self.host.to_end:
-                        break  # end_request first
+                    if self.host.to_end or self.host.releasable:
+                        # end_request first; and what the queue let go of (a cancelled
+                        # request's items) goes back now, not when the I/O thread next
+                        # takes something in: an idle pipeline would pin it till then
+                        break
                     self.queue.idle_stage = True
                     w.work.wait(0.2)
                     self.queue.idle_stage = False
