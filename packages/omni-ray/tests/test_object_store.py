@@ -229,8 +229,9 @@ def test_a_producer_that_dies_with_objects_in_flight_leaves_none_behind(cluster)
     a reader's queue on another node, its request fails, the gateways let go of every
     array it sent, and the restarted producer serves again. Ray itself may keep, in the
     reader's process, the one array it was mapping when its owner died (a borrowed
-    object of a dead owner) until that process ends: no array is left once the pipeline
-    closed. Ray keeps a 1-byte mark of such a lost object as long as the cluster lives:
+    object of a dead owner) until that process ends: no array is pinned once the pipeline
+    closed (an unpinned copy on the reader's node may stay till Ray needs the room). Ray
+    keeps a 1-byte mark of such a lost object as long as the cluster lives:
     this test runs last in this module, whose other tests count the objects left."""
     cfg = slow_reader_config("node_b")
     cfg["stages"][0]["restart_backoff_s"] = 0.2
@@ -243,6 +244,8 @@ def test_a_producer_that_dies_with_objects_in_flight_leaves_none_behind(cluster)
         assert objects_put(pipe)["burst"] == 3  # the new life put its own
         assert not held(pipe)
     # the reader's process, which may still map the array of the dead owner, ends with the
-    # pipeline; Ray frees what it mapped once it has noticed (slower on a loaded machine)
-    usage = wait_object_store_empty(timeout_s=60.0, max_bytes=1024)
-    assert usage["bytes"] <= 1024, usage  # (Ray may keep its 1-byte mark of a lost object)
+    # pipeline: nothing is pinned any more. The copy it pulled to its node may stay
+    # (nobody pins it, Ray evicts it when it needs the room; seen in about 1 run of 8 on
+    # a loaded machine), and Ray's 1-byte mark of the lost object
+    usage = wait_object_store_empty(timeout_s=60.0, max_bytes=1024, unpinned_bytes=NBYTES + 1024)
+    assert usage["primary_copies"] == 0 and usage["bytes"] <= NBYTES + 1024, usage

@@ -103,17 +103,26 @@ def object_store_usage(address: str | None = None) -> dict[str, int]:
 
 
 def wait_object_store_empty(
-    timeout_s: float = 20.0, address: str | None = None, max_bytes: int | None = None
+    timeout_s: float = 20.0,
+    address: str | None = None,
+    max_bytes: int | None = None,
+    unpinned_bytes: int = 0,
 ) -> dict[str, int]:
     """The object stores' usage once it is empty (Ray frees objects asynchronously), or
     holds at most ``max_bytes`` (what Ray keeps for itself, such as its mark of a lost
-    object), or as it is after ``timeout_s``."""
+    object), or no primary copy and at most ``unpinned_bytes`` (copies nobody pins, such
+    as one a reader pulled of an object whose owner then died: Ray evicts those only
+    when it needs the room), or as it is after ``timeout_s``."""
     import time
 
     end = time.monotonic() + timeout_s
     while True:
         usage = object_store_usage(address)
-        done = usage["objects"] == 0 or (max_bytes is not None and usage["bytes"] <= max_bytes)
+        done = (
+            usage["objects"] == 0
+            or (max_bytes is not None and usage["bytes"] <= max_bytes)
+            or (usage["primary_copies"] == 0 and usage["bytes"] <= unpinned_bytes)
+        )
         if done or time.monotonic() > end:
             return usage
         time.sleep(0.2)
