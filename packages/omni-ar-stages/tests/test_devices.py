@@ -150,6 +150,17 @@ def test_gpu_memory_utilization_option_is_checked_at_config_load(bad):
         parse_config(_config("ar.decode", engine="vllm", gpu_memory_utilization=bad))
 
 
+@pytest.mark.parametrize("kind", ["ar.intake", "ar.mm_intake"])
+def test_the_default_max_tokens_must_lie_within_the_limit_at_config_load(kind):
+    parse_config(_config(kind, max_tokens_limit=8, default_max_tokens=8))  # at the limit
+    with pytest.raises(ConfigError, match=r"stages\[0\]\.options: default_max_tokens 9 is"):
+        parse_config(_config(kind, max_tokens_limit=8, default_max_tokens=9))  # one past
+    with pytest.raises(ConfigError, match=r"default_max_tokens 16 is not in 1\.\.max_tokens_limit"):
+        parse_config(_config(kind, max_tokens_limit=8))  # the default over a lower limit
+    with pytest.raises(ConfigError, match=r"default_max_tokens 0 is not in"):
+        parse_config(_config(kind, default_max_tokens=0))
+
+
 # -- placement of the model-bearing stages ------------------------------------------------
 
 

@@ -17,7 +17,7 @@ def config(model):
             {
                 "name": "intake",
                 "kind": "ar.intake",
-                "options": {"model": model, "max_tokens_limit": LIMIT},
+                "options": {"model": model, "max_tokens_limit": LIMIT, "default_max_tokens": 4},
             },
             {"name": "prefill", "kind": "ar.prefill", "options": opts},
             {"name": "decode", "kind": "ar.decode", "options": opts},

@@ -38,6 +38,14 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     chat: bool = False  # a plain "prompt" goes through the chat template as a user turn
     system_prompt: str | None = None  # with chat: a system turn before a plain prompt
 
+    def __post_init__(self) -> None:
+        # else every request that does not say max_tokens would be refused
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError(
+                f"default_max_tokens {self.default_max_tokens} is not in "
+                f"1..max_tokens_limit ({self.max_tokens_limit})"
+            )
+
 
 class ModelStage(Stage):
     Options = ModelOptions
