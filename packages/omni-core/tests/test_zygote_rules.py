@@ -6,13 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from omni_core.control.worker_env import inherited_env
 from omni_core.control.zygote import (
     Fork,
     Forked,
     _decoder,
     _encoder,
     import_time_keys,
-    inherited_env,
 )
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from omni_core.client.backend import Backend
 from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig, split_worker
-from omni_core.control.zygote import inherited_env
+from omni_core.control.worker_env import inherited_env
 from omni_core.dataplane.serial import ArrayCodec, array_from_flat, decode_event_frame
 from omni_core.errors import StageStartError
 from omni_core.events import InlineArray

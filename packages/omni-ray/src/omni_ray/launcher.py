@@ -25,7 +25,7 @@ from typing import Any
 
 from omni_core.config import PipelineConfig, split_worker
 from omni_core.control.launcher import Launcher, WorkerHandle
-from omni_core.control.zygote import inherited_env
+from omni_core.control.worker_env import inherited_env
 from omni_core.dataplane.serial import encode_json
 from omni_core.dataplane.shm import SHM_DIR
 from omni_core.worker import WorkerSpec

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from omni_core.config import PipelineConfig, split_worker
+from omni_core.control.worker_env import inherited_env
 from omni_core.control.zygote import (
     Fork,
     ForkRefused,
@@ -36,7 +37,6 @@ from omni_core.control.zygote import (
     clone_unsupported,
     exit_reason,
     import_time_keys,
-    inherited_env,
 )
 from omni_core.dataplane.serial import encode_json
 from omni_core.dataplane.shm import SegmentOwner

@@ -37,6 +37,8 @@ from typing import NoReturn
 
 import msgspec
 
+from omni_core.control.worker_env import inherited_env
+
 log = logging.getLogger("omni.zygote")
 
 CLONE_PARENT = 0x00008000
@@ -361,18 +363,6 @@ def apply_thread_env() -> None:
             if fn is not None:
                 fn(n)
                 break
-
-
-# secrets of the process that runs the pipeline that no worker (nor the zygote) gets: a
-# forked worker shows its zygote's environment as the zygote was started, in /proc
-SECRET_ENV = ("OMNI_API_KEY",)
-
-
-def inherited_env(prefix: str = "") -> dict[str, str]:
-    """The environment a worker (or the zygote) starts with: this process's variables
-    (those starting with ``prefix``: a Ray actor gets the ``OMNI_`` ones), without
-    :data:`SECRET_ENV`."""
-    return {k: v for k, v in os.environ.items() if k.startswith(prefix) and k not in SECRET_ENV}
 
 
 def import_time_keys(extra_env: dict[str, str], base: dict[str, str]) -> list[str]:
