@@ -1,5 +1,5 @@
 """The ``omni`` command: ``omni stages``, ``omni run``, ``omni trace``, ``omni bench``,
-``omni models`` (:mod:`omni_core.models.named_models`), and
+``omni models`` (:mod:`omni_core.models.named_models`), ``omni config normalize``, and
 the subcommands plug-ins register under the entry-point group ``omni.commands`` (``omni
 serve`` from omni-serve)."""
 
@@ -428,6 +428,17 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_config_normalize(args: argparse.Namespace) -> int:
+    from omni_core.config import ConfigError, normalized_yaml
+
+    try:
+        print(normalized_yaml(args.config), end="")
+    except ConfigError as e:
+        print(f"omni config normalize: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     reg = benchmark_registry()
     if args.name is None:
@@ -462,7 +473,7 @@ def _cmd_plugin(name: str, rest: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni", description="omni pipeline runtime")
     sub = parser.add_subparsers(dest="command", required=True)
-    builtin = {"stages", "run", "trace", "bench", "models"}
+    builtin = {"stages", "run", "trace", "bench", "models", "config"}
     plugins: dict[str, str] = {}  # name -> help
     for claims in command_registry().entries():
         if claims[0].name not in builtin:
@@ -501,6 +512,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_backend_args(p)
 
+    p = sub.add_parser("config", help="pipeline configs: normalize one")
+    config_sub = p.add_subparsers(dest="config_command", required=True)
+    p = config_sub.add_parser(
+        "normalize", help="print a config in omni's canonical spelling (design doc keys rewritten)"
+    )
+    p.add_argument("config", help="pipeline YAML file")
+
     for name, about in sorted(plugins.items()):
         # the plug-in parses its own arguments (``omni NAME --help`` is its help)
         sub.add_parser(name, help=about, add_help=False)
@@ -527,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_stages(args)
     if args.command == "trace":
         return _cmd_trace(args)
+    if args.command == "config":
+        return _cmd_config_normalize(args)
     return _cmd_run(args)
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from omni_core.config_spelling import Spelling, SpellingError, canonical_spelling
 from omni_core.dataplane.serial import DEFAULT_SHM_THRESHOLD
 
 NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
@@ -24,6 +25,11 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 
 class ConfigError(ValueError):
     """A pipeline configuration is invalid; the message names file, key path and expectation."""
+
+    def __init__(self, message: str, *, path: str = "", detail: str = "") -> None:
+        super().__init__(message)
+        self.path = path  # the key path, when the error is about one key
+        self.detail = detail  # the message without file and key path
 
 
 class _Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -342,28 +348,74 @@ def _where(path: str) -> str:
 
 
 def _fail(source: str, path: str, message: str) -> ConfigError:
-    return ConfigError(f"{source}: {path}: {message}")
+    return ConfigError(f"{source}: {path}: {message}", path=path, detail=message)
 
 
 def parse_config(data: Any, source: str = "<config>", check_kinds: bool = True) -> PipelineConfig:
-    """Validate already-parsed YAML/JSON data into a :class:`PipelineConfig`."""
+    """Validate already-parsed YAML/JSON data into a :class:`PipelineConfig`. The design
+    doc's spelling (:mod:`omni_core.config_spelling`) is rewritten into omni's first;
+    errors name a key as it was written."""
     if not isinstance(data, dict):
         raise _fail(source, "<top>", f"expected a mapping, got {type(data).__name__}")
     # top-level `x-...` keys are free: a place for YAML anchors shared by several stages
     data = {k: v for k, v in data.items() if not (isinstance(k, str) and k.startswith("x-"))}
+    spelling = _canonical(data, source)
     try:
-        cfg = msgspec.convert(data, PipelineConfig)
-    except msgspec.ValidationError as e:
-        path, msg = _explain(e, "key")
-        raise _fail(source, _where(path), msg) from None
-    cfg.source_file = source
-    _check(cfg, source, check_kinds)
+        try:
+            cfg = msgspec.convert(spelling.data, PipelineConfig)
+        except msgspec.ValidationError as e:
+            path, msg = _explain(e, "key")
+            raise _fail(source, _where(path), msg) from None
+        cfg.source_file = source
+        _check(cfg, source, check_kinds)
+    except ConfigError as e:
+        written = spelling.written(e.path) if e.path else e.path
+        if written == e.path:
+            raise
+        raise _fail(source, written, e.detail) from None
     return cfg
+
+
+def _canonical(data: dict[str, Any], source: str) -> Spelling:
+    try:
+        return canonical_spelling(data, _option_names)
+    except SpellingError as e:
+        raise _fail(source, e.path, e.message) from None
+
+
+def _option_names(kind: str) -> frozenset[str]:
+    """The option keys stage kind ``kind`` takes (none if it cannot be loaded: the kind's
+    own check reports why)."""
+    from omni_core.registry import RegistryError, load_stage_class
+
+    try:
+        options_type = getattr(load_stage_class(kind), "Options", None)
+    except RegistryError:
+        return frozenset()
+    if options_type is None:
+        return frozenset()
+    return frozenset(f.encode_name for f in msgspec.structs.fields(options_type))
+
+
+def normalized_yaml(path: str | os.PathLike[str]) -> str:
+    """The config file at ``path`` in omni's canonical spelling, as YAML (validated first;
+    ``${VAR}`` references are kept as written, YAML anchors resolved)."""
+    p = Path(path)
+    data = _read_yaml(p)
+    load_config(p)
+    if not isinstance(data, dict):  # pragma: no cover - load_config refused it
+        raise _fail(str(p), "<top>", "expected a mapping")
+    canonical = _canonical(data, str(p)).data
+    return yaml.safe_dump(canonical, sort_keys=False, allow_unicode=True, default_flow_style=False)
 
 
 def load_config(path: str | os.PathLike[str], check_kinds: bool = True) -> PipelineConfig:
     """Read and validate a pipeline YAML file."""
     p = Path(path)
+    return parse_config(expand_env(_read_yaml(p), str(p)), str(p), check_kinds)
+
+
+def _read_yaml(p: Path) -> Any:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
@@ -376,7 +428,7 @@ def load_config(path: str | os.PathLike[str], check_kinds: bool = True) -> Pipel
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<yaml>"
         raise ConfigError(f"{p}: {where}: invalid YAML: {getattr(e, 'problem', e)}") from None
-    return parse_config(expand_env(data, str(p)), str(p), check_kinds)
+    return data
 
 
 _ENV_REF = re.compile(r"\$\$\{|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
