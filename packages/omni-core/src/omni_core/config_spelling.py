@@ -87,9 +87,9 @@ def canonical_spelling(
         del out.data["mrs"]
     _edges_window_size(out, "edges")
     if doc_stages is not None:
-        _merge(out, "stages", doc_stages, "mrs.stages", "name", _stage_entry)
+        _merge(out, "stages", doc_stages, "mrs.stages", ("name",), _stage_entry)
     if doc_edges is not None:
-        _merge(out, "edges", doc_edges, "mrs.edges", "from, to", _edge_entry)
+        _merge(out, "edges", doc_edges, "mrs.edges", ("from", "to"), _edge_entry)
     if ar is not None:
         _apply_ar(out, ar, option_names)
     return out
@@ -152,13 +152,17 @@ EntryRewrite = Callable[[dict[str, Any], str], tuple[dict[str, Any], dict[str, s
 
 
 def _merge(
-    out: Spelling, key: str, doc: Any, doc_key: str, identity: str, rewrite: EntryRewrite
+    out: Spelling,
+    key: str,
+    doc: Any,
+    doc_key: str,
+    fields: tuple[str, ...],
+    rewrite: EntryRewrite,
 ) -> None:
-    """Each entry of ``mrs.<key>`` merged into the ``<key>`` entry it names (by
-    ``identity``'s fields), else appended; a field set in both is an error naming both."""
+    """Each entry of ``mrs.<key>`` merged into the ``<key>`` entry it names (by its
+    ``fields``), else appended; a key set in both is an error naming both."""
     if not isinstance(doc, list):
         raise SpellingError(doc_key, f"expected a list, got {type(doc).__name__}")
-    fields = [f.strip() for f in identity.split(",")]
     merged = out.data.get(key)
     merged = list(merged) if isinstance(merged, list) else []
     index: dict[Hashable, int] = {}
@@ -171,8 +175,10 @@ def _merge(
         if not isinstance(raw, dict):
             raise SpellingError(written, f"expected a mapping, got {type(raw).__name__}")
         for f in fields:
-            if not isinstance(raw.get(f), str):
-                raise SpellingError(f"{written}.{f}", f"required key is missing ({identity})")
+            if f not in raw:
+                raise SpellingError(f"{written}.{f}", "required key is missing")
+            if not isinstance(raw[f], str):
+                raise SpellingError(f"{written}.{f}", f"expected a stage name, got {raw[f]!r}")
         ident = _identity(raw, fields)
         if ident in seen:
             raise SpellingError(
@@ -207,11 +213,11 @@ def _merge(
     out.data[key] = merged
 
 
-def _identity(entry: dict[str, Any], fields: list[str]) -> Hashable:
+def _identity(entry: dict[str, Any], fields: tuple[str, ...]) -> Hashable:
     return tuple(str(entry.get(f)) for f in fields)
 
 
-def _show(entry: dict[str, Any], fields: list[str]) -> str:
+def _show(entry: dict[str, Any], fields: tuple[str, ...]) -> str:
     return " -> ".join(repr(entry[f]) for f in fields)
 
 
