@@ -454,7 +454,7 @@ def test_body_limit_fits_images_and_names_itself(pipe):
 def test_max_tokens_over_the_stages_limit_is_refused_before_the_pipeline(pipe):
     """The limit is the stages' ``max_tokens_limit`` (the smallest declared), checked by
     the server: the request never reaches the pipeline."""
-    pipe.config.stages[1].options["max_tokens_limit"] = 8
+    pipe.config.stages[1].options.update(max_tokens_limit=8, default_max_tokens=8)
     client = client_of(pipe)
     r = post(client, max_tokens=9)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
