@@ -13,7 +13,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from omni_core.config_spelling import Spelling, SpellingError, canonical_spelling
+from omni_core.config_spelling import (
+    AR_STAGE_OPTIONS,
+    Spelling,
+    SpellingError,
+    canonical_spelling,
+)
 from omni_core.dataplane.serial import DEFAULT_SHM_THRESHOLD
 
 NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
@@ -359,7 +364,7 @@ def parse_config(data: Any, source: str = "<config>", check_kinds: bool = True) 
         raise _fail(source, "<top>", f"expected a mapping, got {type(data).__name__}")
     # top-level `x-...` keys are free: a place for YAML anchors shared by several stages
     data = {k: v for k, v in data.items() if not (isinstance(k, str) and k.startswith("x-"))}
-    spelling = _canonical(data, source)
+    spelling = _canonical(data, source, check_kinds)
     try:
         try:
             cfg = msgspec.convert(spelling.data, PipelineConfig)
@@ -376,11 +381,18 @@ def parse_config(data: Any, source: str = "<config>", check_kinds: bool = True) 
     return cfg
 
 
-def _canonical(data: dict[str, Any], source: str) -> Spelling:
+def _canonical(data: dict[str, Any], source: str, check_kinds: bool = True) -> Spelling:
+    # unchecked kinds (not loaded): every ar.* stage takes the mrs.ar defaults, the same
+    # on every machine whatever is installed
+    option_names = _option_names if check_kinds else _any_ar_options
     try:
-        return canonical_spelling(data, _option_names)
+        return canonical_spelling(data, option_names)
     except SpellingError as e:
         raise _fail(source, e.path, e.message) from None
+
+
+def _any_ar_options(kind: str) -> frozenset[str]:
+    return frozenset(AR_STAGE_OPTIONS)
 
 
 def _option_names(kind: str) -> frozenset[str]:
@@ -402,9 +414,7 @@ def normalized_yaml(path: str | os.PathLike[str]) -> str:
     ``${VAR}`` references are kept as written, YAML anchors resolved)."""
     p = Path(path)
     data = _read_yaml(p)
-    load_config(p)
-    if not isinstance(data, dict):  # pragma: no cover - load_config refused it
-        raise _fail(str(p), "<top>", "expected a mapping")
+    parse_config(expand_env(data, str(p)), str(p))  # (a mapping, valid, once read)
     canonical = _canonical(data, str(p)).data
     return yaml.safe_dump(canonical, sort_keys=False, allow_unicode=True, default_flow_style=False)
 

@@ -261,14 +261,15 @@ def _apply_ar(out: Spelling, ar: Any, option_names: Callable[[str], frozenset[st
         for i, s in enumerate(stages)
         if isinstance(s, dict) and str(s.get("kind", "")).startswith(AR_KIND_PREFIX)
     ]
+    given = [o for o in AR_STAGE_OPTIONS if o in ar]
     for i, s in ar_stages:
+        if not given:  # nothing to default: no kind's options are looked up
+            break
         options = s.get("options", {})
         if not isinstance(options, dict):
             continue  # the config's own check says what is wrong with it
         takes = option_names(str(s["kind"]))
-        defaults = {
-            o: ar[o] for o in AR_STAGE_OPTIONS if o in ar and o in takes and o not in options
-        }
+        defaults = {o: ar[o] for o in given if o in takes and o not in options}
         if defaults:
             stages[i] = {**s, "options": {**options, **defaults}}
             out.origins.update({f"stages[{i}].options.{o}": f"mrs.ar.{o}" for o in defaults})

@@ -426,7 +426,9 @@ class NodeGateway:
             # frames taken in but not passed on: their worker is (re)starting, not placed
             waiting: list[bytes] = []
             while not self.stop:
-                room = len(waiting) < MAX_BATCH_FRAMES
+                # control frames are small (releases, cancels): they are always taken in,
+                # so that a release of an object is not held up behind a full batch
+                room = control or len(waiting) < MAX_BATCH_FRAMES
                 if not room:  # (the sockets are not read: their senders wait)
                     time.sleep(RETRY_S)
                 ready = dict(poller.poll(RETRY_MS if waiting else 100)) if room else {}

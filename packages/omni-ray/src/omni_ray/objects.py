@@ -30,6 +30,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -146,11 +147,7 @@ class HeldObjects:
     def by_reader(self) -> dict[str, int]:
         """How many objects are held for each reader (one held for two counts twice)."""
         with self.lock:
-            counts: dict[str, int] = {}
-            for readers in self.readers.values():
-                for r in readers:
-                    counts[r] = counts.get(r, 0) + 1
-            return counts
+            return dict(Counter(r for readers in self.readers.values() for r in readers))
 
 
 def take_releases(frame: bytes, held: HeldObjects) -> bytes | None:

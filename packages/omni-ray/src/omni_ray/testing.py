@@ -87,7 +87,8 @@ def one_per_node(num_cpus: float = 0.5) -> dict[str, Any]:
 
 def object_store_usage(address: str | None = None) -> dict[str, int]:
     """Objects and bytes in the object stores of every node of the cluster (what ``ray
-    memory --stats-only`` reports): ``{"objects": n, "bytes": m}``."""
+    memory --stats-only`` reports): ``{"objects", "bytes", "primary_copies",
+    "primary_bytes"}`` (a primary copy is one its owner pins)."""
     import ray
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 

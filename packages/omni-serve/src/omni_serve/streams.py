@@ -110,8 +110,9 @@ class TextState:
     def finish_reason(self) -> str:
         """Why the text ended, as the AR stages said it with their last text (decode
         decides: ``stop`` at end of sequence or a stop string, ``length`` at
-        ``max_tokens``); ``stop`` where the pipeline's stages say nothing."""
-        return self.end or "stop"
+        ``max_tokens``); ``stop`` where the pipeline's stages say nothing (or something
+        OpenAI's field cannot carry)."""
+        return self.end if self.end in ("stop", "length") else "stop"
 
     def usage(self) -> dict[str, int]:
         n = len(self.tokens)

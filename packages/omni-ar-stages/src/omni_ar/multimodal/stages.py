@@ -227,7 +227,7 @@ class MMDecode(_MMStage, Decode):
                     self.engine.kv_shape,
                     self.engine.placeholder_id,
                 )
-                params = self._check_sampling(Handoff.read(w).params)
+                params = carried_params(w)  # as the intake parsed and checked them
                 keys, values = adm.kv
                 ids = adm.handoff.prompt_token_ids
                 steps = self.engine.resume(ids, keys, values, adm.kv_tokens, params)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 
+import msgspec
 from omni_core import StageEvent, StageInput
 
 from omni_ar.detokenizer import IncrementalDetokenizer
@@ -46,9 +47,12 @@ class Decode(ModelStage):
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         for inp in batch:
             w = inp.window
-            handoff = Handoff.read(w)
             try:
+                handoff = Handoff.read(w)
                 params = self._check_sampling(handoff.params)
+            except msgspec.ValidationError as e:  # a broken upstream: this request only
+                yield inp.fail(f"handoff from {w.edge}: {e}")
+                continue
             except RequestError as e:
                 yield inp.fail(e)
                 continue

@@ -19,7 +19,6 @@ class Postprocess(ModelStage):
         self.engine = self._engine(model=False)
         self.tokenizer = self.engine.load_tokenizer()
         self.detoks: dict[str, IncrementalDetokenizer] = {}
-        self.counts: dict[str, int] = {}
         self.prompt_tokens: dict[str, int] = {}  # until passed on with the next event
         self.finish: dict[str, str] = {}  # decode's finish reason, once it sent it
         self.want_logprobs: dict[str, bool] = {}
@@ -47,7 +46,6 @@ class Postprocess(ModelStage):
                 alts.add(inp.window)
             new = inp.window.new_tokens
             text = d.add(new)
-            self.counts[rid] = self.counts.get(rid, 0) + len(new)
             if d.stopped is not None:
                 payload = {"text": text, "finish_reason": "stop"}
             elif inp.last:
@@ -78,7 +76,6 @@ class Postprocess(ModelStage):
 
     def end_request(self, request_id: str) -> None:
         self.detoks.pop(request_id, None)
-        self.counts.pop(request_id, None)
         self.prompt_tokens.pop(request_id, None)
         self.finish.pop(request_id, None)
         self.want_logprobs.pop(request_id, None)

@@ -68,10 +68,14 @@ class Backend(ABC):
         try:
             self.send_request(h, request, timeout_s)
         except BaseException:
-            with self.lock:  # never sent: it leaves no trace
-                self.collector.forget(h)
+            self.abandon(h)
             raise
         return h
+
+    def abandon(self, h: RequestHandle) -> None:
+        """``h``'s request could not be sent (its send raised): it leaves no trace."""
+        with self.lock:
+            self.collector.forget(h)
 
     def check_serving(self) -> None:
         """Raise when no request can be taken now."""

@@ -72,30 +72,32 @@ class InlineRunner(Backend):
                 else:
                     work.extend((d, w) for w in self.hosts[d].receive(received))
 
-        while work and not h.done:
-            name, item = work.popleft()
-            host = self.hosts[name]
-            try:
-                for step in host.stage.process([item.inp]):
-                    if deadline is not None and time.monotonic() > deadline:
-                        self.collector.finish(h, Cancelled(request_id=rid, reason="timeout"))
-                        break
-                    if step is None:  # a turn given to other requests (see Stage.process)
-                        continue
-                    for out in step if type(step) is list else [step]:
-                        route(*host.emit(out))
-                    if h.done:
-                        break
-            except Exception as e:
-                route(host.error(rid, f"{type(e).__name__}: {e}"), [CLIENT])
-                break
-            if h.done:
-                break
-            for ev, dests in host.finish(item):
-                route(ev, dests)
-        for host in self.hosts.values():
-            host.forget(rid)
-            host.end_requests(host.take_ended())
+        try:
+            while work and not h.done:
+                name, item = work.popleft()
+                host = self.hosts[name]
+                try:
+                    for step in host.stage.process([item.inp]):
+                        if deadline is not None and time.monotonic() > deadline:
+                            self.collector.finish(h, Cancelled(request_id=rid, reason="timeout"))
+                            break
+                        if step is None:  # a turn given to other requests (see Stage.process)
+                            continue
+                        for out in step if type(step) is list else [step]:
+                            route(*host.emit(out))
+                        if h.done:
+                            break
+                except Exception as e:
+                    route(host.error(rid, f"{type(e).__name__}: {e}"), [CLIENT])
+                    break
+                if h.done:
+                    break
+                for ev, dests in host.finish(item):
+                    route(ev, dests)
+        finally:  # a request that raised (a bad one, an interrupt) leaves no state
+            for host in self.hosts.values():
+                host.forget(rid)
+                host.end_requests(host.take_ended())
 
     def cancel(self, request_id: str) -> bool:
         return False  # requests have already run to their end when submit returns

@@ -465,6 +465,13 @@ class Orchestrator(Backend):
     ) -> None:
         self.send_submit(h.wire_id, request, h.deadline_wall, h.routes)
 
+    def abandon(self, h: RequestHandle) -> None:
+        """The outbox queues a Submit before it waits for room: one interrupted there
+        may be on its way to some source stages, so the request is cancelled everywhere
+        (its workers drop it) rather than only forgotten here."""
+        if not self.cancel(h.request_id):
+            super().abandon(h)
+
     def resubmit(self, h: RequestHandle) -> None:
         """A new attempt of a request (its idempotent stage died), bound anew: the
         replica that died takes no new requests until it is back. (The loop's thread.)"""
