@@ -5,9 +5,10 @@ else arrives and the stage thread goes idle."""
 import queue
 import threading
 
+import pytest
 from omni_core.config import parse_config
 from omni_core.dataplane.serial import ArrayCodec
-from omni_core.events import Release, ShmHandle
+from omni_core.events import Release, Segment, SegmentRun, ShmHandle
 from omni_core.stage import StageInput
 from omni_core.worker.host import StageHost, WorkItem, stage_context
 from omni_core.worker.scheduler import Scheduler
@@ -75,3 +76,57 @@ def test_an_ended_requests_queued_item_gives_its_slot_back_on_an_idle_worker():
             state.work.notify()
         thread.join(5)
     assert not thread.is_alive()
+
+
+def windowed_queue(capacity, size):
+    cfg = parse_config(
+        chain(
+            ("burst", "synthetic.burst", {}),
+            ("count", "synthetic.count", {}),
+            edges=[{"from": "burst", "to": "count", "window": {"size": size}}],
+        )
+    )
+    stage = Count(stage_context(cfg, "count", None))
+    stage.load()
+    host = StageHost(cfg, "count", stage, ArrayCodec("count"))
+    state = WorkerState("count", host, Outbox())
+    return state, WorkQueue(state, capacity, waker=Quiet(), stage_name="count", send_status=print)
+
+
+def run_of(n):
+    segs = [
+        Segment(request_id="r", sequence=i, stage="burst", tokens=[i], is_last=i == n - 1)
+        for i in range(n)
+    ]
+    return SegmentRun.of(segs, "burst", 0, {"n": n})
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 3])
+def test_the_queue_never_holds_more_than_its_capacity_not_even_at_a_streams_end(capacity):
+    # windows of 1: the last segment completes a window and ends the stream, which flushes
+    # one more (empty, last) window: two items from one segment. The second waits in the
+    # stash until there is room, in order, and nothing is lost.
+    state, work = windowed_queue(capacity, size=1)
+    work.stash.append(run_of(5))
+    windows = []
+    while work.stash or work.ready:
+        work.intake()
+        assert 1 <= len(work.ready) <= capacity
+        with state.work:
+            windows += [item.inp.window for item in work.take_batch(set(), max_batch=1)]
+    assert [w.new_tokens for w in windows] == [[0], [1], [2], [3], [4], []]
+    assert [w.is_last for w in windows] == [False] * 5 + [True]
+
+
+def test_a_cancel_drops_the_requests_items_waiting_in_the_stash_and_frees_their_slots():
+    state, work = windowed_queue(1, size=1)
+    slot = ShmHandle(SEGMENT, 64, 4, "|u1", (4,), "burst", 7)
+    ended = threading.Event()
+    held = WorkItem(StageInput("r", {}, {}, False, True, ended), [slot])
+    other = WorkItem(StageInput("s", {}, {}, True, True, threading.Event()), [])
+    work.stash.extend([held, other])
+    stash = work.stash
+    with state.work:
+        freed = work.drop("r")
+    assert freed == [slot]
+    assert list(stash) == [other] and work.stash is stash  # the I/O thread's deque, in place

@@ -3,7 +3,9 @@
 Upstream messages become work items (through the stage host: windows, fan-in pairing)
 only while fewer than ``queue_capacity`` items wait; the rest of a frame stays decoded in
 ``stash`` and the I/O thread stops reading its data socket, so a slow stage pushes back
-on its producers through the sockets.
+on its producers through the sockets. A message that makes more items than there is
+room for (the window a stream's end flushes, a fan-in pairing) leaves the extra items at
+the head of the stash, so the queue never holds more than ``queue_capacity``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
 
 class WorkQueue:
     """The ready work items (FIFO, at most ``capacity``; ``state.lock`` guards them) and
-    the upstream messages the I/O thread decoded but has not taken in yet (``stash``)."""
+    the upstream messages the I/O thread decoded but has not taken in yet, with the items
+    made past the capacity ahead of them (``stash``, the I/O thread's)."""
 
     def __init__(
         self,
@@ -44,7 +47,7 @@ class WorkQueue:
         self.stage_name = stage_name  # the stage an edge_end Ack names
         self.send_status = send_status  # (I/O thread) to the orchestrator
         self.ready: deque[WorkItem] = deque()
-        self.stash: deque[Any] = deque()  # decoded upstream messages not yet taken in
+        self.stash: deque[Any] = deque()  # decoded messages (and WorkItems) not yet taken in
         self.idle_stage = False  # the stage thread waits for work (only then notify)
 
     def has_room(self) -> bool:
@@ -58,6 +61,9 @@ class WorkQueue:
         with w.work:
             while stash and len(self.ready) < self.capacity:
                 msg = stash.popleft()
+                if type(msg) is WorkItem:  # made past the capacity earlier: its turn now
+                    self.ready.append(msg)
+                    continue
                 try:
                     if type(msg) is SegmentRun:
                         items, n = host.receive_run(msg, self.capacity - len(self.ready))
@@ -88,6 +94,10 @@ class WorkQueue:
                     continue
                 for item in items:
                     item.queued_at = now
+                room = self.capacity - len(self.ready)
+                if len(items) > room:  # the rest waits at the head of the stash
+                    stash.extendleft(reversed(items[room:]))
+                    items = items[:room]
                 self.ready.extend(items)
             if self.ready and self.idle_stage:
                 w.work.notify()
@@ -102,18 +112,29 @@ class WorkQueue:
         self.state.outbox.put(CLIENT, host.error(rid, why, code), block=False)
 
     def drop(self, rid: str) -> list[ShmHandle]:
-        """(Lock held.) Forget a cancelled request: its queued items go; the slots freed."""
+        """(I/O thread, lock held.) Forget a cancelled request: its queued items go (also
+        those waiting in the stash); the slots freed."""
         freed = self.host.forget(rid)
-        kept = deque()
-        for item in self.ready:
-            if item.inp.request_id == rid:
-                freed.extend(item.release)
-            else:
-                kept.append(item)
-        self.ready = kept
+        self.ready = self._without(self.ready, rid, freed)
+        stash = self.stash
+        if any(type(m) is WorkItem for m in stash):  # in place: the I/O thread holds it
+            kept = self._without(stash, rid, freed)
+            stash.clear()
+            stash.extend(kept)
         if self.idle_stage:  # the stage thread calls end_request
             self.state.work.notify()
         return freed
+
+    @staticmethod
+    def _without(queue: deque[Any], rid: str, freed: list[ShmHandle]) -> deque[Any]:
+        """``queue`` without ``rid``'s work items, whose slots go to ``freed``."""
+        kept: deque[Any] = deque()
+        for entry in queue:
+            if type(entry) is WorkItem and entry.inp.request_id == rid:
+                freed.extend(entry.release)
+            else:
+                kept.append(entry)
+        return kept
 
     def take_batch(self, busy: set[str], max_batch: int) -> list[WorkItem]:
         """(Stage thread, lock held.) The first ready item whose request is not running,
