@@ -15,6 +15,7 @@ import yaml
 from omni_core import Pipeline
 from omni_core.cli import main
 from omni_core.config import ConfigError, PipelineConfig, load_config, normalized_yaml, parse_config
+from omni_core.scheduling import uses_priority
 
 DESIGN_DOC = Path(__file__).parent / "fixtures" / "design_doc.yaml"
 
@@ -142,6 +143,23 @@ def test_mrs_ar_scheduler_policy_fcfs_is_todays_behaviour() -> None:
     assert meaning(parse_config(data)) == meaning(load_config(DESIGN_DOC))
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_mrs_ar_scheduler_policy_is_every_ar_stages_unless_it_sets_its_own(policy) -> None:
+    data = {
+        "mrs": {"ar": {"scheduler_policy": policy}},
+        "stages": [
+            {"name": "generate", "kind": "ar.generate", "options": {"model": "m"}},
+            {"name": "own", "kind": "ar.postprocess", "scheduler_policy": "fcfs"},
+            {"name": "map", "kind": "synthetic.map"},
+        ],
+        "edges": [{"from": "generate", "to": "own"}, {"from": "own", "to": "map"}],
+    }
+    cfg = parse_config(data, check_kinds=False)
+    policies = [cfg.setting(s, "scheduler_policy") for s in cfg.stages]
+    assert policies == [policy, "fcfs", "fcfs"]
+    assert uses_priority(cfg) == (policy == "priority")
+
+
 def with_change(change: Any) -> dict[str, Any]:
     data = doc()
     change(data)
@@ -173,14 +191,9 @@ UNSUPPORTED = {
         "doc.yaml: mrs.stages[0].process: expected true, got 'yes'",
         "",
     ),
-    "priority": (
-        _set("mrs.ar.scheduler_policy", "priority"),
-        "doc.yaml: mrs.ar.scheduler_policy: priority scheduling is not supported yet",
-        "remove the key or write `fcfs`",
-    ),
     "another policy": (
         _set("mrs.ar.scheduler_policy", "lifo"),
-        "doc.yaml: mrs.ar.scheduler_policy: expected fcfs, got 'lifo'",
+        "doc.yaml: mrs.ar.scheduler_policy: expected one of fcfs, priority, got 'lifo'",
         "",
     ),
     "unknown mrs.ar key": (

@@ -130,3 +130,65 @@ def test_a_cancel_drops_the_requests_items_waiting_in_the_stash_and_frees_their_
         freed = work.drop("r")
     assert freed == [slot]
     assert list(stash) == [other] and work.stash is stash  # the I/O thread's deque, in place
+
+
+def prioritized(rid, priority=None, first=True):
+    request = {} if priority is None else {"priority": priority}
+    return WorkItem(StageInput(rid, request, {}, first, True, threading.Event()), [])
+
+
+def drain(work, state, busy=(), max_batch=1):
+    with state.work:
+        return [it.inp.request_id for it in work.take_batch(set(busy), max_batch)]
+
+
+def test_by_priority_a_queue_drains_lowest_first_and_ties_by_arrival():
+    state, work = windowed_queue(16, size=1)
+    work.by_priority = True
+    arrivals = [("a", 5), ("b", None), ("c", -3), ("d", 5), ("e", 0), ("f", -3), ("g", 2)]
+    work.ready.extend(prioritized(rid, p) for rid, p in arrivals)
+    order = []
+    while work.ready:
+        order += drain(work, state)
+    assert order == ["c", "f", "b", "e", "g", "a", "d"]  # (priority, arrival); unset is 0
+
+
+def test_first_come_first_served_ignores_priority():
+    state, work = windowed_queue(16, size=1)
+    work.ready.extend(prioritized(rid, p) for rid, p in [("a", 9), ("b", -9), ("c", 0)])
+    assert drain(work, state, max_batch=3) == ["a", "b", "c"]
+
+
+def test_by_priority_a_batch_takes_the_best_and_a_requests_items_stay_in_order():
+    state, work = windowed_queue(16, size=1)
+    work.by_priority = True
+    work.ready.extend(
+        [
+            prioritized("low", 3),
+            prioritized("run", -1, first=False),  # its request is running: waits
+            prioritized("high", -2),
+            prioritized("high", -2, first=False),  # the same request's next trigger
+            prioritized("mid", 0),
+        ]
+    )
+    assert drain(work, state, busy={"run"}, max_batch=3) == ["high", "mid", "low"]
+    left = list(work.ready)
+    assert [(it.inp.request_id, it.inp.first) for it in left] == [("run", False), ("high", False)]
+    assert drain(work, state, busy={"high"}, max_batch=2) == ["run"]  # never two of one request
+    assert drain(work, state, max_batch=2) == ["high"]
+
+
+def test_by_priority_a_cancelled_item_gives_its_slots_back_and_is_never_taken():
+    state, work = windowed_queue(16, size=1)
+    work.by_priority = True
+    slot = ShmHandle(SEGMENT, 64, 4, "|u1", (4,), "burst", 7)
+    gone = threading.Event()
+    gone.set()
+    work.ready.extend(
+        [
+            prioritized("a", 1),
+            WorkItem(StageInput("x", {"priority": -5}, {}, True, True, gone), [slot]),
+        ]
+    )
+    assert drain(work, state, max_batch=4) == ["a"]
+    assert state.host.releasable == [slot] and not work.ready

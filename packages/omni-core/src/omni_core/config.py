@@ -20,6 +20,7 @@ from omni_core.config_spelling import (
     canonical_spelling,
 )
 from omni_core.dataplane.serial import DEFAULT_SHM_THRESHOLD
+from omni_core.scheduling import SchedulerPolicy
 
 NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 DEVICES_RE = re.compile(r"^\d+(,\d+)*$")
@@ -71,6 +72,12 @@ class Defaults(_Spec, kw_only=True):
     more that are ready, without waiting for them."""
     queue_capacity: PositiveInt = 64
     """Work items a stage holds; also its sockets' watermark (backpressure)."""
+    scheduler_policy: SchedulerPolicy = "fcfs"
+    """How a stage orders the requests that wait in it (its work queue, the batch it
+    forms, the requests it admits up to ``max_inflight``, an engine's own scheduler):
+    ``fcfs``, by arrival; ``priority``, by the request's ``priority`` (lower first), then
+    by arrival. A pipeline refuses a request whose priority is not 0 unless some stage
+    schedules by priority."""
 
 
 class MRS(_Spec, kw_only=True):
@@ -162,6 +169,8 @@ class StageSpec(_Spec, kw_only=True):
     """Overrides ``mrs.defaults.max_batch_size`` for this stage."""
     queue_capacity: PositiveInt | None = None
     """Overrides ``mrs.defaults.queue_capacity`` for this stage."""
+    scheduler_policy: SchedulerPolicy | None = None
+    """Overrides ``mrs.defaults.scheduler_policy`` for this stage."""
     client_stream: bool | Literal["previews"] | None = None
     """``true``: this stage's events go to the caller too (a sink's always do);
     ``"previews"``: only its previews (image events before the last), which then go to the

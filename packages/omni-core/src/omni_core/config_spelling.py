@@ -15,7 +15,8 @@ design doc                         omni
                                    ``ar.*`` stage that sets no window size
 ``mrs.ar.max_segment_tokens``,     ``options.<key>`` of every ``ar.*`` stage whose
 ``mrs.ar.min_flush_interval_ms``   options have that key and that sets none
-``mrs.ar.scheduler_policy: fcfs``  nothing (every queue is first come, first served)
+``mrs.ar.scheduler_policy``        ``scheduler_policy`` of every ``ar.*`` stage that
+                                   sets none (``fcfs`` or ``priority``)
 =================================  ===============================================
 
 Every error names the key as the user wrote it; :meth:`Spelling.written` maps a
@@ -32,6 +33,7 @@ from typing import Any
 AR_KIND_PREFIX = "ar."
 AR_STAGE_OPTIONS = ("max_segment_tokens", "min_flush_interval_ms")
 AR_KEYS = ("default_window_size", *AR_STAGE_OPTIONS, "scheduler_policy")
+POLICIES = ("fcfs", "priority")
 
 
 class SpellingError(ValueError):
@@ -242,15 +244,11 @@ def _apply_ar(out: Spelling, ar: Any, option_names: Callable[[str], frozenset[st
                 f"unknown key; mrs.ar takes {', '.join(AR_KEYS)}; an ar.* stage's other "
                 "settings go in its own `options`",
             )
-    policy = ar.get("scheduler_policy", "fcfs")
-    if policy == "priority":
+    policy = ar.get("scheduler_policy")
+    if policy is not None and policy not in POLICIES:
         raise SpellingError(
-            "mrs.ar.scheduler_policy",
-            "priority scheduling is not supported yet (it is not built): every queue is "
-            "first come, first served; remove the key or write `fcfs`",
+            "mrs.ar.scheduler_policy", f"expected one of {', '.join(POLICIES)}, got {policy!r}"
         )
-    if policy != "fcfs":
-        raise SpellingError("mrs.ar.scheduler_policy", f"expected fcfs, got {policy!r}")
     stages = out.data.get("stages")
     if not isinstance(stages, list):
         stages = []
@@ -261,6 +259,11 @@ def _apply_ar(out: Spelling, ar: Any, option_names: Callable[[str], frozenset[st
         for i, s in enumerate(stages)
         if isinstance(s, dict) and str(s.get("kind", "")).startswith(AR_KIND_PREFIX)
     ]
+    if policy is not None:
+        for i, s in ar_stages:
+            if "scheduler_policy" not in s:
+                stages[i] = {**s, "scheduler_policy": policy}
+                out.origins[f"stages[{i}].scheduler_policy"] = "mrs.ar.scheduler_policy"
     given = [o for o in AR_STAGE_OPTIONS if o in ar]
     for i, s in ar_stages:
         if not given:  # nothing to default: no kind's options are looked up

@@ -21,6 +21,7 @@ import msgspec
 from omni_core.dataplane.windows import Window
 from omni_core.errors import UserInputError
 from omni_core.events import Error, ImageProgress, Segment
+from omni_core.scheduling import SchedulerPolicy, request_priority
 
 StageEvent = Segment | ImageProgress | Error
 """What :meth:`Stage.process` yields (or lists of them), made with
@@ -46,6 +47,10 @@ class StageContext:
     """The names of the stages it feeds."""
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("omni.stage"))
     """A logger for the stage."""
+    scheduler_policy: SchedulerPolicy = "fcfs"
+    """How the runtime orders the requests waiting in this stage (see
+    :mod:`omni_core.scheduling`); a stage over an engine with a scheduler of its own
+    passes :attr:`StageInput.priority` on to it under ``priority``."""
 
 
 def _with_arrays(ev: Any, arrays: dict[str, Any] | None) -> Any:
@@ -77,6 +82,11 @@ class StageInput:
     def cancelled(self) -> bool:
         """True once the request was cancelled, timed out or failed elsewhere."""
         return self._cancelled.is_set()
+
+    @property
+    def priority(self) -> int:
+        """The request's priority (lower first; 0 unless it set one)."""
+        return request_priority(self.request)
 
     @property
     def window(self) -> Window:

@@ -18,6 +18,7 @@ from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
 from omni_core.dataplane.serial import check_request
 from omni_core.errors import RuntimeFailedError
+from omni_core.scheduling import check_priority
 
 ReaderLoop = asyncio.AbstractEventLoop | None  # where an asyncio reader takes the events
 
@@ -63,6 +64,7 @@ class Backend(ABC):
         self.check_serving()
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
+        check_priority(request, self.cfg)  # first: its error names the field
         check_request(request, rid)
         h = self.open_request(rid, request, timeout_s, loop)
         try:

@@ -49,6 +49,7 @@ def stage_context(cfg: PipelineConfig, name: str, devices: str | None = None) ->
         upstream=tuple(e.source for e in cfg.inbound(name)),
         downstream=tuple(e.target for e in cfg.outbound(name)),
         logger=logging.getLogger(f"omni.stage.{name}"),
+        scheduler_policy=cfg.setting(st, "scheduler_policy"),
     )
 
 

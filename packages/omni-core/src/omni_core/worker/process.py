@@ -76,7 +76,12 @@ class Worker:
         outbox = Outbox(self.waker, capacity=max(64, self.capacity * 4))
         self.state = WorkerState(self.name, self.host, outbox)
         self.queue = WorkQueue(
-            self.state, self.capacity, self.waker, self.stage_name, self.send_status
+            self.state,
+            self.capacity,
+            self.waker,
+            self.stage_name,
+            self.send_status,
+            by_priority=cfg.setting(st, "scheduler_policy") == "priority",
         )
         self.zctx = zmq.Context()
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_core.errors import UserInputError
 from omni_core.events import Ack, Completed, SegmentRun, ShmHandle, Submit
+from omni_core.scheduling import request_priority
 from omni_core.worker.host import CLIENT, RequestFailed, WorkItem
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class WorkQueue:
         waker: Waker,
         stage_name: str,
         send_status: Callable[[msgspec.Struct], None],
+        by_priority: bool = False,
     ) -> None:
         self.state = state
         self.host = state.host
@@ -49,6 +51,7 @@ class WorkQueue:
         self.ready: deque[WorkItem] = deque()
         self.stash: deque[Any] = deque()  # decoded messages (and WorkItems) not yet taken in
         self.idle_stage = False  # the stage thread waits for work (only then notify)
+        self.by_priority = by_priority  # scheduler_policy: priority (else first come first)
 
     def has_room(self) -> bool:
         with self.state.lock:
@@ -138,7 +141,26 @@ class WorkQueue:
 
     def take_batch(self, busy: set[str], max_batch: int) -> list[WorkItem]:
         """(Stage thread, lock held.) The first ready item whose request is not running,
-        then up to ``max_batch`` - 1 more, FIFO."""
+        then up to ``max_batch`` - 1 more: in order of arrival, or with ``by_priority``
+        of (request priority, arrival)."""
+        if self.by_priority and len(self.ready) > 1:
+            batch = self._take_by_priority(busy, max_batch)
+        else:
+            batch = self._take_in_order(busy, max_batch)
+        if batch:
+            stats, now = self.state.stats, time.monotonic()
+            stats.dequeued += len(batch)
+            for item in batch:
+                waited = now - item.queued_at
+                stats.queued_s += waited
+                if waited > stats.queued_max_s:
+                    stats.queued_max_s = waited
+        if batch and (self.stash or len(self.ready) + len(batch) >= self.capacity):
+            # the I/O thread stopped taking in while the queue was full: room again now
+            self.waker.kick()
+        return batch
+
+    def _take_in_order(self, busy: set[str], max_batch: int) -> list[WorkItem]:
         batch: list[WorkItem] = []
         rids: set[str] = set()
         skipped: deque[WorkItem] = deque()
@@ -154,16 +176,32 @@ class WorkQueue:
                 continue
             batch.append(item)
             rids.add(rid)
-        if batch:
-            stats, now = self.state.stats, time.monotonic()
-            stats.dequeued += len(batch)
-            for item in batch:
-                waited = now - item.queued_at
-                stats.queued_s += waited
-                if waited > stats.queued_max_s:
-                    stats.queued_max_s = waited
-        if batch and (self.stash or len(ready) + len(batch) >= self.capacity):
-            # the I/O thread stopped taking in while the queue was full: room again now
-            self.waker.kick()
         ready.extendleft(reversed(skipped))
         return batch
+
+    def _take_by_priority(self, busy: set[str], max_batch: int) -> list[WorkItem]:
+        # sorted() is stable: equal priorities keep their order of arrival, and a
+        # request's items (one priority) stay in order
+        batch: list[WorkItem] = []
+        rids: set[str] = set()
+        gone: set[int] = set()  # ids of the items taken or dropped
+        for item in sorted(self.ready, key=_priority):
+            if len(batch) == max_batch:
+                break
+            rid = item.inp.request_id
+            if item.inp.cancelled:
+                self.host.releasable.extend(item.release)
+                gone.add(id(item))
+            elif rid not in busy and rid not in rids:
+                batch.append(item)
+                rids.add(rid)
+                gone.add(id(item))
+            else:  # its request runs, or an earlier item of it goes first: none may pass
+                rids.add(rid)
+        if gone:
+            self.ready = deque(item for item in self.ready if id(item) not in gone)
+        return batch
+
+
+def _priority(item: WorkItem) -> int:
+    return request_priority(item.inp.request)
