@@ -74,3 +74,86 @@ def test_a_priority_is_a_64_bit_integer_the_bounds_pass_one_past_fails():
         for bad in (-(2**63) - 1, 2**63):
             with pytest.raises(UserInputError, match="field 'priority': .* out of range"):
                 pipe.submit({"priority": bad})
+
+
+def stepping(policy, **stage):
+    return chain(
+        (
+            "loop",
+            "synthetic.steps",
+            {"steps": 40, "step_s": 0.02},
+            {"scheduler_policy": policy, **stage},
+        ),
+        **FAST,
+    )
+
+
+def tokens_and_end(handle):
+    events = list(handle)
+    assert events[-1].event_type == "completed", events
+    return [t for e in events[:-1] for t in e.tokens], events[-2].payload
+
+
+def started(pipe, n=1):
+    wait_for(lambda: pipe.metrics()["stages"]["loop"]["dequeued"] >= n, 10, "started")
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 4])
+def test_a_better_request_pauses_a_running_batch_which_then_resumes_intact(max_batch_size):
+    with Pipeline(stepping("priority", max_batch_size=max_batch_size)) as pipe:
+        low = pipe.submit({"priority": 5}, request_id="low")
+        started(pipe)
+        high = pipe.submit({"priority": -1, "steps": 3}, request_id="high")
+        high_tokens, high_end = tokens_and_end(high)
+        low_tokens, low_end = tokens_and_end(low)
+        stats = pipe.metrics()["stages"]["loop"]
+    assert high_tokens == [0, 1, 2] and low_tokens == list(range(40))  # nothing lost
+    assert high_end["end"] < low_end["end"]
+    assert (low_end["pauses"], low_end["resumes"]) == (1, 1)
+    assert (high_end["pauses"], high_end["resumes"]) == (0, 0)
+    assert stats["preemptions"] == 1 and stats["paused"] == 0
+
+
+def test_an_equal_or_worse_request_never_pauses_a_batch_and_fcfs_never_does():
+    for policy, priority in (("priority", 5), ("priority", 6), ("fcfs", 0)):
+        with Pipeline(stepping(policy)) as pipe:
+            low = pipe.submit({"priority": 5} if policy == "priority" else {})
+            started(pipe)
+            other = pipe.submit({"priority": priority, "steps": 3})
+            _, low_end = tokens_and_end(low)
+            _, other_end = tokens_and_end(other)
+            assert low_end["end"] < other_end["end"], policy
+            assert low_end["pauses"] == 0
+            assert pipe.metrics()["stages"]["loop"]["preemptions"] == 0
+
+
+def test_paused_batches_are_bounded_by_max_inflight_and_resume_best_first():
+    # one place: low (9) runs; mid (5) pauses it; high (1) pauses mid; a second
+    # high-ranked arrival (0) cannot pause high (one batch paused at most: max_inflight)
+    with Pipeline(stepping("priority", max_inflight=1)) as pipe:
+        low = pipe.submit({"priority": 9}, request_id="low")
+        started(pipe, 1)
+        mid = pipe.submit({"priority": 5, "steps": 20}, request_id="mid")
+        wait_for(lambda: pipe.metrics()["stages"]["loop"]["preemptions"] >= 1, 10, "mid in")
+        high = pipe.submit({"priority": 1, "steps": 20}, request_id="high")
+        top = pipe.submit({"priority": 0, "steps": 3}, request_id="top")
+        ends = {rid: tokens_and_end(h)[1] for rid, h in (("low", low), ("mid", mid))}
+        ends.update({rid: tokens_and_end(h)[1] for rid, h in (("high", high), ("top", top))})
+        stats = pipe.metrics()["stages"]["loop"]
+    order = sorted(ends, key=lambda r: ends[r]["end"])
+    assert stats["preemptions"] == 1  # low was paused once; mid then ran to its end
+    assert order == ["mid", "top", "high", "low"]
+    assert ends["low"]["pauses"] == 1 and ends["mid"]["pauses"] == 0
+
+
+def test_a_paused_request_cancelled_ends_at_once_and_the_stage_goes_on():
+    with Pipeline(stepping("priority")) as pipe:
+        low = pipe.submit({"priority": 5, "steps": 400}, request_id="low")
+        started(pipe)
+        high = pipe.submit({"priority": 0, "steps": 100}, request_id="high")
+        wait_for(lambda: pipe.metrics()["stages"]["loop"]["paused"] == 1, 10, "low paused")
+        pipe.cancel("low")
+        assert list(low)[-1].event_type == "cancelled"
+        wait_for(lambda: pipe.metrics()["stages"]["loop"]["paused"] == 0, 10, "paused let go")
+        tokens, _ = tokens_and_end(high)
+        assert tokens == list(range(100)) and pipe.healthy

@@ -165,6 +165,13 @@ class Stage:
     forkable: ClassVar[bool] = True
     """``False``: this stage's workers are always spawned as fresh interpreters, never
     forked from the zygote (a stage whose libraries cannot survive a fork)."""
+    preemptible: ClassVar[bool] = False
+    """``True``: under ``scheduler_policy: priority`` the runtime may pause a running
+    batch of this stage (stop advancing its ``process`` generator between two yields,
+    after :meth:`pause`) so that a better request runs first, and resume it later
+    (:meth:`resume`, then advance it again). Only for a stage whose paused generator
+    holds no compute the others wait on (one whose requests share an engine's batch
+    takes them out of it in :meth:`pause`)."""
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -200,6 +207,13 @@ class Stage:
 
     def end_request(self, request_id: str) -> None:
         """Forget per-request state: the request finished here, or was cancelled."""
+
+    def pause(self, request_ids: list[str]) -> None:
+        """(A :attr:`preemptible` stage.) These requests' generator is paused for a
+        better request: take them out of any compute shared with the others."""
+
+    def resume(self, request_ids: list[str]) -> None:
+        """(A :attr:`preemptible` stage.) Their generator runs again: put them back."""
 
     def close(self) -> None:
         """Release what :meth:`load` acquired."""

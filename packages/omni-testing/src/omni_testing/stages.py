@@ -428,3 +428,58 @@ class EndProbe(Stage):
         self.ends += 1
         if self.in_step or threading.get_ident() != self.stage_thread:
             self.overlaps += 1
+
+
+class StepsOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """``synthetic.steps``'s options."""
+
+    steps: int = 10  # steps per request (the request may say: "steps")
+    step_s: float = 0.02  # sleep per step
+
+
+class Steps(Stage):
+    """A preemptible sampling loop: each step sleeps ``step_s`` and yields one token for
+    every request of the batch (its step number); the last one reports how often the
+    batch was paused and resumed. The runtime may pause it between steps for a better
+    request (``scheduler_policy: priority``)."""
+
+    Options = StepsOptions
+    preemptible = True
+
+    def load(self) -> None:
+        self.pauses: dict[str, int] = {}
+        self.resumes: dict[str, int] = {}
+        self.paused: set[str] = set()
+
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | list[StageEvent]]:
+        steps = max(int(inp.request.get("steps", self.options.steps)) for inp in batch)
+        for step in range(steps):
+            if self.paused & {inp.request_id for inp in batch}:
+                raise RuntimeError("a paused batch was advanced")
+            time.sleep(self.options.step_s)
+            events = []
+            for inp in batch:
+                n = int(inp.request.get("steps", self.options.steps))
+                if step < n - 1:
+                    events.append(inp.segment([step]))
+                elif step == n - 1:
+                    rid = inp.request_id
+                    payload = {"pauses": self.pauses.get(rid, 0), "end": time.time()}
+                    payload["resumes"] = self.resumes.get(rid, 0)
+                    events.append(inp.segment([step], payload=payload, is_last=True))
+            yield events
+
+    def pause(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.pauses[rid] = self.pauses.get(rid, 0) + 1
+        self.paused.update(request_ids)
+
+    def resume(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.resumes[rid] = self.resumes.get(rid, 0) + 1
+        self.paused.difference_update(request_ids)
+
+    def end_request(self, request_id: str) -> None:
+        self.pauses.pop(request_id, None)
+        self.resumes.pop(request_id, None)
+        self.paused.discard(request_id)

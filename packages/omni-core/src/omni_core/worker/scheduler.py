@@ -5,6 +5,12 @@ each output over to the sender; round-robin between up to ``max_inflight`` gener
 It is the only thread that calls into the stage (``process``, ``end_request``), and it
 records when each step began, which the heartbeats carry (liveness: a step that never
 ends is a hung stage).
+
+Under ``scheduler_policy: priority`` a :attr:`~omni_core.stage.Stage.preemptible`
+stage's running batch is paused (its generator not advanced) when a strictly better
+request waits and every place is taken; the better requests run in its place, and the
+paused batch resumes when a place frees and nothing better waits (at most
+``max_inflight`` batches paused at once: each holds its memory).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class _Active:
     cancels: list[threading.Event] = field(default_factory=list)
     started: float = 0.0
     outputs: int = 0
+    priority: int = 0  # its best request's (what pausing it would delay)
 
 
 class Scheduler:
@@ -62,18 +69,32 @@ class Scheduler:
         self.max_inflight = max_inflight  # generators run round-robin
         self.max_batch = max_batch
         self.trace = trace  # record spans and marks for `omni trace`
+        self.preempt = queue.by_priority and stage.preemptible
+        self.paused: list[_Active] = []  # batches paused for better requests, oldest first
 
     def run(self) -> None:
         w = self.state
         active: list[_Active] = []
+        paused = self.paused
         while True:
             if not active:
                 w.inflight = 0
                 self.sender.flush()  # nothing runs: send the tail now, not at the next tick
+            pausing: list[_Active] = []
+            resuming: list[_Active] = []
             with w.work:
+                if self.preempt and len(active) == self.max_inflight:
+                    self._preempt(active, pausing)
                 while len(active) < self.max_inflight:
-                    busy = {r for a in active for r in a.rids}
-                    batch = self.queue.take_batch(busy, self.max_batch)
+                    busy = {r for a in (*active, *paused) for r in a.rids}
+                    if paused and self._resume_first(busy):
+                        a = min(paused, key=lambda p: p.priority)  # ties: paused first
+                        paused.remove(a)
+                        resuming.append(a)
+                        active.append(a)
+                        continue
+                    better = min((p.priority for p in paused), default=None)
+                    batch = self.queue.take_batch(busy, self.max_batch, better)
                     if batch:
                         active.append(self._start(batch))
                         w.inflight = len(active)
@@ -81,8 +102,10 @@ class Scheduler:
                     if active:
                         break
                     if w.stopping and (not w.drain or not self.queue.ready):
+                        self._close_paused()
                         return
                     if w.deadline is not None and time.time() > w.deadline:
+                        self._close_paused()
                         return
                     if self.host.to_end or self.host.releasable:
                         # end_request first; and what the queue let go of (a cancelled
@@ -93,20 +116,67 @@ class Scheduler:
                     w.work.wait(0.2)
                     self.queue.idle_stage = False
                 w.inflight = len(active)
+                w.stats.paused = len(paused)
                 freed = w.take_releasable()
                 ended = self.host.take_ended()
             w.release(freed)
             self.host.end_requests(ended)
+            for a in pausing:
+                self.stage.pause(sorted(a.rids))
+            for a in resuming:
+                self.stage.resume(sorted(a.rids))
+            if paused:
+                self._end_cancelled_paused()
             if w.stopping and not w.drain:
                 for a in active:
                     a.gen.close()
+                self._close_paused()
                 return
-            if len(active) == 1 and self.max_inflight == 1:
+            if len(active) == 1 and self.max_inflight == 1 and not self.preempt:
                 self._run_to_end(active.pop())
                 continue
             for a in list(active):  # round-robin one output per generator
                 if not self._step(a):
                     active.remove(a)
+
+    # -- preemption (scheduler_policy: priority, a preemptible stage) -------------------
+    def _preempt(self, active: list[_Active], pausing: list[_Active]) -> None:
+        """(Lock held, every place taken.) Pause the worst running batch for the best
+        waiting requests when they are strictly better, and start them in its place."""
+        if len(self.paused) >= self.max_inflight:
+            return  # each paused batch holds its memory: no more
+        busy = {r for a in (*active, *self.paused) for r in a.rids}
+        best = self.queue.best_waiting(busy)
+        victim = max(active, key=lambda a: (a.priority, a.started))  # worst, latest
+        if best is None or best >= victim.priority:
+            return
+        batch = self.queue.take_batch(busy, self.max_batch, better_than=victim.priority)
+        if not batch:
+            return
+        active.remove(victim)
+        self.paused.append(victim)
+        pausing.append(victim)
+        self.state.stats.preemptions += 1
+        active.append(self._start(batch))
+
+    def _resume_first(self, busy: set[str]) -> bool:
+        """(Lock held, a place free.) The best paused batch goes before the waiting
+        requests unless one of them is strictly better (it arrived first)."""
+        best = self.queue.best_waiting(busy)
+        return best is None or best >= min(p.priority for p in self.paused)
+
+    def _end_cancelled_paused(self) -> None:
+        """A paused batch whose requests were all cancelled ends now, not when resumed."""
+        for a in list(self.paused):
+            if all(c.is_set() for c in a.cancels):
+                self.paused.remove(a)
+                a.gen.close()
+                self._finish(a, failed=True)
+
+    def _close_paused(self) -> None:
+        for a in self.paused:
+            a.gen.close()
+        self.paused.clear()
 
     def _start(self, batch: list[WorkItem]) -> _Active:
         self.state.step_started = time.monotonic()
@@ -116,7 +186,8 @@ class Scheduler:
             self.state.step_started = 0.0
         rids = {item.inp.request_id for item in batch}
         cancels = [item.inp._cancelled for item in batch]
-        return _Active(iter(gen), batch, rids, cancels, started=time.time())
+        best = min(item.inp.priority for item in batch) if self.preempt else 0
+        return _Active(iter(gen), batch, rids, cancels, started=time.time(), priority=best)
 
     def _run_to_end(self, a: _Active) -> None:
         w = self.state

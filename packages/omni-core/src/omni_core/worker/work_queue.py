@@ -139,12 +139,27 @@ class WorkQueue:
                 kept.append(entry)
         return kept
 
-    def take_batch(self, busy: set[str], max_batch: int) -> list[WorkItem]:
+    def best_waiting(self, busy: set[str]) -> int | None:
+        """(Stage thread, lock held; ``by_priority``.) The best priority among the ready
+        items that could start now (None: none)."""
+        return min(
+            (
+                _priority(item)
+                for item in self.ready
+                if item.inp.request_id not in busy and not item.inp.cancelled
+            ),
+            default=None,
+        )
+
+    def take_batch(
+        self, busy: set[str], max_batch: int, better_than: int | None = None
+    ) -> list[WorkItem]:
         """(Stage thread, lock held.) The first ready item whose request is not running,
         then up to ``max_batch`` - 1 more: in order of arrival, or with ``by_priority``
-        of (request priority, arrival)."""
-        if self.by_priority and len(self.ready) > 1:
-            batch = self._take_by_priority(busy, max_batch)
+        of (request priority, arrival), and then only items whose priority is below
+        ``better_than`` when it is given."""
+        if self.by_priority and (len(self.ready) > 1 or better_than is not None):
+            batch = self._take_by_priority(busy, max_batch, better_than)
         else:
             batch = self._take_in_order(busy, max_batch)
         if batch:
@@ -179,7 +194,9 @@ class WorkQueue:
         ready.extendleft(reversed(skipped))
         return batch
 
-    def _take_by_priority(self, busy: set[str], max_batch: int) -> list[WorkItem]:
+    def _take_by_priority(
+        self, busy: set[str], max_batch: int, better_than: int | None
+    ) -> list[WorkItem]:
         # sorted() is stable: equal priorities keep their order of arrival, and a
         # request's items (one priority) stay in order
         batch: list[WorkItem] = []
@@ -187,6 +204,8 @@ class WorkQueue:
         gone: set[int] = set()  # ids of the items taken or dropped
         for item in sorted(self.ready, key=_priority):
             if len(batch) == max_batch:
+                break
+            if better_than is not None and _priority(item) >= better_than:
                 break
             rid = item.inp.request_id
             if item.inp.cancelled:
