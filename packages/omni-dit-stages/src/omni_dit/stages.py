@@ -243,6 +243,11 @@ class _ModelStage(Stage):
 class Sample(_ModelStage):
     """The denoising loop; previews every ``image.preview_every`` steps."""
 
+    # a batch's state (its latents) lives in its generator, which computes only when
+    # advanced: under scheduler_policy: priority a better request may pause it between
+    # two steps and it resumes where it stopped
+    preemptible = True
+
     def load(self) -> None:
         super().load()
         o = self.options
