@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 pytest.importorskip("transformers", reason="the transformers engine extra is not installed")
@@ -8,3 +10,24 @@ def tiny_model(tmp_path_factory):
     from omni_ar.testing import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory):
+    """The tiny Llama with ``head_dim`` 32 (vLLM's CPU attention needs >= 32); the test
+    is skipped where vLLM is not installed, except under CI (env ``CI`` set)."""
+    if os.environ.get("CI") is None:
+        pytest.importorskip("vllm", reason="vLLM is not installed")
+    from omni_ar.testing import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-32"), head_dim=32))
+
+
+@pytest.fixture(scope="module")
+def restore_environment():
+    """In-process vLLM engines set vLLM's environment in this process: undo it for the
+    tests that follow (their workers would inherit it)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -4,7 +4,6 @@ the fused ``ar.generate`` stage; a named error where a layout or engine cannot h
 its own request."""
 
 import json
-import os
 
 import pytest
 from omni_ar.params import RequestError, SamplingParams, parse_request
@@ -110,16 +109,6 @@ def test_structured_output_where_it_cannot_be_honoured_is_a_named_error(tiny_mod
         assert NEEDS in out.error
         assert ("split" in out.error) == split and ("'transformers'" in out.error) != split
     assert outs[2].ok, outs[2].error
-
-
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory):
-    if os.environ.get("CI") is None:
-        pytest.importorskip("vllm", reason="vLLM is not installed")
-    from omni_ar.testing import build_tiny_llama
-
-    # vLLM's CPU attention needs head_dim >= 32
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-32"), head_dim=32))
 
 
 def test_vllm_fused_stage_samples_json_and_fails_only_a_refused_schema(vllm_model):

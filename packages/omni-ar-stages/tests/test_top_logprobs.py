@@ -3,8 +3,6 @@ stages put them in the segment payload as ``top_logprobs``, a list aligned with 
 segment's tokens of ``[token_text, logprob]`` pairs, most likely first (the contract the
 server renders as OpenAI's ``logprobs.content[i].top_logprobs``)."""
 
-import os
-
 import pytest
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.params import RequestError, SamplingParams, parse_request
@@ -123,16 +121,6 @@ def check_pipeline(cfg, sink):
         check_alternatives(texts, [x for e in segs for x in e.logprobs], tops)
     assert all("top_logprobs" not in e.payload for e in outs[1].by_stage(sink))
     return [a for e in outs[0].by_stage(sink) for a in e.payload["top_logprobs"]]
-
-
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory):
-    if os.environ.get("CI") is None:
-        pytest.importorskip("vllm", reason="vLLM is not installed")
-    from omni_ar.testing import build_tiny_llama
-
-    # vLLM's CPU attention needs head_dim >= 32
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-32"), head_dim=32))
 
 
 @pytest.mark.parametrize("layout", ["split-window-1", "fused"])

@@ -60,21 +60,7 @@ print("ORACLE" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
-def restore_environment():
-    """In-process engines set vLLM's environment in this process: undo it for the tests
-    that follow (their workers would inherit it)."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-@pytest.fixture(scope="session")
-def vllm_model(tmp_path_factory):
-    from omni_ar.testing import build_tiny_llama
-
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-32"), head_dim=32))
+pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process engines below
 
 
 def oracle(model, prompts):

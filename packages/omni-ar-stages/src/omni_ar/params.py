@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 from omni_core.errors import UserInputError
+from omni_core.scheduling import PRIORITY_KEY
 
 log = logging.getLogger("omni.ar")
 
@@ -103,8 +104,10 @@ class Sampled(tuple):  # type: ignore[type-arg]
         return (Sampled, (tuple(self), self.top))
 
 
-# "image": the parameters of diffusion stages in the same pipeline (they validate it)
-_REQUEST_KEYS = {"prompt", "messages", "image", *SamplingParams.__struct_fields__}
+# "image": the parameters of diffusion stages in the same pipeline (they validate it);
+# "priority": the runtime's (checked where the request is submitted, read by the stages
+# from StageInput.priority)
+_REQUEST_KEYS = {"prompt", "messages", "image", PRIORITY_KEY, *SamplingParams.__struct_fields__}
 
 
 def parse_request(

@@ -33,7 +33,8 @@ def load_engine(
     GPU bfloat16 or float16 for transformers, vLLM's own choice for vLLM); a missing
     engine is a clear error. ``cpu_turns``: engines naming the same turn compute in turns
     on the CPU (:mod:`omni_ar.engines.cpu_turns`). ``vllm_options`` (``kv_role``, ``kv_connector``,
-    ``engine_args``, ``gpu_memory_utilization``) configure the vLLM engine only."""
+    ``engine_args``, ``gpu_memory_utilization``, ``scheduling_policy``) configure the vLLM
+    engine only."""
     if name == "transformers":
         from omni_ar.engines.transformers_engine import TransformersEngine
 

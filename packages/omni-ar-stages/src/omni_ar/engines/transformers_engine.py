@@ -143,9 +143,13 @@ class TransformersEngine:
         return torch.tensor(ids, device=self.device)
 
     def prefill_many(
-        self, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        priorities: list[int] | None = None,
     ) -> Iterator[tuple[int, float, np.ndarray, np.ndarray]]:
-        """``prefill`` for each prompt, in order (one forward pass each)."""
+        """``prefill`` for each prompt, in order (one forward pass each). ``priorities``
+        are not read: the worker already ordered the batch (see :meth:`decode`)."""
         for ids, p in zip(prompts, params, strict=True):
             yield self.prefill(ids, p)
 
@@ -169,13 +173,16 @@ class TransformersEngine:
         values: np.ndarray,
         params: SamplingParams,
         prompt: list[int] | None = None,  # not needed here: the KV holds the prompt
+        priority: int = 0,
     ) -> Iterator[tuple[int, float]]:
         """Tokens after ``first``, one per step, until EOS or ``max_tokens`` in all,
         decoded in one batch with every other request in flight.
 
         The request joins the batch at this call, not at the first ``next``: requests
         that arrive together share steps from the first one. Close the iterator to leave
-        the batch (also before iterating), which frees the request's KV."""
+        the batch (also before iterating), which frees the request's KV. ``priority`` is
+        not read: nothing waits in this engine (every request joins at once), and the
+        worker admits requests up to ``max_inflight`` by the stage's policy."""
         if params.max_tokens <= 1 or (first in self.eos_ids and not params.ignore_eos):
             return iter(())
         layers = [

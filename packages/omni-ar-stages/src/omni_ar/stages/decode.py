@@ -65,7 +65,7 @@ class Decode(ModelStage):
                 yield inp.fail("prefill sent no KV (arrays 'keys'/'values' missing)")
                 continue
             first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
-            steps = self.engine.decode(first, *kv, params, prompt)
+            steps = self.engine.decode(first, *kv, params, prompt, priority=inp.priority)
             try:
                 # the first token goes out before any step; meanwhile the other requests
                 # that arrived with this one enter the engine (vLLM batches them from
@@ -86,7 +86,7 @@ class Decode(ModelStage):
         try:
             # vLLM: the request enters the engine now (a grammar it refuses: RequestError)
             steps: Iterable[tuple[int, float]] | None = (
-                stream(ids, params) if stream is not None else None
+                stream(ids, params, inp.priority) if stream is not None else None
             )
         except RequestError as e:
             yield inp.fail(e)
@@ -97,7 +97,7 @@ class Decode(ModelStage):
             pre = self.engine.prefill(ids, params)
             first, lp, keys, values = pre
             so_far = [Sampled((first, lp), pre.top)]
-            steps = self.engine.decode(first, keys, values, params, ids)
+            steps = self.engine.decode(first, keys, values, params, ids, priority=inp.priority)
         try:
             yield None  # the requests that arrived with this one join the same steps
             yield from self._stream(inp, params, so_far, steps, len(ids))

@@ -58,7 +58,8 @@ class Prefill(ModelStage):
             return
         batch = here
         prompts = [inp.window.tokens for inp in batch]
-        results = self.engine.prefill_many(prompts, params)  # vLLM: one batch
+        priorities = [inp.priority for inp in batch]
+        results = self.engine.prefill_many(prompts, params, priorities)  # vLLM: one batch
         for inp, ids, p, res in zip(batch, prompts, params, results, strict=True):
             tok, lp, keys, values = res
             handoff = Handoff(params=p, prompt_ids=ids, prompt_tokens=len(ids))
