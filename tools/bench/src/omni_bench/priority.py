@@ -7,14 +7,17 @@ For each pipeline (``--configs``): ``ar``, ``configs/ar_chat.yaml`` as shipped (
 (the runtime alone, for tests; not in the default set).
 
 A steady load of ``--concurrency`` requests is kept in flight (a new one as soon as one
-ends) and a probe request is submitted every ``--interval`` seconds once the load is
-saturating (its first request ended), ``--probes`` of them. The load's requests are
+ends) and, once the load is saturating (its first request ended), ``--probes`` probe
+requests are submitted, one every ``--interval`` seconds, never two at once (a probe that
+takes longer delays the next: on a CPU a probe may outlast the interval, and overlapping
+probes would be a load of their own, even in the idle arm). The load's requests are
 ordinary ones (priority 0, no field); the probes carry ``priority: -1`` where the
 pipeline schedules by priority. Three arms per pipeline, in one run:
 
 * ``idle``: the probes alone (on the ``priority`` pipeline);
-* ``fcfs``: load + probes, ``mrs.defaults.scheduler_policy: fcfs`` (the probes carry no
-  priority: a first come, first served pipeline refuses one);
+* ``fcfs``: load + ``--fcfs-probes`` probes (each waits behind the whole queue),
+  ``mrs.defaults.scheduler_policy: fcfs`` (the probes carry no priority: a first come,
+  first served pipeline refuses one);
 * ``priority``: load + probes, ``mrs.defaults.scheduler_policy: priority``.
 
 AR figures: time to first text (``ttft``: submit to the first event carrying text) and to
@@ -22,7 +25,8 @@ completion (the terminal event); every AR request asks for exactly ``--max-token
 tokens (``ignore_eos``). DiT figures: submit to the first preview and to the final image.
 Per arm the probes' p50 and p95, the load's completions per second and output units per
 second (tokens, images) over the probes' window, and completed / errors / lost counts for
-load and probes (lost: no terminal event ``--timeout`` seconds after the probes ended).
+load and probes (lost: no terminal event ``--timeout`` seconds after its submit, or for
+the load after the last probe ended, plus a grace of 10 s).
 ``priority_probe_<figure>_vs_idle`` and ``fcfs_probe_<figure>_vs_idle`` are ratios of
 p50s; the target is ``priority_probe_ttft_vs_idle <= 2.0`` (AR) and
 ``priority_probe_image_vs_idle <= 2.0`` (DiT), with nothing lost and no load error.
@@ -52,6 +56,7 @@ from omni_bench.serve import percentile
 
 PROBE_PRIORITY = -1  # the probes' priority under the priority policy; the load's is 0
 TARGET_RATIO = 2.0
+GRACE_S = 10.0  # past a request's --timeout, it is counted lost
 ALL = ("ar", "vllm", "dit", "synthetic")
 DEFAULT = "ar,vllm,dit"
 
@@ -196,9 +201,10 @@ async def one(pipe: Pipeline, t: Target, req: dict[str, Any], s: Sample, timeout
 
 
 async def run_arm(
-    pipe: Pipeline, t: Target, args: argparse.Namespace, load: bool, probe_priority: int
+    pipe: Pipeline, t: Target, args: argparse.Namespace, probes: int, load: bool, priority: int
 ) -> dict[str, Any]:
-    """The probes, alone or over the load; the arm's figures and counts."""
+    """``probes`` probes (``priority``: theirs), alone or over the load; the arm's
+    figures and counts."""
     load_tally, probe_tally = Tally(), Tally()
     stop, saturated = asyncio.Event(), asyncio.Event()
 
@@ -216,21 +222,21 @@ async def run_arm(
         except TimeoutError:
             raise RuntimeError(f"no load request ended within {args.timeout} s") from None
     start = time.monotonic()
-    probes = []
-    for k in range(args.probes):
+    for k in range(probes):  # one at a time: a probe never waits behind another
         await asyncio.sleep(max(0.0, start + k * args.interval - time.monotonic()))
         req = t.request(1000 + k)
-        if probe_priority:
-            req[PRIORITY_KEY] = probe_priority
-        probes.append(asyncio.create_task(one(pipe, t, req, probe_tally.new(), args.timeout)))
-    await asyncio.wait(probes, timeout=args.timeout)
+        if priority:
+            req[PRIORITY_KEY] = priority
+        probe = asyncio.create_task(one(pipe, t, req, probe_tally.new(), args.timeout))
+        await asyncio.wait([probe], timeout=args.timeout + GRACE_S)
+        probe.cancel()  # lost if it had not ended: its request is cancelled
     end = time.monotonic()
     stop.set()
     if loaders:
-        await asyncio.wait(loaders, timeout=args.timeout)
-    for task in probes + loaders:  # what is left is lost; its request is cancelled
+        await asyncio.wait(loaders, timeout=args.timeout + GRACE_S)
+    for task in loaders:  # what is left is lost; its request is cancelled
         task.cancel()
-    await asyncio.gather(*probes, *loaders, return_exceptions=True)
+    await asyncio.gather(*loaders, return_exceptions=True)
 
     res: dict[str, Any] = {"probe": probe_figures(t, probe_tally)}
     if load:
@@ -266,7 +272,9 @@ def bench_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
         **t.about,
         "concurrency": args.concurrency,
         "probes": args.probes,
+        "fcfs_probes": args.fcfs_probes,
         "interval_s": args.interval,
+        "probes_at_once": 1,
         "load_priority": 0,
         "probe_priority": PROBE_PRIORITY,
     }
@@ -277,10 +285,11 @@ def bench_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
                 errors = [o.error or o.finish_reason for o in warm if not o.ok]
                 raise RuntimeError(f"{policy} pipeline: warm-up failed: {errors}")
             if policy == "priority":
-                res["idle"] = asyncio.run(run_arm(pipe, t, args, False, PROBE_PRIORITY))
-                res["priority"] = asyncio.run(run_arm(pipe, t, args, True, PROBE_PRIORITY))
+                n = args.probes
+                res["idle"] = asyncio.run(run_arm(pipe, t, args, n, False, PROBE_PRIORITY))
+                res["priority"] = asyncio.run(run_arm(pipe, t, args, n, True, PROBE_PRIORITY))
             else:
-                res["fcfs"] = asyncio.run(run_arm(pipe, t, args, True, 0))
+                res["fcfs"] = asyncio.run(run_arm(pipe, t, args, args.fcfs_probes, True, 0))
     for arm in ("idle", "fcfs", "priority"):  # in reading order
         res[arm] = res.pop(arm)
     idle = res["idle"]["probe"]
@@ -317,7 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--configs", default=DEFAULT, help=f"comma-separated, of {', '.join(ALL)}")
     ap.add_argument("--concurrency", type=int, default=32, help="load requests in flight")
-    ap.add_argument("--probes", type=int, default=10, help="probe requests per arm")
+    ap.add_argument("--probes", type=int, default=10, help="probes of the idle, priority arms")
+    ap.add_argument(
+        "--fcfs-probes",
+        type=int,
+        default=3,
+        help="probes of the fcfs arm (each waits behind the whole queue: long on a CPU)",
+    )
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between probes")
     ap.add_argument("--max-tokens", type=int, default=48, help="AR: tokens every request asks")
     ap.add_argument("--hold", type=float, default=0.05, help="synthetic: seconds per request")
@@ -325,10 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 probes 0.25 s apart (for tests)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.probes, args.interval = 3, 0.25
+        args.probes, args.fcfs_probes, args.interval = 3, 3, 0.25
     names = [n for n in args.configs.split(",") if n]
     unknown = sorted(set(names) - set(ALL))
-    if unknown or args.concurrency < 1 or args.probes < 1:
+    if unknown or min(args.concurrency, args.probes, args.fcfs_probes) < 1:
         ap.error(f"--configs: of {', '.join(ALL)} (unknown: {unknown}); counts must be >= 1")
     builders: dict[str, Callable[[], Target]] = {
         "ar": lambda: ar_target("transformers", args.max_tokens),
