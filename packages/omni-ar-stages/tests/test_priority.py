@@ -1,0 +1,103 @@
+"""Request priority in the AR stages: the intake takes the runtime's ``priority`` field,
+and the split pipeline (intake -> prefill -> decode -> postprocess, transformers engine)
+serves the requests waiting at a busy decode by (priority, arrival) under
+``scheduler_policy: priority``, by arrival under ``fcfs``, with the tokens each gives
+alone (greedy)."""
+
+import pytest
+from omni_ar.engines.vllm_engine import VllmEngine
+from omni_ar.params import parse_request
+from omni_core import Pipeline
+from omni_core.client.collector import collect
+from omni_testing.faults import wait_for
+
+
+@pytest.mark.parametrize("images", [False, True], ids=["ar.intake", "ar.mm_intake"])
+def test_the_intake_takes_a_request_with_a_priority(images):
+    source, params = parse_request({"prompt": "a", "max_tokens": 3, "priority": -4}, 16, images)
+    assert source == "a" and params.max_tokens == 3
+
+
+def test_engine_args_may_not_set_another_scheduling_policy_than_the_stage(tiny_model):
+    with pytest.raises(ValueError, match="engine_args.scheduling_policy 'priority' differs"):
+        VllmEngine(tiny_model, engine_args={"scheduling_policy": "priority"})
+
+
+BLOCKER = {"prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True}
+PRIORITIES = {"a": 2, "b": 0, "c": 2, "d": -1, "e": 0}
+REQUESTS = {
+    name: {"prompt": prompt, "max_tokens": 12, "ignore_eos": True, "priority": PRIORITIES[name]}
+    for name, prompt in zip(
+        PRIORITIES,
+        ["a red fox", "the lazy dog", "héllo wörld", "omni pipelines stream", "a pale sky"],
+        strict=True,
+    )
+}
+
+
+def split_config(model, policy, decode_policy=None):
+    """The split pipeline, decode one request at a time: ``policy`` on every stage
+    (``decode_policy`` on decode) but postprocess, which schedules by priority (so that
+    the pipeline takes priorities; it gets the requests one at a time, from decode, and
+    cannot reorder them)."""
+    opts = {"model": model, "threads": 1}
+    decode = {"name": "decode", "kind": "ar.decode", "max_inflight": 1, "options": opts}
+    if decode_policy:
+        decode["scheduler_policy"] = decode_policy
+    return {
+        "mrs": {"defaults": {"scheduler_policy": policy}},
+        "heartbeat_interval_s": 0.05,
+        "stages": [
+            {"name": "intake", "kind": "ar.intake", "options": {"model": model}},
+            {"name": "prefill", "kind": "ar.prefill", "options": opts},
+            decode,
+            {
+                "name": "postprocess",
+                "kind": "ar.postprocess",
+                "scheduler_policy": "priority",
+                "options": {"model": model},
+            },
+        ],
+        "edges": [
+            {"from": "intake", "to": "prefill"},
+            {"from": "prefill", "to": "decode"},
+            {"from": "decode", "to": "postprocess", "window": {"size": 4}},
+        ],
+    }
+
+
+def decode(pipe):
+    return pipe.metrics()["stages"]["decode"]
+
+
+def tokens(out):
+    assert out.ok, out.error
+    return [t for e in out.by_stage("postprocess") for t in e.tokens]
+
+
+@pytest.mark.parametrize(
+    ("policy", "decode_policy"),
+    [("priority", None), ("fcfs", "priority"), ("fcfs", None)],
+    ids=["priority", "priority-at-decode-only", "fcfs"],
+)
+def test_a_busy_decode_serves_the_waiting_requests_by_priority_then_arrival(
+    tiny_model, policy, decode_policy
+):
+    """Under priority upstream stages may reorder too (a busy intake); with priority at
+    decode only, the requests reach it in arrival order and decode's queue reorders."""
+    with Pipeline(split_config(tiny_model, policy, decode_policy)) as pipe:
+        blocker = pipe.submit(BLOCKER)
+        wait_for(lambda: decode(pipe)["dequeued"] >= 1, 20, "decode took the blocker")
+        handles = {name: pipe.submit(r) for name, r in REQUESTS.items()}
+        # every one waits at decode at once (none taken yet): the next take chooses
+        wait_for(lambda: decode(pipe)["queue_depth"] == len(REQUESTS), 20, "all wait at decode")
+        assert collect(blocker).ok
+        outs = {name: collect(h) for name, h in handles.items()}
+        alone = {name: tokens(pipe.generate([r])[0]) for name, r in REQUESTS.items()}
+    assert {name: tokens(out) for name, out in outs.items()} == alone
+    ended = sorted(outs, key=lambda name: outs[name].events[-1].ts)
+    names = list(REQUESTS)
+    if "priority" in (policy, decode_policy):
+        assert ended == sorted(names, key=lambda n: (PRIORITIES[n], names.index(n)))
+    else:
+        assert ended == names
