@@ -20,7 +20,13 @@ from PIL import Image  # noqa: E402
 
 # arrival order; ties (-1, 0) keep it under priority
 PRIORITIES = {"a": 3, "b": -1, "c": 0, "d": -1, "e": 0}
-BLOCKER = {"steps": 100, "width": 256, "height": 256}  # the sampler busy for a while
+# the sampler busy for a while (~0.6 s at best); temperature 0: the same prompt each time
+BLOCKER = {
+    "prompt": "a fox",
+    "max_tokens": 2,
+    "temperature": 0,
+    "image": {"steps": 100, "width": 256, "height": 256, "format": "png"},
+}
 SMALL = {"steps": 2, "width": 64, "height": 64}
 
 
@@ -60,45 +66,61 @@ def mixed(llm, dit, policy):
     }
 
 
-def received(pipe, stage):
-    return pipe.metrics()["stages"][stage]["received"]
+def stats(pipe, stage):
+    return pipe.metrics()["stages"][stage]
 
 
-def painted_order(pipe, priorities):
-    """Submit a blocker, then each of ``priorities`` (id -> priority) once the one before
-    reached the sampler (so the submission order is their arrival there) while the
-    blocker still samples; the ids in the order their images were made, each request
-    checked to end with its image."""
-    blocker = pipe.submit({"prompt": "a fox", "max_tokens": 2, "image": BLOCKER}, "blocker")
-    wait_for(lambda: received(pipe, "sample") >= 1, 30, "the blocker at the sampler")
+def final_image(events, image):
+    """The request ended with its image (of ``image``'s size): its encoded bytes, and
+    when they were made."""
+    assert events[-1].event_type == "completed", events[-1]
+    (final,) = [e for e in events if e.stage == "encode" and e.event_type == "image"]
+    pic = Image.open(io.BytesIO(final.arrays["image"]))
+    assert final.is_last and pic.size == (image["width"], image["height"])
+    return final.arrays["image"], final.ts
+
+
+def painted_order(pipe, blocker_priority, priorities):
+    """Submit the blocker, then each of ``priorities`` (id -> priority) once the one
+    before reached the sampler (so the submission order is their arrival there) while the
+    blocker still samples; the ids in the order their images were made (after the
+    blocker's: none is better than it), and the blocker's image."""
+    blocker = pipe.submit({**BLOCKER, "priority": blocker_priority}, "blocker")
+    wait_for(lambda: stats(pipe, "sample")["dequeued"] >= 1, 30, "the blocker sampling")
     handles = {}
     for i, (rid, p) in enumerate(priorities.items()):
         request = {"prompt": f"a cat {rid}", "max_tokens": 2, "image": SMALL}
         handles[rid] = pipe.submit(request if p == 0 else {**request, "priority": p}, rid)
-        wait_for(lambda i=i: received(pipe, "sample") >= i + 2, 30, f"{rid} at the sampler")
-    assert pipe.metrics()["stages"]["sample"]["completed"] == 0, (
+        wait_for(lambda i=i: stats(pipe, "sample")["queue_depth"] > i, 30, f"{rid} waiting")
+    assert stats(pipe, "sample")["completed"] == 0, (
         "the blocker finished before every request waited behind it: make BLOCKER longer"
     )
-    made = {}
-    for rid, h in {"blocker": blocker, **handles}.items():
-        events = list(h)
-        assert events[-1].event_type == "completed", events[-1]
-        (final,) = [e for e in events if e.stage == "encode" and e.event_type == "image"]
-        image = BLOCKER if rid == "blocker" else SMALL
-        pic = Image.open(io.BytesIO(final.arrays["image"]))
-        assert final.is_last and pic.size == (image["width"], image["height"])
-        made[rid] = final.ts
-    assert made["blocker"] < min(made[rid] for rid in handles)
-    return sorted(handles, key=made.__getitem__)
+    image, blocker_made = final_image(list(blocker), BLOCKER["image"])
+    made = {rid: final_image(list(h), SMALL)[1] for rid, h in handles.items()}
+    assert blocker_made < min(made.values())
+    assert stats(pipe, "sample")["preemptions"] == 0
+    return sorted(handles, key=made.__getitem__), image
 
 
 def test_a_busy_sampler_paints_the_waiting_requests_by_priority_then_arrival(
     llm, dit, tmp_path, monkeypatch
 ):
+    """The waiting requests by (priority, arrival); then a better request preempts a
+    worse one that samples, which resumes where it stopped: the same image."""
     monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path))
     with Pipeline(mixed(llm, dit, "priority")) as pipe:
-        order = painted_order(pipe, PRIORITIES)
-    assert order == ["b", "d", "c", "e", "a"]  # (priority, arrival)
+        order, image = painted_order(pipe, -5, PRIORITIES)  # no waiting one is better
+        assert order == ["b", "d", "c", "e", "a"]  # (priority, arrival)
+
+        steps = stats(pipe, "sample")["steps"]  # (10 covers a late heartbeat's count)
+        worse = pipe.submit({**BLOCKER, "priority": 5})
+        wait_for(lambda: stats(pipe, "sample")["dequeued"] == 7, 30, "the worse one")
+        wait_for(lambda: stats(pipe, "sample")["steps"] >= steps + 10, 30, "it sampling")
+        better = pipe.submit({"prompt": "a dog", "max_tokens": 2, "priority": 4, "image": SMALL})
+        _, better_made = final_image(list(better), SMALL)
+        resumed, worse_made = final_image(list(worse), BLOCKER["image"])
+        assert better_made < worse_made and stats(pipe, "sample")["preemptions"] == 1
+        assert resumed == image  # nothing lost or repeated
 
 
 def test_first_come_first_served_paints_them_in_arrival_order(llm, dit, tmp_path, monkeypatch):
@@ -107,5 +129,5 @@ def test_first_come_first_served_paints_them_in_arrival_order(llm, dit, tmp_path
         # a fcfs pipeline refuses a priority that is not 0 (as vLLM's server does)
         with pytest.raises(UserInputError, match="field 'priority'"):
             pipe.submit({"prompt": "a cat", "priority": -1, "image": SMALL})
-        order = painted_order(pipe, dict.fromkeys(PRIORITIES, 0))
+        order, _ = painted_order(pipe, 0, dict.fromkeys(PRIORITIES, 0))
     assert order == list(PRIORITIES)
