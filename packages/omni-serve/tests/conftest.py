@@ -135,10 +135,7 @@ def text_server(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> It
     stop_server(server)
 
 
-@pytest.fixture(scope="session")
-def image_server(
-    tiny_llama: str, tiny_dit: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
+def mixed_config(name: str, tiny_llama: str, tiny_dit: str, **top: Any) -> dict[str, Any]:
     """The mixed pipeline on tiny models: the Llama writes the prompt (streamed), encodes
     it, and the tiny SD3 paints it with a preview every step (64 x 64, 4 steps)."""
     from omni_dit.testing import dit_config
@@ -153,7 +150,15 @@ def image_server(
     }
     stages = ar_stages(tiny_llama)
     stages[-1]["client_stream"] = True  # the expanded prompt, as text
-    config = chained("tiny_mixed", [*stages, encoder, *dit])
+    return chained(name, [*stages, encoder, *dit], **top)
+
+
+@pytest.fixture(scope="session")
+def image_server(
+    tiny_llama: str, tiny_dit: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """:func:`mixed_config`'s pipeline, served."""
+    config = mixed_config("tiny_mixed", tiny_llama, tiny_dit)
     server = start_server(config, tmp_path_factory.mktemp("image-server"), "--max-images", "2")
     yield server
     stop_server(server)

@@ -62,6 +62,14 @@ def bad_field(param: str, message: str) -> APIError:
     return APIError(400, f"field '{param}': {message}", param=param)
 
 
+def user_input(message: str, params: dict[str, str] | None = None) -> APIError:
+    """The 400 of a :class:`UserInputError` (the client's fault): its message, and as
+    ``param`` the field it names (renamed by ``params``, as :func:`from_terminal`'s)."""
+    m = _FIELD.search(message)
+    param = (params or {}).get(m.group(1), m.group(1)) if m else None
+    return APIError(400, message, param=param, code="invalid_value")
+
+
 def from_terminal(
     ev: Error | Cancelled, params: dict[str, str] | None = None, request_id: str = ""
 ) -> APIError:
@@ -78,9 +86,7 @@ def from_terminal(
             return APIError(504, "the request timed out", type="timeout", code="timeout")
         return APIError(499, "the request was cancelled", type="cancelled", code="cancelled")
     if ev.code == UserInputError.code:
-        m = _FIELD.search(ev.message)
-        param = (params or {}).get(m.group(1), m.group(1)) if m else None
-        return APIError(400, ev.message, param=param, code="invalid_value")
+        return user_input(ev.message, params)
     log.error(
         "request failed: %s (%s)",
         ev.message,
@@ -115,6 +121,9 @@ def submit_error(e: BaseException, request_id: str = "") -> APIError:
             code=OverloadedError.code,
             headers={"Retry-After": str(retry)},
         )
+    if isinstance(e, UserInputError):  # the pipeline's own checks (a request's priority)
+        log.info("request refused: %s", e, extra=extra)
+        return user_input(str(e))
     if isinstance(e, TypeError) and "cannot be serialized" in str(e):
         # the server's checks should have caught it; still the request's fault
         log.warning("request refused: %s", e, extra=extra)

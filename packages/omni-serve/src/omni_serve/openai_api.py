@@ -9,6 +9,8 @@ always, http(s) URLs only when the operator allows them (the server fetches them
 passes them on as data URLs: no stage ever touches the network), file paths never. Images:
 ``{"prompt", "image": {"width", "height", "steps", "seed", "guidance", "true_cfg_scale",
 "format", "quality", "preview_every", "negative_prompt"}}`` (the DiT plan's fields).
+Every body may carry ``priority`` (vLLM's extra field: an int64, default 0, lower runs
+first), passed on as the request's :data:`omni_core.scheduling.PRIORITY_KEY` when not 0.
 Unknown fields are refused, naming the field; fields the OpenAI API has that change the
 answer in ways a pipeline cannot (tools, structured output, n > 1 for text, URLs for
 images) are refused too rather than ignored, naming the field and saying it is not
@@ -20,6 +22,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
+from omni_core.scheduling import PRIORITY_KEY
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from omni_serve.body import INT_MAX, INT_MIN
@@ -64,6 +67,9 @@ class _Body(_Model):
     user: str | None = None
     # omni: this request's timeout; it may lower the server's cap, never raise it
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+    # vLLM's extra field: lower runs first; not 0 only where some stage schedules by
+    # priority (Server.check_priority)
+    priority: Int64 = 0
 
 
 class StreamOptions(_Model):
@@ -234,6 +240,11 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out or "body"
 
 
+def scheduling(req: _Body) -> dict[str, Any]:
+    """The pipeline request's scheduling fields: its priority, when not the default."""
+    return {PRIORITY_KEY: req.priority} if req.priority else {}
+
+
 def _sampling(req: _TextBody, max_tokens: int | None, limit: TokenLimit | None) -> dict[str, Any]:
     if req.n != 1:
         raise bad_field("n", "only n=1 is supported for text")
@@ -314,7 +325,7 @@ def chat_request(
                 for j, p in enumerate(m.content)
             ]
         messages.append({"role": role, "content": content})
-    out: dict[str, Any] = {"messages": messages}
+    out: dict[str, Any] = {"messages": messages, **scheduling(req)}
     out.update(_sampling(req, req.max_completion_tokens or req.max_tokens, limit))
     if req.logprobs:
         out["logprobs"] = True
@@ -334,7 +345,7 @@ def completion_request(req: CompletionRequest, limit: TokenLimit | None) -> dict
         raise bad_field("echo", "not supported")
     if req.suffix:
         raise bad_field("suffix", "not supported")
-    out: dict[str, Any] = {"prompt": prompt}
+    out: dict[str, Any] = {"prompt": prompt, **scheduling(req)}
     out.update(_sampling(req, req.max_tokens, limit))
     if req.logprobs is not None:  # 0: the chosen tokens' logprobs; N: and the top N
         out["logprobs"] = True
@@ -385,7 +396,7 @@ def image_requests(
         one = dict(image)
         if req.seed is not None or req.n > 1:
             one["seed"] = (req.seed or 0) + i
-        request: dict[str, Any] = {"prompt": req.prompt, "image": one}
+        request: dict[str, Any] = {"prompt": req.prompt, "image": one, **scheduling(req)}
         if req.max_tokens is not None:
             request["max_tokens"] = req.max_tokens
         out.append(request)

@@ -11,9 +11,11 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from omni_core import Pipeline
+from omni_core.errors import UserInputError
+from omni_core.scheduling import PRIORITY_KEY, check_priority
 
 from omni_serve.body import BodyBudget
-from omni_serve.errors import APIError
+from omni_serve.errors import APIError, user_input
 from omni_serve.limits import TokenLimit, token_limit
 from omni_serve.metrics import ServerMetrics
 from omni_serve.settings import ServeSettings
@@ -91,6 +93,17 @@ class Server:
                 param="model",
                 code="model_not_found",
             )
+
+    def check_priority(self, priority: int) -> None:
+        """A 400 naming ``priority`` where the pipeline would refuse it (not 0 while no
+        stage schedules by priority, as vLLM's server refuses it without priority
+        scheduling), before any request of the body is submitted."""
+        if priority == 0:
+            return
+        try:
+            check_priority({PRIORITY_KEY: priority}, self.pipe.config)
+        except UserInputError as e:
+            raise user_input(str(e)) from None
 
     def model_card(self) -> dict[str, Any]:
         return {

@@ -59,6 +59,7 @@ def prepare(server: Server, raw: bytearray) -> tuple[ImageRequest, list[dict[str
     (run by :func:`off_loop`: in a worker thread for a big body)."""
     req = parse(ImageRequest, parse_json(raw))
     server.check_model(req.model, IMAGES)
+    server.check_priority(req.priority)
     s = server.settings
     preqs = image_requests(req, s.max_image_pixels, s.max_images, server.max_tokens_limit)
     for preq in preqs:

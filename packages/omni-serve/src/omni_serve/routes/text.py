@@ -150,11 +150,13 @@ def prepare(
     if chat:
         req = parse(ChatRequest, body)
         server.check_model(req.model, CHAT)
+        server.check_priority(req.priority)
         remote = server.settings.allow_remote_images
         preq = chat_request(req, server.max_tokens_limit, server.images, remote)
     else:
         req = parse(CompletionRequest, body)
         server.check_model(req.model, COMPLETIONS)
+        server.check_priority(req.priority)
         preq = completion_request(req, server.max_tokens_limit)
     check_values(preq)
     return req, preq
