@@ -282,6 +282,8 @@ class Sample(_ModelStage):
                 torch.tensor(a["pooled"], dtype=dtype, device=device),
             )
             groups[job.key].append(job)
+        # the groups in order of their first request: under scheduler_policy: priority the
+        # worker hands the batch best first, so the group of the best request runs first
         for jobs in groups.values():
             yield from self._sample(jobs)
 
