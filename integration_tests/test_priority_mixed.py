@@ -1,8 +1,9 @@
 """Priority through the mixed AR + diffusion pipeline (tiny models): while the DiT sampler
 (``max_batch_size`` 1) paints a long image, requests of mixed priorities reach its queue
 one after another; under ``mrs.defaults.scheduler_policy: priority`` they are painted, and
-finish, in (priority, arrival) order, under ``fcfs`` in arrival order. Every request
-ends with its image."""
+finish, in (priority, arrival) order, under ``fcfs`` in arrival order; a better request
+preempts a worse one sampling, which resumes to the same image. Every request ends with
+its image."""
 
 import io
 
@@ -31,22 +32,15 @@ SMALL = {"steps": 2, "width": 64, "height": 64}
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def mixed(tmp_path_factory):
+    """policy -> the mixed pipeline on tiny models, every stage under that policy: intake
+    -> prefill -> decode -> postprocess -> text (the Llama encodes the prompt it wrote) ->
+    plan -> sample -> vae -> encode."""
     from omni_ar.testing import build_tiny_llama
 
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
-def dit(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    embedded.build_tiny_sd3(path, conditioning_width=64)  # the tiny Llama's hidden size
-    return str(path)
-
-
-def mixed(llm, dit, policy):
-    """intake -> prefill -> decode -> postprocess -> text (the Llama encodes the prompt it
-    wrote) -> plan -> sample -> vae -> encode, every stage under ``policy``."""
+    llm = str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+    dit = tmp_path_factory.mktemp("tiny-sd3")
+    embedded.build_tiny_sd3(dit, conditioning_width=64)  # the tiny Llama's hidden size
     ar = {"model": llm, "threads": 1}
     stages = [
         {"name": "intake", "kind": "ar.intake", "options": {"model": llm}},
@@ -54,16 +48,20 @@ def mixed(llm, dit, policy):
         {"name": "decode", "kind": "ar.decode", "options": ar},
         {"name": "postprocess", "kind": "ar.postprocess", "options": {"model": llm}},
         {"name": "text", "kind": "ar.text_encode", "options": {**ar, "max_tokens": 8}},
-        *dit_config(dit, width=64)["stages"][1:],  # plan, sample, vae, encode
+        *dit_config(str(dit), width=64)["stages"][1:],  # plan, sample, vae, encode
     ]
     names = [s["name"] for s in stages]
     edges = [{"from": a, "to": b} for a, b in zip(names, names[1:], strict=False)]
-    return {
-        "heartbeat_interval_s": 0.05,
-        "mrs": {"defaults": {"scheduler_policy": policy}},
-        "stages": stages,
-        "edges": edges,
-    }
+
+    def config(policy):
+        return {
+            "heartbeat_interval_s": 0.05,
+            "mrs": {"defaults": {"scheduler_policy": policy}},
+            "stages": stages,
+            "edges": edges,
+        }
+
+    return config
 
 
 def stats(pipe, stage):
@@ -103,12 +101,12 @@ def painted_order(pipe, blocker_priority, priorities):
 
 
 def test_a_busy_sampler_paints_the_waiting_requests_by_priority_then_arrival(
-    llm, dit, tmp_path, monkeypatch
+    mixed, tmp_path, monkeypatch
 ):
     """The waiting requests by (priority, arrival); then a better request preempts a
     worse one that samples, which resumes where it stopped: the same image."""
     monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path))
-    with Pipeline(mixed(llm, dit, "priority")) as pipe:
+    with Pipeline(mixed("priority")) as pipe:
         order, image = painted_order(pipe, -5, PRIORITIES)  # no waiting one is better
         assert order == ["b", "d", "c", "e", "a"]  # (priority, arrival)
 
@@ -123,9 +121,9 @@ def test_a_busy_sampler_paints_the_waiting_requests_by_priority_then_arrival(
         assert resumed == image  # nothing lost or repeated
 
 
-def test_first_come_first_served_paints_them_in_arrival_order(llm, dit, tmp_path, monkeypatch):
+def test_first_come_first_served_paints_them_in_arrival_order(mixed, tmp_path, monkeypatch):
     monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path))
-    with Pipeline(mixed(llm, dit, "fcfs")) as pipe:
+    with Pipeline(mixed("fcfs")) as pipe:
         # a fcfs pipeline refuses a priority that is not 0 (as vLLM's server does)
         with pytest.raises(UserInputError, match="field 'priority'"):
             pipe.submit({"prompt": "a cat", "priority": -1, "image": SMALL})
