@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 from omni_core.errors import UserInputError
+from omni_core.scheduling import PRIORITY_KEY
+from omni_serve.openai_api import ImageRequest, image_requests, parse
 from omni_testing.faults import wait_for
 
 from .conftest import Server, intake_then, mixed_config, slow, start_server, stop_server
@@ -98,12 +100,15 @@ def stage_stats(server: Server, stage: str) -> dict[str, Any]:
 
 
 def refused(server: Server, path: str, priority: Any, why: str = "") -> None:
-    """``priority`` is a 400 on ``path`` naming the field (and saying ``why``)."""
-    r = httpx.post(f"{server.url}{path}", json=body(path, priority=priority), timeout=30)
-    assert r.status_code == 400, (priority, r.text)
-    err = r.json()["error"]
-    assert err["param"] == "priority", err
-    assert err["message"].startswith("field 'priority': ") and why in err["message"], err
+    """``priority`` is a 400 on ``path`` naming the field (and saying ``why``), streamed
+    or not."""
+    for stream in (False, True):
+        json = body(path, priority=priority, stream=stream)
+        r = httpx.post(f"{server.url}{path}", json=json, timeout=30)
+        assert r.status_code == 400, (priority, stream, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "priority", err
+        assert err["message"].startswith("field 'priority': ") and why in err["message"], err
 
 
 def served_order(
@@ -202,3 +207,10 @@ def test_a_priority_the_pipeline_refuses_on_submit_is_a_400_naming_the_field():
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["param"] == "priority" and "refused by the pipeline" in err["message"]
+
+
+def test_every_image_of_n_gets_the_priority_and_0_is_left_out():
+    req = parse(ImageRequest, {"prompt": "a cat", "n": 3, "priority": -3})
+    assert [r[PRIORITY_KEY] for r in image_requests(req, 1 << 20, 4, None)] == [-3, -3, -3]
+    req = parse(ImageRequest, {"prompt": "a cat", "priority": 0})
+    assert PRIORITY_KEY not in image_requests(req, 1 << 20, 4, None)[0]
