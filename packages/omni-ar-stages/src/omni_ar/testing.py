@@ -44,7 +44,9 @@ def build_tokenizer(vocab_size: int = 320, extra_special: tuple[str, ...] = ()) 
     return fast
 
 
-def tiny_llama_config(vocab_size: int, head_dim: int | None = None) -> Any:
+def tiny_llama_config(
+    vocab_size: int, head_dim: int | None = None, max_positions: int = 512
+) -> Any:
     """The tiny Llama's config: untied embeddings, a large init range (varied output)."""
     from transformers import LlamaConfig
 
@@ -56,7 +58,7 @@ def tiny_llama_config(vocab_size: int, head_dim: int | None = None) -> Any:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=head_dim,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         initializer_range=0.2,
         bos_token_id=1,
@@ -65,11 +67,16 @@ def tiny_llama_config(vocab_size: int, head_dim: int | None = None) -> Any:
 
 
 def build_tiny_llama(
-    path: str | Path, seed: int = 0, vocab_size: int = 320, head_dim: int | None = None
+    path: str | Path,
+    seed: int = 0,
+    vocab_size: int = 320,
+    head_dim: int | None = None,
+    max_positions: int = 512,
 ) -> Path:
     """Write a tiny Llama checkpoint and tokenizer into ``path``; returns it.
 
     ``head_dim`` overrides hidden_size / heads (16); vLLM's CPU attention needs >= 32.
+    ``max_positions``: the longest sequence it takes (vLLM's ``max_model_len`` at most).
     """
     import torch
     from transformers import LlamaForCausalLM
@@ -79,5 +86,6 @@ def build_tiny_llama(
     fast = build_tokenizer(vocab_size)
     fast.save_pretrained(path)
     torch.manual_seed(seed)
-    LlamaForCausalLM(tiny_llama_config(len(fast), head_dim)).eval().save_pretrained(path)
+    config = tiny_llama_config(len(fast), head_dim, max_positions)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
     return path

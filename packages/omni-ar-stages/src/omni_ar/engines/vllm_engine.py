@@ -118,7 +118,7 @@ class _Steps:
     def __iter__(self) -> _Steps:
         return self
 
-    def __next__(self) -> tuple[int, float]:
+    def __next__(self) -> Sampled | None:
         try:
             return next(self.gen)
         except StopIteration:
@@ -294,7 +294,11 @@ class VllmEngine:
                 st.tokens.append(Sampled((tok, lps[j][tok].logprob), [(t, x) for _, t, x in top]))
             st.done = out.finished
 
-    def _stream(self, rid: str) -> Iterator[tuple[int, float]]:
+    def _stream(self, rid: str) -> Iterator[Sampled | None]:
+        """The request's tokens; ``None`` after an engine step that gave it none (it waits
+        inside vLLM: behind ``max_num_seqs``, preempted, or a prefill chunk), so that the
+        caller gives its other requests a turn (their tokens from that step go out, new
+        requests enter the engine) instead of stepping until this one's next token."""
         st = self._streams[rid]
         try:
             while True:
@@ -303,6 +307,8 @@ class VllmEngine:
                 if st.done:
                     return
                 self._step()
+                if not st.tokens and not st.done:
+                    yield None
         finally:  # closed early (cancel): abort, which frees the request's KV blocks
             del self._streams[rid]
             if not st.done:
@@ -310,9 +316,10 @@ class VllmEngine:
 
     def stream(
         self, ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> Iterator[tuple[int, float]]:
-        """A whole request (prompt ids -> every token), batched with the others open; it
-        enters the engine at this call, with ``priority`` (see :meth:`_submit`)."""
+    ) -> Iterator[Sampled | None]:
+        """A whole request (prompt ids -> every token, ``None`` while it waits: see
+        :meth:`_stream`), batched with the others open; it enters the engine at this
+        call, with ``priority`` (see :meth:`_submit`)."""
         sp = self._sampling(params, params.max_tokens, None)
         return self._stream(self._submit(ids, sp, priority))
 
@@ -344,7 +351,7 @@ class VllmEngine:
         ]
         try:
             for rid, key in zip(rids, keys, strict=True):
-                (first,) = list(self._stream(rid))
+                (first,) = [s for s in self._stream(rid) if s is not None]
                 kv = self._take_kv(OUTBOX.pop(key, None) if shm else None, shm)
                 yield Sampled((*first, *kv), first.top)
         finally:  # closed early: abort the rest, drop what their steps saved
@@ -374,8 +381,9 @@ class VllmEngine:
         params: SamplingParams,
         prompt: list[int] | None = None,
         priority: int = 0,
-    ) -> Iterator[tuple[int, float]]:
-        """Tokens after ``first`` until EOS or ``max_tokens`` in all. ``prompt`` (the
+    ) -> Iterator[Sampled | None]:
+        """Tokens after ``first`` until EOS or ``max_tokens`` in all (``None`` while it
+        waits: see :meth:`_stream`). ``prompt`` (the
         prompt's ids) is required: vLLM runs the request as prompt + first token, taking
         the prompt's KV from ``keys``/``values`` (``shm``) or its connector's files.
         ``priority``: the request's, for vLLM's scheduler (see :meth:`_submit`).
@@ -403,7 +411,7 @@ class VllmEngine:
 
     def generate(self, source: str | list[dict[str, str]], params: SamplingParams) -> list[int]:
         """The whole request in one engine (the one-process run)."""
-        return [t for t, _ in self.stream(self.encode(source), params)]
+        return [s[0] for s in self.stream(self.encode(source), params) if s is not None]
 
 
 def file_kv_dir(model_dir: str) -> str:

@@ -207,7 +207,7 @@ class MMDecode(_MMStage, Decode):
         if o.inline_detokenize or o.media == "reprocess":
             self.engine.load_tokenizer()
 
-    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         for inp in batch:
             messages = self._messages(inp)
             w = inp.window

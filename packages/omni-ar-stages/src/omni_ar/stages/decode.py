@@ -85,7 +85,7 @@ class Decode(ModelStage):
         stream = getattr(self.engine, "stream", None)
         try:
             # vLLM: the request enters the engine now (a grammar it refuses: RequestError)
-            steps: Iterable[tuple[int, float]] | None = (
+            steps: Iterable[tuple[int, float] | None] | None = (
                 stream(ids, params, inp.priority) if stream is not None else None
             )
         except RequestError as e:
@@ -111,12 +111,14 @@ class Decode(ModelStage):
         inp: StageInput,
         params: SamplingParams,
         tokens_so_far: list[tuple[int, float]],
-        steps: Iterable[tuple[int, float]],
+        steps: Iterable[tuple[int, float] | None],
         prompt_tokens: int,
-    ) -> Iterator[StageEvent]:
+    ) -> Iterator[StageEvent | None]:
         """Flush ``tokens_so_far`` and then the tokens of ``steps`` in segments; the first
         carries ``prompt_tokens`` (the prompt's length, for usage counts downstream) and
         the request's params (for the stages downstream); the last, ``finish_reason``.
+        A ``None`` step (the request waits inside vLLM) yields None: the stage's other
+        requests go on meanwhile, and the tokens it holds go out once they are due.
         With ``top_logprobs`` each segment's payload carries its tokens' alternatives
         (``top_ids``, made text by :func:`top_payload`)."""
         counted = {**params_payload(params), "prompt_tokens": prompt_tokens}
@@ -144,14 +146,15 @@ class Decode(ModelStage):
         for s in steps:
             if inp.cancelled:
                 return
-            tok, lp = s
-            tokens.append(tok)
-            logprobs.append(lp)
-            tops.append(top_ids(s))
-            total += 1
-            last_tok = tok
+            if s is not None:
+                tok, lp = s
+                tokens.append(tok)
+                logprobs.append(lp)
+                tops.append(top_ids(s))
+                total += 1
+                last_tok = tok
             now = time.monotonic()
-            if (
+            if tokens and (
                 len(tokens) >= o.max_segment_tokens
                 or (now - last_flush) * 1000 >= o.min_flush_interval_ms
             ):
@@ -159,6 +162,8 @@ class Decode(ModelStage):
                 if detok is not None and detok.stopped is not None:
                     return
                 tokens, logprobs, tops, last_flush = [], [], [], now
+            elif s is None:
+                yield None
         last = self._finish(params, total, last_tok)
         yield self._emit(inp, tokens, logprobs, tops, params, detok, counted, last)
 
