@@ -9,6 +9,7 @@ from omni_ar.engines.vllm_engine import VllmEngine
 from omni_ar.params import parse_request
 from omni_core import Pipeline
 from omni_core.client.collector import collect
+from omni_testing.configs import chain
 from omni_testing.faults import wait_for
 
 
@@ -41,29 +42,15 @@ def split_config(model, policy, decode_policy=None):
     the pipeline takes priorities; it gets the requests one at a time, from decode, and
     cannot reorder them)."""
     opts = {"model": model, "threads": 1}
-    decode = {"name": "decode", "kind": "ar.decode", "max_inflight": 1, "options": opts}
-    if decode_policy:
-        decode["scheduler_policy"] = decode_policy
-    return {
-        "mrs": {"defaults": {"scheduler_policy": policy}},
-        "heartbeat_interval_s": 0.05,
-        "stages": [
-            {"name": "intake", "kind": "ar.intake", "options": {"model": model}},
-            {"name": "prefill", "kind": "ar.prefill", "options": opts},
-            decode,
-            {
-                "name": "postprocess",
-                "kind": "ar.postprocess",
-                "scheduler_policy": "priority",
-                "options": {"model": model},
-            },
-        ],
-        "edges": [
-            {"from": "intake", "to": "prefill"},
-            {"from": "prefill", "to": "decode"},
-            {"from": "decode", "to": "postprocess", "window": {"size": 4}},
-        ],
-    }
+    decode = {"max_inflight": 1} | ({"scheduler_policy": decode_policy} if decode_policy else {})
+    return chain(
+        ("intake", "ar.intake", {"model": model}),
+        ("prefill", "ar.prefill", opts),
+        ("decode", "ar.decode", opts, decode),
+        ("postprocess", "ar.postprocess", {"model": model}, {"scheduler_policy": "priority"}),
+        mrs={"defaults": {"scheduler_policy": policy}},
+        heartbeat_interval_s=0.05,
+    )
 
 
 def decode(pipe):

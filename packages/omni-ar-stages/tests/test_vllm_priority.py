@@ -171,27 +171,20 @@ def test_the_generate_stage_passes_each_request_priority_to_vllm(long_model):
     then arrival, each with its tokens alone."""
     from omni_core import Pipeline
     from omni_core.client.collector import collect
+    from omni_testing.configs import chain
     from omni_testing.faults import wait_for
 
     opts = {"model": long_model, "engine": "vllm"}
     engine_args = {"block_size": 32, "max_model_len": 4096, "max_num_seqs": 1}
-    generate = {"max_segment_tokens": 4, "engine_args": engine_args}
-    cfg = {
-        "mrs": {"defaults": {"scheduler_policy": "priority"}},
-        "ready_timeout_s": 300,
-        "heartbeat_interval_s": 0.05,
-        "stages": [
-            {"name": "intake", "kind": "ar.intake", "options": opts},
-            {
-                "name": "generate",
-                "kind": "ar.generate",
-                "max_inflight": 8,
-                "client_stream": True,  # its events, stamped when made, reach the caller
-                "options": {**opts, **generate},
-            },
-        ],
-        "edges": [{"from": "intake", "to": "generate"}],
-    }
+    generate = {**opts, "max_segment_tokens": 4, "engine_args": engine_args}
+    cfg = chain(
+        ("intake", "ar.intake", opts),
+        # its events, stamped when made, reach the caller
+        ("generate", "ar.generate", generate, {"max_inflight": 8, "client_stream": True}),
+        mrs={"defaults": {"scheduler_policy": "priority"}},
+        ready_timeout_s=300,
+        heartbeat_interval_s=0.05,
+    )
     priorities = {"a": 2, "b": 0, "c": 2, "d": -1}
     words = ["a red fox", "the lazy dog", "héllo wörld", "omni pipelines"]
     requests = {
