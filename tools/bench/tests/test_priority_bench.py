@@ -19,6 +19,10 @@ def test_priority_probe_passes_the_load_and_nothing_is_lost(bench_json):
         for figure in ("ttft", "completion"):
             assert 0 < probe[f"{figure}_ms_p50"] <= probe[f"{figure}_ms_p95"], (arm, probe)
     assert "load" not in s["idle"]
+    # synthetic.sleep is not preemptible, and fcfs never preempts
+    assert (
+        s["idle"]["preemptions"] == s["fcfs"]["preemptions"] == s["priority"]["preemptions"] == {}
+    )
     for arm in ("fcfs", "priority"):
         load = s[arm]["load"]
         assert load["completed"] == load["requests"] >= 8, (arm, load)

@@ -24,7 +24,8 @@ AR figures: time to first text (``ttft``: submit to the first event carrying tex
 completion (the terminal event); every AR request asks for exactly ``--max-tokens``
 tokens (``ignore_eos``). DiT figures: submit to the first preview and to the final image.
 Per arm the probes' p50 and p95, the load's completions per second and output units per
-second (tokens, images) over the probes' window, and completed / errors / lost counts for
+second (tokens, images) over the probes' window, the stages' ``preemptions`` (running
+batches paused for a better request, per stage), and completed / errors / lost counts for
 load and probes (lost: no terminal event ``--timeout`` seconds after its submit, or for
 the load after the last probe ended, plus a grace of 10 s).
 ``priority_probe_<figure>_vs_idle`` and ``fcfs_probe_<figure>_vs_idle`` are ratios of
@@ -207,6 +208,7 @@ async def run_arm(
     figures and counts."""
     load_tally, probe_tally = Tally(), Tally()
     stop, saturated = asyncio.Event(), asyncio.Event()
+    paused_before = preemptions(pipe)
 
     async def loader(k: int) -> None:
         i = k
@@ -239,6 +241,8 @@ async def run_arm(
     await asyncio.gather(*loaders, return_exceptions=True)
 
     res: dict[str, Any] = {"probe": probe_figures(t, probe_tally)}
+    after = preemptions(pipe)
+    res["preemptions"] = {k: n - paused_before.get(k, 0) for k, n in after.items() if n}
     if load:
         window = [
             s
@@ -254,6 +258,12 @@ async def run_arm(
             ),
         }
     return res
+
+
+def preemptions(pipe: Pipeline) -> dict[str, int]:
+    """Per stage, the times it paused a running batch for a better request (so far, as
+    the last heartbeats said)."""
+    return {name: m.get("preemptions", 0) for name, m in pipe.metrics()["stages"].items()}
 
 
 def probe_figures(t: Target, tally: Tally) -> dict[str, Any]:
