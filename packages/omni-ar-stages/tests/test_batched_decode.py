@@ -92,6 +92,32 @@ def test_a_request_joining_mid_way_and_a_cancel_leave_the_others_right(engine, e
     assert not engine.batch.requests
 
 
+def test_a_paused_request_leaves_the_steps_and_resumes_with_its_own_tokens(engine, expected):
+    # preemption (scheduler_policy: priority): a paused request is out of the batch's
+    # forwards, keeps its KV and the tokens it had, and goes on as if never paused
+    params = [SamplingParams(max_tokens=n) for _, n in PROMPTS]
+    started = [start(engine, t, p) for (t, _), p in zip(PROMPTS, params, strict=True)]
+    streams = [s for _, s in started]
+    outs = [[first] for first, _ in started]
+    round_robin(streams, outs, rounds=3)
+    streams[0].pause()
+    streams[2].pause()
+    assert len(engine.batch.requests) == 2 and len(engine.batch.parked) == 2
+    before = engine.batch.forwards
+    round_robin([streams[1], streams[3]], [outs[1], outs[3]], rounds=4)
+    assert engine.batch.forwards - before == 4  # the paused ones wait; the others step
+    assert [len(o) for o in outs] == [4, 8, 4, 8]
+    streams[0].resume()
+    round_robin(streams[:2], outs[:2], rounds=2)  # one paused while the rest ran
+    streams[2].resume()
+    streams[3].pause()
+    streams[3].close()  # cancelled while paused: nothing of it stays
+    streams[3] = iter(())
+    round_robin(streams, outs)
+    assert outs[:3] == expected[:3]
+    assert not engine.batch.requests and not engine.batch.parked
+
+
 def test_seeded_sampling_in_a_batch_is_the_same_as_alone(engine):
     params = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
     first, alone = start(engine, PROMPTS[0][0], params)

@@ -24,7 +24,8 @@ def test_engine_args_may_not_set_another_scheduling_policy_than_the_stage(tiny_m
         VllmEngine(tiny_model, engine_args={"scheduling_policy": "priority"})
 
 
-BLOCKER = {"prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True}
+# the best priority: the waiting requests never preempt it (see the preemption test)
+BLOCKER = {"prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True, "priority": -9}
 PRIORITIES = {"a": 2, "b": 0, "c": 2, "d": -1, "e": 0}
 REQUESTS = {
     name: {"prompt": prompt, "max_tokens": 12, "ignore_eos": True, "priority": PRIORITIES[name]}
@@ -88,3 +89,22 @@ def test_a_busy_decode_serves_the_waiting_requests_by_priority_then_arrival(
         assert ended == sorted(names, key=lambda n: (PRIORITIES[n], names.index(n)))
     else:
         assert ended == names
+
+
+def test_a_better_request_preempts_a_decoding_one_which_resumes_with_its_own_tokens(
+    tiny_model,
+):
+    # decode on the transformers engine is preemptible: the worse request leaves the
+    # decode batch (its KV kept) while the better one decodes, then goes on
+    low = {"prompt": "the quick brown fox", "max_tokens": 300, "ignore_eos": True, "priority": 3}
+    high = REQUESTS["d"]  # priority -1
+    with Pipeline(split_config(tiny_model, "priority")) as pipe:
+        slow = pipe.submit(low)
+        wait_for(lambda: decode(pipe)["dequeued"] >= 1, 20, "decode took the worse request")
+        fast = collect(pipe.submit(high))
+        assert not slow.done  # the better one ended while the worse one was paused
+        late = collect(slow)
+        stats = decode(pipe)
+        alone = [tokens(pipe.generate([r])[0]) for r in (low, high)]
+    assert [tokens(late), tokens(fast)] == alone
+    assert stats["preemptions"] == 1 and stats["paused"] == 0

@@ -165,13 +165,14 @@ class Stage:
     forkable: ClassVar[bool] = True
     """``False``: this stage's workers are always spawned as fresh interpreters, never
     forked from the zygote (a stage whose libraries cannot survive a fork)."""
-    preemptible: ClassVar[bool] = False
+    preemptible: bool = False
     """``True``: under ``scheduler_policy: priority`` the runtime may pause a running
     batch of this stage (stop advancing its ``process`` generator between two yields,
     after :meth:`pause`) so that a better request runs first, and resume it later
     (:meth:`resume`, then advance it again). Only for a stage whose paused generator
     holds no compute the others wait on (one whose requests share an engine's batch
-    takes them out of it in :meth:`pause`)."""
+    takes them out of it in :meth:`pause`). A class attribute, or set in ``__init__``
+    where it depends on the options (the engine)."""
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx

@@ -269,6 +269,8 @@ class _Batch:
         self.engine = engine
         self.requests: dict[int, _Request] = {}
         self.pending: dict[int, list[tuple[Any, Any]]] = {}  # KV of requests not yet in
+        # requests paused for better ones (preempted): out of the steps, their KV kept
+        self.parked: dict[int, tuple[_Request, list[tuple[Any, Any]] | None]] = {}
         self.members: list[int] = []  # the cache's rows
         self.lengths: list[int] = []
         self.cache: Any = None
@@ -287,8 +289,33 @@ class _Batch:
 
     def remove(self, rid: int) -> None:
         """Drop a request (finished or closed); its KV goes with the next rebuild."""
+        self.parked.pop(rid, None)
         if self.requests.pop(rid, None) is not None:
             self.pending.pop(rid, None)
+            self.dirty = True
+
+    def park(self, rid: int) -> None:
+        """Take a request out of the steps (preempted), keeping a copy of its KV and
+        the tokens it already has; :meth:`unpark` puts it back where it stopped."""
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        layers = None
+        if not req.done:  # a finished one has only its queued tokens left to give
+            layers = [(k.clone(), v.clone()) for k, v in self._own_kv(rid)]
+        del self.requests[rid]
+        self.parked[rid] = (req, layers)
+        self.dirty = True
+
+    def unpark(self, rid: int) -> None:
+        """A parked request joins the steps again with its own KV."""
+        parked = self.parked.pop(rid, None)
+        if parked is None:
+            return
+        req, layers = parked
+        self.requests[rid] = req
+        if layers is not None:
+            self.pending[rid] = layers
             self.dirty = True
 
     def _own_kv(self, rid: int) -> list[tuple[Any, Any]]:
@@ -377,6 +404,13 @@ class _Steps:
 
     def close(self) -> None:
         self.batch.remove(self.rid)
+
+    def pause(self) -> None:
+        """Out of the batch's steps until :meth:`resume` (the request is preempted)."""
+        self.batch.park(self.rid)
+
+    def resume(self) -> None:
+        self.batch.unpark(self.rid)
 
 
 def kv_arrays(cache: Any) -> tuple[Any, Any]:

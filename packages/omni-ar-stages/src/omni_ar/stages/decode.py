@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import msgspec
-from omni_core import StageEvent, StageInput
+from omni_core import StageContext, StageEvent, StageInput
 
 from omni_ar.detokenizer import IncrementalDetokenizer
 from omni_ar.handoff import Handoff, kv_of_arrays
@@ -38,6 +39,25 @@ class Decode(ModelStage):
     Options = DecodeOptions
     kv_role = "kv_consumer"
 
+    def __init__(self, ctx: StageContext) -> None:
+        super().__init__(ctx)
+        # on the transformers engine a paused request leaves the decode batch (its KV
+        # kept) and joins it again on resume; vLLM preempts by its own rules
+        self.preemptible = self.options.engine == "transformers"
+        self.streams: dict[str, Any] = {}  # request id -> its engine steps (to pause)
+
+    def pause(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            pause = getattr(self.streams.get(rid), "pause", None)
+            if pause is not None:
+                pause()
+
+    def resume(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            resume = getattr(self.streams.get(rid), "resume", None)
+            if resume is not None:
+                resume()
+
     def load(self) -> None:
         self.engine = self._engine()
         self.engine.load_model()
@@ -66,6 +86,7 @@ class Decode(ModelStage):
                 continue
             first, first_lp = w.tokens[0], w.logprobs[0] if w.logprobs else 0.0
             steps = self.engine.decode(first, *kv, params, prompt, priority=inp.priority)
+            self.streams[inp.request_id] = steps
             try:
                 # the first token goes out before any step; meanwhile the other requests
                 # that arrived with this one enter the engine (vLLM batches them from
@@ -73,9 +94,13 @@ class Decode(ModelStage):
                 so_far = [Sampled((first, first_lp), handoff.first_top)]
                 yield from self._stream(inp, params, so_far, steps, handoff.prompt_tokens)
             finally:
-                close = getattr(steps, "close", None)
-                if close is not None:
-                    close()
+                self._close(inp.request_id, steps)
+
+    def _close(self, request_id: str, steps: Iterable[Any]) -> None:
+        self.streams.pop(request_id, None)
+        close = getattr(steps, "close", None)
+        if close is not None:
+            close()
 
     def _generate(
         self, inp: StageInput, ids: list[int], params: SamplingParams
@@ -98,13 +123,12 @@ class Decode(ModelStage):
             first, lp, keys, values = pre
             so_far = [Sampled((first, lp), pre.top)]
             steps = self.engine.decode(first, keys, values, params, ids, priority=inp.priority)
+        self.streams[inp.request_id] = steps
         try:
             yield None  # the requests that arrived with this one join the same steps
             yield from self._stream(inp, params, so_far, steps, len(ids))
         finally:
-            close = getattr(steps, "close", None)
-            if close is not None:
-                close()
+            self._close(inp.request_id, steps)
 
     def _stream(
         self,
