@@ -125,7 +125,11 @@ class Decode(ModelStage):
             steps = self.engine.decode(first, keys, values, params, ids, priority=inp.priority)
         self.streams[inp.request_id] = steps
         try:
-            yield None  # the requests that arrived with this one join the same steps
+            if not so_far:
+                # vLLM: the requests that arrived with this one enter the engine before
+                # its first step (transformers: this one is in the batch already, and
+                # its first token goes out at once)
+                yield None
             yield from self._stream(inp, params, so_far, steps, len(ids))
         finally:
             self._close(inp.request_id, steps)

@@ -6,11 +6,12 @@ It is the only thread that calls into the stage (``process``, ``end_request``), 
 records when each step began, which the heartbeats carry (liveness: a step that never
 ends is a hung stage).
 
-Under ``scheduler_policy: priority`` a :attr:`~omni_core.stage.Stage.preemptible`
-stage's running batch is paused (its generator not advanced) when a strictly better
-request waits and every place is taken; the better requests run in its place, and the
-paused batch resumes when a place frees and nothing better waits (at most
-``max_inflight`` batches paused at once: each holds its memory).
+Under ``scheduler_policy: priority`` each round's turns go best first, and a
+:attr:`~omni_core.stage.Stage.preemptible` stage's running batch is paused (its
+generator not advanced) when a strictly better request waits and every place is taken;
+the better requests run in its place, and the paused batch resumes when a place frees
+and nothing better waits (at most ``max_inflight`` batches paused at once: each holds
+its memory).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Scheduler:
                 while len(active) < self.max_inflight:
                     busy = {r for a in (*active, *paused) for r in a.rids}
                     if paused and self._resume_first(busy):
-                        a = min(paused, key=lambda p: p.priority)  # ties: paused first
+                        a = min(paused, key=_rank)
                         paused.remove(a)
                         resuming.append(a)
                         active.append(a)
@@ -135,9 +136,13 @@ class Scheduler:
             if len(active) == 1 and self.max_inflight == 1 and not self.preempt:
                 self._run_to_end(active.pop())
                 continue
+            if self.queue.by_priority and len(active) > 1:  # the turns go best first
+                active.sort(key=_rank)
             for a in list(active):  # round-robin one output per generator
                 if not self._step(a):
                     active.remove(a)
+                elif self.preempt and self.queue.ready and self._preempt_now(active):
+                    break  # a better request took a place: a new round, best first
 
     # -- preemption (scheduler_policy: priority, a preemptible stage) -------------------
     def _preempt(self, active: list[_Active], pausing: list[_Active]) -> None:
@@ -147,7 +152,7 @@ class Scheduler:
             return  # each paused batch holds its memory: no more
         busy = {r for a in (*active, *self.paused) for r in a.rids}
         best = self.queue.best_waiting(busy)
-        victim = max(active, key=lambda a: (a.priority, a.started))  # worst, latest
+        victim = max(active, key=_rank)  # the worst, the latest among equals
         if best is None or best >= victim.priority:
             return
         batch = self.queue.take_batch(busy, self.max_batch, better_than=victim.priority)
@@ -158,6 +163,18 @@ class Scheduler:
         pausing.append(victim)
         self.state.stats.preemptions += 1
         active.append(self._start(batch))
+
+    def _preempt_now(self, active: list[_Active]) -> bool:
+        """Between two steps: pause a batch for better waiting requests if one should
+        be (a preemption waits one step, not a whole round of every generator)."""
+        if len(active) < self.max_inflight:
+            return False  # a place is free: the next round takes them in
+        pausing: list[_Active] = []
+        with self.state.work:
+            self._preempt(active, pausing)
+        for a in pausing:
+            self.stage.pause(sorted(a.rids))
+        return bool(pausing)
 
     def _resume_first(self, busy: set[str]) -> bool:
         """(Lock held, a place free.) The best paused batch goes before the waiting
@@ -186,7 +203,7 @@ class Scheduler:
             self.state.step_started = 0.0
         rids = {item.inp.request_id for item in batch}
         cancels = [item.inp._cancelled for item in batch]
-        best = min(item.inp.priority for item in batch) if self.preempt else 0
+        best = min(item.inp.priority for item in batch) if self.queue.by_priority else 0
         return _Active(iter(gen), batch, rids, cancels, started=time.time(), priority=best)
 
     def _run_to_end(self, a: _Active) -> None:
@@ -346,3 +363,8 @@ class Scheduler:
             for d in dests:
                 self.sender.put(d, ev)
         w.release(freed)
+
+
+def _rank(a: _Active) -> tuple[int, float]:
+    """Better first: by the batch's best priority, then by when it started."""
+    return (a.priority, a.started)
