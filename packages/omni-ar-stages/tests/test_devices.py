@@ -6,6 +6,7 @@ its load with the placement's message; ``devices: cpu`` runs as before, bit for 
 GPU side itself (models on ``cuda:0``, bfloat16 by default) needs a GPU to run.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -312,3 +313,20 @@ def test_the_mm_prefix_cache_keeps_bfloat16_kv_as_cpu_tensors():
     k, v = cache.get(["a", "b"])
     assert k.dtype == torch.bfloat16 and k.shape == (2, 2, 8, 4) and k.device.type == "cpu"
     assert torch.equal(v, -k) and k.float().abs().sum() > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllms_logs_go_to_stderr_and_leave_stdout_to_the_callers_output():
+    # `omni bench priority --json` printed vLLM's warnings into its JSON on stdout
+    code = (
+        "from omni_ar.engines.vllm_engine import set_vllm_env; set_vllm_env(); "
+        "from vllm.logger import init_logger; init_logger('vllm.probe').warning('PROBE'); "
+        "print('OUTPUT')"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["OUTPUT"]
+    assert "PROBE" in out.stderr

