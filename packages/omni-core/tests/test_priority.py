@@ -157,4 +157,3 @@ def test_a_paused_request_cancelled_ends_at_once_and_the_stage_goes_on():
         wait_for(lambda: pipe.metrics()["stages"]["loop"]["paused"] == 0, 10, "paused let go")
         tokens, _ = tokens_and_end(high)
         assert tokens == list(range(100)) and pipe.healthy
-
