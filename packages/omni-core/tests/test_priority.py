@@ -76,12 +76,12 @@ def test_a_priority_is_a_64_bit_integer_the_bounds_pass_one_past_fails():
                 pipe.submit({"priority": bad})
 
 
-def stepping(policy, **stage):
+def stepping(policy, fail="", **stage):
     return chain(
         (
             "loop",
             "synthetic.steps",
-            {"steps": 40, "step_s": 0.02},
+            {"steps": 40, "step_s": 0.02, "fail": fail},
             {"scheduler_policy": policy, **stage},
         ),
         **FAST,
@@ -157,3 +157,18 @@ def test_a_paused_request_cancelled_ends_at_once_and_the_stage_goes_on():
         wait_for(lambda: pipe.metrics()["stages"]["loop"]["paused"] == 0, 10, "paused let go")
         tokens, _ = tokens_and_end(high)
         assert tokens == list(range(100)) and pipe.healthy
+
+
+@pytest.mark.parametrize("fail", ["pause", "resume"])
+def test_a_stage_whose_pause_or_resume_raises_fails_that_batch_only(fail):
+    with Pipeline(stepping("priority", fail=fail)) as pipe:
+        low = pipe.submit({"priority": 5}, request_id="low")
+        started(pipe)
+        high = pipe.submit({"priority": 0, "steps": 3}, request_id="high")
+        tokens, _ = tokens_and_end(high)
+        err = list(low)[-1]
+        assert err.event_type == "error" and f"{fail} failed" in err.message
+        assert tokens == [0, 1, 2]
+        after = pipe.submit({"priority": 1, "steps": 2})
+        assert tokens_and_end(after)[0] == [0, 1]  # the stage goes on
+        assert pipe.healthy and pipe.metrics()["stages"]["loop"]["paused"] == 0

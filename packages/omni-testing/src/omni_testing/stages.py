@@ -435,6 +435,7 @@ class StepsOptions(msgspec.Struct, forbid_unknown_fields=True):
 
     steps: int = 10  # steps per request (the request may say: "steps")
     step_s: float = 0.02  # sleep per step
+    fail: str = ""  # "pause" or "resume": that call raises
 
 
 class Steps(Stage):
@@ -470,11 +471,15 @@ class Steps(Stage):
             yield events
 
     def pause(self, request_ids: list[str]) -> None:
+        if self.options.fail == "pause":
+            raise RuntimeError("pause failed on purpose")
         for rid in request_ids:
             self.pauses[rid] = self.pauses.get(rid, 0) + 1
         self.paused.update(request_ids)
 
     def resume(self, request_ids: list[str]) -> None:
+        if self.options.fail == "resume":
+            raise RuntimeError("resume failed on purpose")
         for rid in request_ids:
             self.resumes[rid] = self.resumes.get(rid, 0) + 1
         self.paused.difference_update(request_ids)

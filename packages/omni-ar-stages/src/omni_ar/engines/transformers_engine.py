@@ -394,6 +394,8 @@ class _Steps:
     def __next__(self) -> Sampled:
         req = self.batch.requests.get(self.rid)
         if req is None:
+            if self.rid in self.batch.parked:  # a paused request must be resumed first
+                raise RuntimeError(f"decode request {self.rid} was advanced while paused")
             raise StopIteration
         while not req.queue:
             if req.done:

@@ -58,6 +58,13 @@ class Decode(ModelStage):
             if resume is not None:
                 resume()
 
+    def end_request(self, request_id: str) -> None:
+        # cancelled while paused (its generator waits for its batch to resume): its KV
+        # leaves the engine now, not when the batch runs again
+        close = getattr(self.streams.pop(request_id, None), "close", None)
+        if close is not None:
+            close()
+
     def load(self) -> None:
         self.engine = self._engine()
         self.engine.load_model()

@@ -122,10 +122,7 @@ class Scheduler:
                 ended = self.host.take_ended()
             w.release(freed)
             self.host.end_requests(ended)
-            for a in pausing:
-                self.stage.pause(sorted(a.rids))
-            for a in resuming:
-                self.stage.resume(sorted(a.rids))
+            self._tell_stage(pausing, resuming, active)
             if paused:
                 self._end_cancelled_paused()
             if w.stopping and not w.drain:
@@ -150,9 +147,12 @@ class Scheduler:
         waiting requests when they are strictly better, and start them in its place."""
         if len(self.paused) >= self.max_inflight:
             return  # each paused batch holds its memory: no more
+        live = [a for a in active if not all(c.is_set() for c in a.cancels)]
+        if not live:
+            return  # what runs is cancelled: its place frees at its next step
         busy = {r for a in (*active, *self.paused) for r in a.rids}
         best = self.queue.best_waiting(busy)
-        victim = max(active, key=_rank)  # the worst, the latest among equals
+        victim = max(live, key=_rank)  # the worst, the latest among equals
         if best is None or best >= victim.priority:
             return
         batch = self.queue.take_batch(busy, self.max_batch, better_than=victim.priority)
@@ -162,6 +162,7 @@ class Scheduler:
         self.paused.append(victim)
         pausing.append(victim)
         self.state.stats.preemptions += 1
+        self.state.stats.paused = len(self.paused)
         active.append(self._start(batch))
 
     def _preempt_now(self, active: list[_Active]) -> bool:
@@ -172,9 +173,34 @@ class Scheduler:
         pausing: list[_Active] = []
         with self.state.work:
             self._preempt(active, pausing)
-        for a in pausing:
-            self.stage.pause(sorted(a.rids))
+        self._tell_stage(pausing, [], active)
         return bool(pausing)
+
+    def _tell_stage(
+        self, pausing: list[_Active], resuming: list[_Active], active: list[_Active]
+    ) -> None:
+        """``Stage.pause`` / ``resume`` for the batches just paused and resumed. One
+        that raises fails that batch's requests (logged with its traceback), never the
+        stage: a batch the stage could not pause or put back must not run on."""
+        for a, call, where in [(a, self.stage.pause, self.paused) for a in pausing] + [
+            (a, self.stage.resume, active) for a in resuming
+        ]:
+            try:
+                call(sorted(a.rids))
+            except Exception as e:
+                log.error(
+                    "stage %s: %s(%s) failed:\n%s",
+                    self.state.name,
+                    call.__name__,
+                    sorted(a.rids),
+                    traceback.format_exc(limit=8),
+                    extra={"stage": self.state.name, "request_id": ",".join(sorted(a.rids))},
+                )
+                if a in where:
+                    where.remove(a)
+                a.gen.close()
+                self._fail_all(a, f"{call.__name__} failed: {type(e).__name__}: {e}")
+        self.state.stats.paused = len(self.paused)
 
     def _resume_first(self, busy: set[str]) -> bool:
         """(Lock held, a place free.) The best paused batch goes before the waiting
@@ -189,11 +215,15 @@ class Scheduler:
                 self.paused.remove(a)
                 a.gen.close()
                 self._finish(a, failed=True)
+        self.state.stats.paused = len(self.paused)
 
     def _close_paused(self) -> None:
+        """(Shutdown.) Close the paused batches; their slots go back."""
         for a in self.paused:
             a.gen.close()
+            self._finish(a, failed=True)
         self.paused.clear()
+        self.state.stats.paused = 0
 
     def _start(self, batch: list[WorkItem]) -> _Active:
         self.state.step_started = time.monotonic()

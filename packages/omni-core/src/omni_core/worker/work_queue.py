@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 
 class WorkQueue:
-    """The ready work items (FIFO, at most ``capacity``; ``state.lock`` guards them) and
+    """The ready work items (in arrival order, at most ``capacity``; ``state.lock``
+    guards them; taken by arrival, or by priority with ``by_priority``) and
     the upstream messages the I/O thread decoded but has not taken in yet, with the items
     made past the capacity ahead of them (``stash``, the I/O thread's)."""
 
