@@ -10,8 +10,10 @@ import logging
 from typing import Any
 
 import msgspec
-from omni_core.errors import UserInputError
 from omni_core.scheduling import PRIORITY_KEY
+
+from omni_ar.errors import RequestError
+from omni_ar.structured import check_constraint, check_schema, from_response_format
 
 log = logging.getLogger("omni.ar")
 
@@ -20,11 +22,6 @@ MAX_SCHEMA_CHARS = 65536  # a json_schema's schema as JSON, at most
 MAX_STOP_STRINGS = 16  # a request's stop strings, at most
 MAX_STOP_CHARS = 1024  # characters in one stop string, at most
 MAX_TOP_LOGPROBS = 20  # alternatives per token, at most (OpenAI's limit)
-
-
-class RequestError(UserInputError):
-    """A request field is missing, of the wrong type, or out of range: the client's
-    fault, its message shown to the client (see ``UserInputError``)."""
 
 
 def template_error(e: Exception) -> RequestError:
@@ -53,17 +50,15 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # OpenAI's: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
     # {"name", "schema", "strict", "description"}}; checked by parse_request
     response_format: dict[str, Any] | None = None
+    # vLLM's: one of {"json": schema, "json_object": true, "regex": str, "choice": [str],
+    # "grammar": str} (see omni_ar.structured); checked and normalized by parse_request
+    structured_outputs: dict[str, Any] | None = None
 
     def structured(self) -> dict[str, Any] | None:
-        """What ``response_format`` asks of the sampler: ``{"json": schema}`` or
-        ``{"json_object": True}`` (the arguments of vLLM's ``StructuredOutputsParams``),
-        or None for plain text."""
-        fmt = self.response_format or {}
-        if fmt.get("type") == "json_object":
-            return {"json_object": True}
-        if fmt.get("type") == "json_schema":
-            return {"json": fmt["json_schema"]["schema"]}
-        return None
+        """The constraint the sampler holds to, ``{kind: value}`` as vLLM's
+        ``StructuredOutputsParams`` takes it (from ``structured_outputs`` or
+        ``response_format``), or None for free text."""
+        return self.structured_outputs or from_response_format(self.response_format)
 
 
 PARAMS = "params"  # a segment payload's entry: the request's params, parsed at intake
@@ -183,6 +178,15 @@ def parse_request(
         )
     if params.response_format is not None:
         check_response_format(params.response_format)
+    if params.structured_outputs is not None:
+        if from_response_format(params.response_format) is not None:
+            raise RequestError(
+                "field 'structured_outputs': give it or a JSON 'response_format', not both"
+            )
+        params.structured_outputs = check_constraint(params.structured_outputs)
+    elif params.response_format and params.response_format.get("type") == "json_schema":
+        schema = params.response_format["json_schema"]["schema"]
+        check_schema(schema, "response_format.json_schema.schema")  # as a grammar
     return source, params
 
 

@@ -30,6 +30,7 @@ from omni_hf import quiet_offline
 
 from omni_ar.engines.cpu_turns import cpu_turn
 from omni_ar.params import Sampled, SamplingParams
+from omni_ar.structured import Grammars, Matcher
 
 
 class TransformersEngine:
@@ -55,6 +56,7 @@ class TransformersEngine:
         self.tokenizer: Any = None
         self.batch = _Batch(self)
         self.turn = cpu_turn(cpu_turns, device)
+        self.grammars: Grammars | None = None  # built at the first constrained request
 
     def load_tokenizer(self) -> Any:
         """The model's tokenizer (and its chat template), kept as ``self.tokenizer``."""
@@ -102,13 +104,42 @@ class TransformersEngine:
             ids = ids["input_ids"]
         return list(ids)
 
+    # -- structured generation --------------------------------------------------------
+    def _grammars(self) -> Grammars:
+        """The constraints' compiler for this model's tokenizer (loaded on first use)."""
+        if self.grammars is None:
+            tokenizer = self.tokenizer or self.load_tokenizer()
+            vocab = int(self.model.config.vocab_size)
+            self.grammars = Grammars(tokenizer, vocab, self.eos_ids)
+        return self.grammars
+
+    def check_constraint(self, constraint: dict[str, Any]) -> None:
+        """A checked constraint compiled for this model's tokenizer (cached), or a
+        ConstraintError (see :meth:`omni_ar.structured.Grammars.matcher`)."""
+        self._grammars().matcher(constraint)
+
+    def matcher(self, params: SamplingParams, sampled: list[int] | None = None) -> Matcher | None:
+        """The request's grammar matcher, past the tokens it ``sampled`` already (a
+        decode continuing prefill's first token), or None for free text."""
+        constraint = params.structured()
+        if constraint is None:
+            return None
+        return self._grammars().matcher(constraint, sampled or [])
+
     # -- model ----------------------------------------------------------------------
-    def _pick(self, logits: Any, params: SamplingParams, gen: Any) -> Sampled:
-        """The next token of one request from its logits, with its logprob and, for
+    def _pick(
+        self, logits: Any, params: SamplingParams, gen: Any, matcher: Matcher | None = None
+    ) -> Sampled:
+        """The next token of one request from its logits (only those its grammar allows
+        next, with a ``matcher``, which then advances), with its logprob and, for
         ``top_logprobs``, the most likely alternatives."""
         import torch
 
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logits = logits.float()
+        if matcher is not None:
+            logits = logits.clone()  # a view of the batch's logits otherwise
+            matcher.mask(logits)
+        logprobs = torch.log_softmax(logits, dim=-1)
         top: list[tuple[int, float]] = []
         if params.top_logprobs:
             vals, idx = torch.topk(logprobs, min(params.top_logprobs, logprobs.shape[-1]))
@@ -122,6 +153,8 @@ class TransformersEngine:
                 keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
                 probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
             tok = int(torch.multinomial(probs, 1, generator=gen))
+        if matcher is not None:
+            matcher.accept(tok)
         return Sampled((tok, float(logprobs[tok])), top)
 
     def generator(self, params: SamplingParams, offset: int = 0) -> Any:
@@ -162,7 +195,7 @@ class TransformersEngine:
 
         with self.turn, torch.inference_mode():
             out = self.model(self.tensor([ids]), use_cache=True)
-        first = self._pick(out.logits[0, -1], params, self.generator(params))
+        first = self._pick(out.logits[0, -1], params, self.generator(params), self.matcher(params))
         keys, values = kv_arrays(_cache_of(out))
         return Sampled((*first, keys, values), first.top)
 
@@ -189,6 +222,7 @@ class TransformersEngine:
             (self._kv_tensor(keys[i]), self._kv_tensor(values[i])) for i in range(keys.shape[0])
         ]
         req = _Request(params, self.generator(params, offset=1), first, params.max_tokens - 1)
+        req.matcher = self.matcher(params, [first])
         return _Steps(self.batch, self.batch.add(req, layers))
 
     def cache_from(self, keys: Any, values: Any) -> Any:
@@ -217,6 +251,7 @@ class TransformersEngine:
         import torch
 
         gen = self.generator(params, offset=1)
+        matcher = self.matcher(params, [first])
         tok = first
         for _ in range(params.max_tokens - 1):
             if tok in self.eos_ids and not params.ignore_eos:
@@ -224,7 +259,7 @@ class TransformersEngine:
             with torch.inference_mode():
                 out = self.model(self.tensor([[tok]]), use_cache=True, **{self.cache_kw: cache})
             cache = _cache_of(out)
-            s = self._pick(out.logits[0, -1], params, gen)
+            s = self._pick(out.logits[0, -1], params, gen, matcher)
             tok = s[0]
             yield s
 
@@ -254,6 +289,7 @@ class _Request:
     left: int  # tokens it may still produce
     queue: deque[Sampled] = field(default_factory=deque)
     done: bool = False
+    matcher: Matcher | None = None  # its grammar's state, for structured output
 
 
 class _Batch:
@@ -373,7 +409,7 @@ class _Batch:
         self.cache = _cache_of(out)
         self.lengths = [n + 1 for n in self.lengths]
         for row, q in enumerate(reqs):
-            s = e._pick(out.logits[row, -1], q.params, q.gen)
+            s = e._pick(out.logits[row, -1], q.params, q.gen, q.matcher)
             q.queue.append(s)
             q.tok, q.left = s[0], q.left - 1
             if q.left <= 0 or (q.tok in e.eos_ids and not q.params.ignore_eos):

@@ -67,7 +67,7 @@ class MMOptions(ModelOptions, kw_only=True):
 class _MMStage(ModelStage):
     Options = MMOptions
     images = True
-    unstructured = "the multimodal stages run the transformers engine"
+    unstructured = "not built for the multimodal stages (ar.mm_*)"
 
     def _engine(self, model: bool = True) -> VLMEngine:
         o = self.options

@@ -12,6 +12,7 @@ from omni_core.worker.devices import place
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
 from omni_ar.models import resolve_model
 from omni_ar.params import RequestError, SamplingParams, carried_params, parse_request
+from omni_ar.structured import check_constraint
 
 
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -37,8 +38,17 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_max_tokens: int = 16  # for requests that do not say
     chat: bool = False  # a plain "prompt" goes through the chat template as a user turn
     system_prompt: str | None = None  # with chat: a system turn before a plain prompt
+    # the constraint of every request that brings none (no structured_outputs, no
+    # response_format), as a request spells it: {"regex": ...}, {"json": ...}, ...
+    # (omni_ar.structured); it applies where the request enters the family (intake)
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs = check_constraint(self.structured_outputs)
+            except RequestError as e:  # a config error: the options' own kind
+                raise ValueError(str(e).replace("field ", "option ", 1)) from None
         # else every request that does not say max_tokens would be refused
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(
@@ -52,10 +62,8 @@ class ModelStage(Stage):
     preload = TRANSFORMERS_PRELOAD
     images: ClassVar[bool] = False  # requests may carry image parts (the ar.mm_* stages)
     kv_role: ClassVar[str | None] = None  # the vLLM engine's KV connector role
-    # why this stage cannot sample under a response_format's grammar ("": it can, on vLLM)
-    unstructured: ClassVar[str] = (
-        "the prefill -> decode split restarts the grammar at decode's first token"
-    )
+    # why this stage cannot sample under a constraint ("": it can, on either engine)
+    unstructured: ClassVar[str] = ""
 
     @classmethod
     def preload_modules(cls, options: dict[str, Any]) -> tuple[str, ...]:
@@ -102,6 +110,9 @@ class ModelStage(Stage):
         request = inp.request
         if "max_tokens" not in request:
             request = {**request, "max_tokens": o.default_max_tokens}
+        own = request.get("structured_outputs") or request.get("response_format")
+        if o.structured_outputs is not None and not own:
+            request = {**request, "structured_outputs": o.structured_outputs}
         source, params = parse_request(request, o.max_tokens_limit, images=self.images)
         return self._chat(source), params
 
@@ -120,17 +131,15 @@ class ModelStage(Stage):
         return self._check_sampling(carried_params(inp.window))
 
     def _check_sampling(self, params: SamplingParams) -> SamplingParams:
-        """``params`` in a stage that samples: a RequestError naming ``response_format``
-        where the request asks for structured output this stage cannot hold to. Only
-        ``ar.generate`` on vLLM samples every token of a request under one grammar."""
-        if params.structured() is None:
+        """``params`` in a stage that samples: a RequestError naming the constraint's
+        field where the request asks for structured output this stage or its engine
+        cannot hold to (its grammar compiled for the engine's tokenizer, cached, so
+        that a request fails here, alone, never inside a batch's engine call)."""
+        constraint = params.structured()
+        if constraint is None:
             return params
-        why = self.unstructured
-        if not why and self.options.engine != "vllm":
-            why = f"this stage runs engine {self.options.engine!r}"
-        if why:
-            raise RequestError(
-                "field 'response_format': structured output needs the ar.generate stage "
-                f"on engine vllm ({why})"
-            )
+        if self.unstructured:
+            field = "structured_outputs" if params.structured_outputs else "response_format"
+            raise RequestError(f"field {field!r}: structured output: {self.unstructured}")
+        self.engine.check_constraint(constraint)
         return params

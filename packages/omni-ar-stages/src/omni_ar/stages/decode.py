@@ -250,7 +250,6 @@ class Generate(Decode):
     is for when the two sit on different devices or nodes."""
 
     kv_role = None
-    unstructured = ""
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         for inp in batch:
