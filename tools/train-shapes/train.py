@@ -1,14 +1,16 @@
 """Train the embedded ``tiny-sd3-shapes`` model on the procedural world of
 ``omni_dit.shapes``, on CPUs, from one seed.
 
-    hatch run python tools/train-shapes/train.py            # ~25 min on 2 cores
+    hatch run python tools/train-shapes/train.py --threads 2     # ~30 min on 2 cores
     hatch run python tools/train-shapes/train.py --out /tmp/shapes --vae-steps 50 --steps 50
 
 1. draws the training scenes (every combination of shape and colours but the held-out
-   ones, several pictures each) and captions them in five phrasings;
+   ones, several pictures each) and gives each scene a pool of ``--phrasings`` captions:
+   the canonical one and others drawn from ``shapes.TRAIN_PHRASINGS`` (the first letter
+   sometimes capitalised), never a user phrasing of the benchmark;
 2. encodes every caption with SmolLM2 exactly as ``ar.text_encode`` does (the same
    class, the same padding to ``--text-tokens``), so the model learns the conditioning
-   the pipelines give it;
+   the pipelines give it; each training picture takes one caption of its scene's pool;
 3. trains a small ``AutoencoderKL`` (64 px -> 16 x 16 x 8 latents) on reconstruction,
    and sets its ``shift_factor`` / ``scaling_factor`` from the latents' statistics;
 4. trains a small ``SD3Transformer2DModel`` by rectified flow (SD3's objective: predict
@@ -90,17 +92,38 @@ def dataset(per_scene: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, np.array(scene_ids)
 
 
-def encode_captions(text_tokens: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scenes, templates, tokens, width)`` embeds and ``(scenes, templates, width)``
-    pooled, for every training scene in every phrasing."""
+def caption_pools(per_scene: int, seed: int) -> list[list[str]]:
+    """Per training scene, ``per_scene`` distinct captions: the canonical one (what the
+    main job's rewrite produces) and phrasings drawn from ``shapes.TRAIN_PHRASINGS``, a
+    third of them with a capital first letter. A fixed pool bounds the encoding time;
+    across scenes the pools cover the grammar."""
+    rng = random.Random(seed)
+    pools = []
+    for scene in shapes.TRAIN:
+        pool = [scene.caption(0)]
+        while len(pool) < per_scene:
+            text = scene.caption(rng.choice(shapes.TRAIN_PHRASINGS))
+            if rng.random() < 1 / 3:
+                text = text[0].upper() + text[1:]
+            if text not in pool:
+                pool.append(text)
+        pools.append(pool)
+    return pools
+
+
+def encode_captions(
+    pools: list[list[str]], text_tokens: int, threads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scenes, phrasings, tokens, width)`` embeds and ``(scenes, phrasings, width)``
+    pooled, for every training scene's pool of captions."""
     encoder = TextEncoder("smollm2", "float32", threads, "cpu", text_tokens)
-    captions = [s.caption(t) for s in shapes.TRAIN for t in range(len(shapes.TEMPLATES))]
+    captions = [c for pool in pools for c in pool]
     embeds, pooled = [], []
-    for i in range(0, len(captions), 32):
-        for e, p, _ in encoder.encode(captions[i : i + 32]):
+    for i in range(0, len(captions), 64):
+        for e, p, _ in encoder.encode(captions[i : i + 64]):
             embeds.append(e)
             pooled.append(p)
-    shape = (len(shapes.TRAIN), len(shapes.TEMPLATES))
+    shape = (len(pools), len(pools[0]))
     e = torch.from_numpy(np.stack(embeds)).reshape(*shape, text_tokens, -1)
     p = torch.from_numpy(np.stack(pooled)).reshape(*shape, -1)
     return e, p
@@ -254,11 +277,12 @@ def check(
     threads: int,
     steps: int,
     guidance: float,
+    phrasing: int | str = 0,
 ) -> dict[str, float]:
-    """Sample every held-out scene (seed 0, Euler, the shipped scheduler) and read the
-    pictures with the oracle."""
+    """Sample every held-out scene in one phrasing (seed 0, Euler, the shipped scheduler)
+    and read the pictures with the oracle."""
     encoder = TextEncoder("smollm2", "float32", threads, "cpu", text_tokens)
-    encoded = encoder.encode([s.caption() for s in shapes.HELD_OUT])
+    encoded = encoder.encode([s.caption(phrasing) for s in shapes.HELD_OUT])
     e = torch.from_numpy(np.stack([x[0] for x in encoded]))
     p = torch.from_numpy(np.stack([x[1] for x in encoded]))
     n = len(e)
@@ -287,7 +311,8 @@ def check(
     verdicts = [shapes.judge(im) for im in images]
     colour = sum(v.colours_right(s) for v, s in zip(verdicts, shapes.HELD_OUT, strict=True)) / n
     shape = sum(v.shape_right(s) for v, s in zip(verdicts, shapes.HELD_OUT, strict=True)) / n
-    return {"colour_rate": round(colour, 3), "shape_rate": round(shape, 3)}
+    blank = sum(v.fg is None for v in verdicts) / n
+    return {"colour_rate": round(colour, 3), "shape_rate": round(shape, 3), "blank_rate": blank}
 
 
 def main() -> None:
@@ -296,6 +321,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-scene", type=int, default=64, help="pictures of each training scene")
     ap.add_argument("--text-tokens", type=int, default=16, help="ar.text_encode's max_tokens")
+    ap.add_argument("--phrasings", type=int, default=48, help="captions encoded per scene")
     ap.add_argument("--vae-steps", type=int, default=300)
     ap.add_argument("--vae-batch", type=int, default=16)
     ap.add_argument("--vae-lr", type=float, default=2e-3)
@@ -325,7 +351,8 @@ def main() -> None:
         np.savez(args.out / "preview_rgb.npz", **fit_preview(latents, x, args.seed + 3))
         log(f"wrote {args.out / 'preview_rgb.npz'}")
         return
-    embeds, pooled = encode_captions(args.text_tokens, torch.get_num_threads())
+    pools = caption_pools(args.phrasings, args.seed + 4)
+    embeds, pooled = encode_captions(pools, args.text_tokens, torch.get_num_threads())
     log(f"captions encoded: {tuple(embeds.shape)}")
     if args.vae:  # a VAE trained before (to try transformer settings without retraining it)
         vae = AutoencoderKL.from_pretrained(args.vae, torch_dtype=torch.float32).eval()
@@ -348,6 +375,8 @@ def main() -> None:
         "seed": args.seed,
         "per_scene": args.per_scene,
         "text_tokens": args.text_tokens,
+        "phrasings": args.phrasings,
+        "vae": "reused" if args.vae else "trained",
         "vae_steps": args.vae_steps,
         "steps": args.steps,
         "batch": args.batch,
@@ -355,9 +384,13 @@ def main() -> None:
     }
     save(args.out, vae, model, fit_preview(latents, x, args.seed + 3), meta)
     log(f"wrote {args.out}")
+    threads = torch.get_num_threads()
     for guidance in (1.0, 5.0):
-        rates = check(vae, model, args.text_tokens, torch.get_num_threads(), 20, guidance)
+        rates = check(vae, model, args.text_tokens, threads, 20, guidance)
         log(f"held-out, 20 steps, guidance {guidance}: {rates}")
+    for phrasing in shapes.USER_PHRASINGS:
+        rates = check(vae, model, args.text_tokens, threads, 20, 5.0, phrasing)
+        log(f"held-out, {phrasing!r}, guidance 5.0: {rates}")
 
 
 if __name__ == "__main__":

@@ -66,3 +66,83 @@ def test_the_shipped_model_loads_by_name_and_draws_its_size():
     assert preview.shape == (16, 16, 3)
     verdict = shapes.judge(preview)
     assert verdict.colours_right(scene), verdict
+
+
+def test_user_phrasings_are_held_out_compositions_of_the_training_grammar():
+    train = {p.casefold() for p in shapes.TRAIN_PHRASINGS}
+    words = {w for p in train for w in p.replace(",", " ").split()}
+    assert len(shapes.USER_PHRASINGS) >= 4 and len(train) >= 1000
+    for phrasing in shapes.USER_PHRASINGS:  # never trained, in any case
+        assert phrasing.casefold() not in train, phrasing
+        # ... but made of words training shows: the wording is new, not the words
+        assert set(phrasing.casefold().replace(",", " ").split()) <= words, phrasing
+    # the first model's phrasings, the canonical caption first, are all still trained
+    assert set(shapes.TEMPLATES) <= set(shapes.TRAIN_PHRASINGS)
+    assert shapes.Scene("circle", "red", "blue").caption() == "a red circle on a blue background"
+    assert shapes.Scene("circle", "red", "blue").caption("{fg} {shape} on {bg}") == (
+        "red circle on blue"
+    )
+
+
+def test_every_phrasing_fits_the_text_encoders_16_tokens():
+    """``ar.text_encode`` cuts a prompt to ``max_tokens: 16`` (configs/dit_image.yaml);
+    a longer caption would lose its colours or its shape."""
+    pytest.importorskip("transformers")
+    from omni_ar.models import packaged_model_ready, resolve_model
+    from transformers import AutoTokenizer
+
+    if not packaged_model_ready("smollm2"):
+        pytest.skip("needs the packaged SmolLM2 (hatch run setup)")
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
+    # every colour as figure and as background, every shape
+    scenes = [
+        shapes.Scene(shapes.SHAPES[i % 3], fg, shapes.COLOURS[(i + 1) % 8])
+        for i, fg in enumerate(shapes.COLOURS)
+    ]
+    phrasings = shapes.TRAIN_PHRASINGS + shapes.USER_PHRASINGS
+    captions = [s.caption(p) for p in phrasings for s in scenes]
+    captions += [c[0].upper() + c[1:] for c in captions]  # training capitalises some
+    longest = max(len(ids) for ids in tok(captions)["input_ids"])
+    assert longest <= 16, longest
+
+
+class _Painter:
+    """A stand-in pipeline for :func:`shapes.score`: draws the scene its prompt names
+    (the words, in any phrasing), or a blank canvas when the prompt has no shape word."""
+
+    def generate(self, requests: list[dict]) -> list:
+        import io
+        from types import SimpleNamespace
+
+        from PIL import Image
+
+        outs = []
+        for r in requests:
+            words = r["prompt"].replace(",", " ").split()
+            colours = [w for w in words if w in shapes.PALETTE]
+            shape = next((w for w in words if w in shapes.SHAPES), None)
+            rng = np.random.default_rng(r["image"]["seed"])
+            if shape is None:
+                image = np.full((64, 64, 3), shapes.PALETTE[colours[-1]], np.uint8)
+            else:
+                fg, bg = (
+                    colours if words.index(shape) < words.index("background") else colours[::-1]
+                )
+                image = shapes.draw(shapes.Scene(shape, fg, bg), rng)
+            buf = io.BytesIO()
+            Image.fromarray(image).save(buf, format="PNG")
+            final = SimpleNamespace(arrays={"image": buf.getvalue()})
+            outs.append(SimpleNamespace(ok=True, final=final, events=[]))
+        return outs
+
+
+def test_score_takes_a_phrasing_and_counts_blank_pictures():
+    scenes = shapes.HELD_OUT[:6]
+    right = shapes.score(_Painter(), scenes, "{bg} background behind the {fg} {shape}")
+    assert right["colour_rate"] == right["shape_rate"] == 1.0 and right["blank_rate"] == 0.0
+    assert right["pictures"][0]["prompt"] == scenes[0].caption(
+        "{bg} background behind the {fg} {shape}"
+    )
+    blank = shapes.score(_Painter(), scenes, "a {fg} thing on a {bg} background")
+    assert blank["blank_rate"] == 1.0 and blank["shape_rate"] == 0.0
+    assert shapes.score(_Painter(), scenes, 3)["colour_rate"] == 1.0  # an index: TEMPLATES[3]

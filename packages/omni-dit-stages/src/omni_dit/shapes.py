@@ -32,13 +32,71 @@ COLOURS = tuple(PALETTE)
 SHAPES = ("circle", "square", "triangle")
 SIZE = 64  # the side of the pictures the model learned
 
-TEMPLATES = (
-    "a {fg} {shape} on a {bg} background",
+TEMPLATES = (  # the five phrasings of the first model, all still in training
+    "a {fg} {shape} on a {bg} background",  # the canonical caption (the main job's rewrite)
     "a {fg} {shape} against a {bg} backdrop",
     "{fg} {shape}, {bg} background",
     "a {bg} background with a {fg} {shape}",
     "a picture of a {fg} {shape} on {bg}",
 )
+
+# The training grammar: a phrasing is an optional lead, then the figure and the background
+# in either order, joined by one of a few relations. Every part is seen in training; the
+# user phrasings below are compositions of them that training never shows (as the
+# held-out scenes are of shapes and colours).
+LEADS = (
+    "",
+    "draw ",
+    "paint ",
+    "draw me ",
+    "paint me ",
+    "please draw ",
+    "please paint ",
+    "please draw me ",
+    "I want ",
+    "make ",
+    "show me ",
+    "a picture of ",
+    "an image of ",
+    "can you draw ",
+)
+FIGURES = ("a {fg} {shape}", "one {fg} {shape}", "{fg} {shape}", "the {fg} {shape}")
+BACKGROUNDS = (
+    "a {bg} background",
+    "a {bg} backdrop",
+    "{bg} background",
+    "{bg}",
+    "the {bg} background",
+)
+FIGURE_FIRST = ("on", "over", "against", "in front of", ",", "with")  # figure, then background
+BACKGROUND_FIRST = ("with", "behind")  # background, then figure
+
+# Plain user wording, held out of training (casefolded): the phrasing sets of
+# ``omni bench dit --arms quality``.
+USER_PHRASINGS = (
+    "draw me a {fg} {shape} on a {bg} background",
+    "I want a {fg} {shape} over a {bg} background",
+    "please paint a {fg} {shape} against {bg}",
+    "{fg} {shape} on {bg}",
+)
+
+
+def _grammar() -> tuple[str, ...]:
+    out: list[str] = []
+    for lead in LEADS:
+        for fig in FIGURES:
+            for bgp in BACKGROUNDS:
+                for rel in FIGURE_FIRST:
+                    out.append(f"{lead}{fig}{rel if rel == ',' else ' ' + rel} {bgp}")
+                for rel in BACKGROUND_FIRST:
+                    out.append(f"{lead}{bgp} {rel} {fig}")
+    return tuple(out)
+
+
+_HELD = {p.casefold() for p in USER_PHRASINGS}
+# Every training phrasing (lower case as written; training also capitalises the first
+# letter of some), never a user phrasing whatever its case.
+TRAIN_PHRASINGS = tuple(p for p in _grammar() if p.casefold() not in _HELD)
 
 
 @dataclass(frozen=True)
@@ -47,8 +105,11 @@ class Scene:
     fg: str
     bg: str
 
-    def caption(self, template: int = 0) -> str:
-        return TEMPLATES[template].format(shape=self.shape, fg=self.fg, bg=self.bg)
+    def caption(self, template: int | str = 0) -> str:
+        """The caption in one phrasing: an index into :data:`TEMPLATES` or a template
+        string with ``{fg}``, ``{shape}`` and ``{bg}``."""
+        text = TEMPLATES[template] if isinstance(template, int) else template
+        return text.format(shape=self.shape, fg=self.fg, bg=self.bg)
 
 
 def _held_out() -> tuple[Scene, ...]:
@@ -153,20 +214,20 @@ def judge(image: np.ndarray) -> Verdict:
 
 
 def score(
-    pipe: Any, scenes: tuple[Scene, ...] = HELD_OUT, template: int = 0, seed: int = 0
+    pipe: Any, scenes: tuple[Scene, ...] = HELD_OUT, template: int | str = 0, seed: int = 0
 ) -> dict[str, Any]:
-    """Each scene's caption through ``pipe`` (an ``omni_core.Pipeline`` ending in an
-    encoded image), all at once, each picture read by :func:`judge`: the share of right
-    colours and of right shapes, and what was seen for each caption."""
+    """Each scene's caption in one phrasing (see :meth:`Scene.caption`) through ``pipe``
+    (an ``omni_core.Pipeline`` ending in an encoded image), all at once, each picture read
+    by :func:`judge`: the share of right colours, of right shapes and of blank pictures
+    (no figure at all), and what was seen for each caption."""
     from PIL import Image
 
-    requests = [
-        {"prompt": s.caption(template), "image": {"seed": seed + i}} for i, s in enumerate(scenes)
-    ]
+    captions = [s.caption(template) for s in scenes]
+    requests = [{"prompt": c, "image": {"seed": seed + i}} for i, c in enumerate(captions)]
     seen: list[dict[str, Any]] = []
-    colours = shapes_right = 0
-    for scene, out in zip(scenes, pipe.generate(requests), strict=True):
-        entry: dict[str, Any] = {"prompt": scene.caption(template)}
+    colours = shapes_right = blank = 0
+    for scene, caption, out in zip(scenes, captions, pipe.generate(requests), strict=True):
+        entry: dict[str, Any] = {"prompt": caption}
         if not out.ok:
             entry["error"] = out.error
         else:
@@ -174,6 +235,7 @@ def score(
             v = judge(image)
             colours += v.colours_right(scene)
             shapes_right += v.shape_right(scene)
+            blank += v.fg is None
             entry["seen"] = f"a {v.fg} {v.shape} on a {v.bg} background"
             texts = [e.payload.get("text", "") for e in out.events if e.payload]
             expanded = "".join(t for t in texts if isinstance(t, str)).strip()
@@ -184,5 +246,6 @@ def score(
     return {
         "colour_rate": round(colours / n, 3),
         "shape_rate": round(shapes_right / n, 3),
+        "blank_rate": round(blank / n, 3),
         "pictures": seen,
     }

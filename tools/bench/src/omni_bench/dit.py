@@ -31,7 +31,12 @@ timed) and the same image settings, and both end in encoded JPEG bytes.
   (``quality_colour_rate``, ``quality_shape_rate``) and through the main job,
   ``configs/mixed_ar_dit.yaml``, where SmolLM2 rewrites each caption first
   (``mixed_quality_colour_rate``, ``mixed_quality_shape_rate``); ``--quality-scenes``
-  takes the first n.
+  takes the first n. Those keys are the canonical caption ("a red circle on a blue
+  background"); the same scenes also go through each of ``omni_dit.shapes.USER_PHRASINGS``
+  (plain user wording never trained on): ``quality_user_colour_rate``,
+  ``quality_user_shape_rate`` and ``quality_user_blank_rate`` (pictures with no figure)
+  over all of them, ``quality_by_phrasing`` per phrasing (the same with ``mixed_``);
+  ``--quality-phrasings`` takes the first n of them.
 
 On a GPU (``--device auto``, the default, takes one where torch sees it) both arms run
 there in the same dtype (``--dtype``, default the device's: bfloat16 on a GPU): the stock
@@ -218,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quality-scenes", type=int, default=24, help="held-out scenes judged")
     ap.add_argument(
+        "--quality-phrasings", type=int, default=4, help="user phrasings (shapes.USER_PHRASINGS)"
+    )
+    ap.add_argument(
         "--device", default="auto", help="auto (a GPU where torch sees one), cuda or cpu"
     )
     ap.add_argument("--dtype", default="auto", help="auto (the device's default) or a dtype")
@@ -256,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         res["second_arch"] = second
         res["second_arch_vs_stock"] = second["vs_stock"]
     if "quality" in arms:
-        res.update(quality_arm(args.quality_scenes))
+        res.update(quality_arm(args.quality_scenes, args.quality_phrasings))
     res["settings"] = {
         "device": args.device,
         "dtype": args.dtype,
@@ -272,19 +280,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def quality_arm(scenes: int) -> dict[str, Any]:
+def quality_arm(scenes: int, phrasings: int = 4) -> dict[str, Any]:
     """The picture oracle's rates on the held-out scenes, through the two shipped
-    pipelines that paint with ``tiny-sd3-shapes``, as a user runs them."""
+    pipelines that paint with ``tiny-sd3-shapes``, as a user runs them: in the canonical
+    caption, then in each of the first ``phrasings`` user phrasings."""
     from omni_core import load_config
-    from omni_dit.shapes import HELD_OUT, score
+    from omni_dit.shapes import HELD_OUT, USER_PHRASINGS, score
 
     res: dict[str, Any] = {}
     for prefix, config in (("", "dit_image.yaml"), ("mixed_", "mixed_ar_dit.yaml")):
         with Pipeline(load_config(CONFIGS / config)) as pipe:
             r = score(pipe, HELD_OUT[:scenes])
+            by_phrasing = {p: score(pipe, HELD_OUT[:scenes], p) for p in USER_PHRASINGS[:phrasings]}
         res[f"{prefix}quality_colour_rate"] = r["colour_rate"]
         res[f"{prefix}quality_shape_rate"] = r["shape_rate"]
+        res[f"{prefix}quality_blank_rate"] = r["blank_rate"]
         res[f"{prefix}quality_pictures"] = r["pictures"]
+        for key in ("colour_rate", "shape_rate", "blank_rate"):  # all user phrasings
+            rates = [b[key] for b in by_phrasing.values()]
+            res[f"{prefix}quality_user_{key}"] = round(sum(rates) / max(len(rates), 1), 3)
+        res[f"{prefix}quality_by_phrasing"] = by_phrasing
     return res
 
 
