@@ -63,6 +63,10 @@ class Combination:
 
 
 VLLM_ONLY = ("omni_ar.engines.kv_connector", "needs the vllm extra (vLLM's KV connector API)")
+VLLM_GRAMMAR = (
+    "omni_ar.engines.vllm_grammar",
+    "needs the vllm extra (vLLM's logits processor API)",
+)
 
 # The families (the issue's "core alone; core + AR with the transformers engine; core +
 # DiT; core + serve + AR; core + Ray"). omni-testing (test support) may come in through a
@@ -74,7 +78,7 @@ COMBINATIONS: tuple[Combination, ...] = (
         "ar",
         "omni-ar-stages",
         ("omni-ar-stages[transformers,test]",),
-        skip_modules=(VLLM_ONLY,),
+        skip_modules=(VLLM_ONLY, VLLM_GRAMMAR),
     ),
     Combination("dit", "omni-dit-stages", ("omni-dit-stages[test]",)),
     Combination(

@@ -1,13 +1,16 @@
 """What OpenAI clients send: logprobs and top_logprobs (chat and completions, streamed
-too), finish_reason as the AR stages decide it, response_format, image parts a text
-pipeline refuses, and the fields omni does not support refused by name. Driven by the real
-``openai`` client against ``omni serve`` on the tiny Llama."""
+too), finish_reason as the AR stages decide it, structured output (response_format and
+vLLM's structured_outputs), image parts a text pipeline refuses, and the fields omni does
+not support refused by name. Driven by the real ``openai`` client against ``omni serve``
+on the tiny Llama."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -189,33 +192,119 @@ def test_tools_are_refused_by_name(client):
     assert e.value.body["param"] == "tool_choice"
 
 
-def test_response_format(client):
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "c": {"type": "string", "enum": ["red", "blue"]},
+    },
+    "required": ["n", "c"],
+    "additionalProperties": False,
+}
+# (extra request fields, the answer's check) for each kind of constraint
+CONSTRAINED = [
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": SCHEMA},
+            }
+        },
+        lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None,
+    ),
+    ({"extra_body": {"structured_outputs": {"json": SCHEMA}}}, lambda t: json.loads(t)["c"]),
+    (
+        {"extra_body": {"structured_outputs": {"regex": "[0-9]{3}-x"}}},
+        lambda t: re.fullmatch("[0-9]{3}-x", t),
+    ),
+    (
+        {"extra_body": {"structured_outputs": {"choice": ["up", "down"]}}},
+        lambda t: t in ("up", "down"),
+    ),
+    (
+        {"extra_body": {"structured_outputs": {"grammar": 'root ::= ("a" | "b") "."'}}},
+        lambda t: t in ("a.", "b."),
+    ),
+]
+
+
+def check_constrained(client, model, max_tokens=60):
+    """Every kind of constraint over the OpenAI client, chat and completions: each answer
+    ends (stop) and holds to its constraint; the 400s name the field."""
+    for extra, holds in CONSTRAINED:
+        chat = client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=max_tokens, **extra
+        )
+        text = client.completions.create(
+            model=model, prompt="the quick brown fox", max_tokens=max_tokens, **extra
+        )
+        for choice, answer in (
+            (chat.choices[0], chat.choices[0].message.content),
+            (text.choices[0], text.choices[0].text),
+        ):
+            assert choice.finish_reason == "stop", (extra, answer)
+            assert holds(answer), (extra, answer)
+    json_object = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=max_tokens,
+        response_format={"type": "json_object"},
+    )
+    answer = json_object.choices[0].message.content
+    assert answer.startswith("{") and (
+        json_object.choices[0].finish_reason == "length" or isinstance(json.loads(answer), dict)
+    )
+    for extra, param, words in (
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": [1]},
+                }
+            },
+            "response_format.json_schema.schema",
+            "expected a JSON Schema object",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "b", "schema": {"type": "no"}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "Unsupported type",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format", "expected 'text'"),
+        (
+            {"extra_body": {"structured_outputs": {"regex": "(a"}}},
+            "structured_outputs.regex",
+            "not closed",
+        ),
+        (
+            {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}},
+            "structured_outputs",
+            "exactly one",
+        ),
+        (
+            {"extra_body": {"structured_outputs": {"choice": "ab"}}},
+            "structured_outputs.choice",
+            "list of strings",
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=MESSAGES, **extra)
+        assert e.value.body["param"] == param, e.value.body
+        assert words in e.value.body["message"], e.value.body
+
+
+def test_structured_output(client):
+    """The prefill -> decode split on the transformers engine holds every kind."""
     ok = client.chat.completions.create(
         model="tiny_chat", messages=MESSAGES, max_tokens=2, response_format={"type": "text"}
     )
     assert ok.choices[0].message.content is not None
-    # json_object / json_schema reach the pipeline, whose prefill -> decode split cannot
-    # hold a grammar: its stages refuse them by name (ar.generate on vLLM honours them)
-    for fmt in (
-        {"type": "json_object"},
-        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
-    ):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(
-                model="tiny_chat", messages=MESSAGES, response_format=fmt
-            )
-        assert e.value.body["param"] == "response_format"
-        assert "needs the ar.generate stage on engine vllm" in e.value.body["message"]
-    # a malformed one is refused by the pipeline's intake, naming the inner field
-    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny_chat", messages=MESSAGES, response_format=bad)
-    assert e.value.body["param"] == "response_format.json_schema.schema"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(
-            model="tiny_chat", messages=MESSAGES, response_format={"type": "xml"}
-        )
-    assert e.value.body["param"] == "response_format"
+    check_constrained(client, "tiny_chat")
 
 
 def test_unknown_and_null_fields(text_server):
@@ -231,8 +320,8 @@ def test_unknown_and_null_fields(text_server):
 
 
 def test_structured_output_on_vllm(tmp_path):
-    """json_schema through ``omni serve`` on a fused vLLM pipeline: the answer validates
-    against the schema; a schema vLLM's backend refuses is a 400 naming the field."""
+    """Every kind through ``omni serve`` on a fused vLLM pipeline (vLLM's own structured
+    outputs); a bad constraint is a 400 naming the field."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
     from omni_ar.testing import build_tiny_llama
 
@@ -245,36 +334,8 @@ def test_structured_output_on_vllm(tmp_path):
         {"name": "postprocess", "kind": "ar.postprocess", "options": {"model": model}},
     ]
     server = start_server(chained("tiny_vllm", stages), tmp_path)
-    schema = {
-        "type": "object",
-        "properties": {
-            "n": {"type": "integer", "minimum": 0, "maximum": 99},
-            "c": {"type": "string", "enum": ["red", "blue"]},
-        },
-        "required": ["n", "c"],
-        "additionalProperties": False,
-    }
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        out = client.chat.completions.create(
-            model="tiny_vllm",
-            messages=MESSAGES,
-            max_tokens=200,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": schema, "strict": True},
-            },
-        )
-        assert out.choices[0].finish_reason == "stop", repr(out.choices[0].message.content)
-        value = json.loads(out.choices[0].message.content)
-        assert set(value) == {"n", "c"} and isinstance(value["n"], int)
-        assert value["c"] in ("red", "blue")
-        bad = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "no"}}}
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(
-                model="tiny_vllm", messages=MESSAGES, response_format=bad
-            )
-        assert e.value.body["param"] == "response_format"
-        assert "vLLM refused" in e.value.body["message"]
+        check_constrained(client, "tiny_vllm", max_tokens=200)
     finally:
         stop_server(server)

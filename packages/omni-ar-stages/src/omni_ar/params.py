@@ -60,6 +60,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ``response_format``), or None for free text."""
         return self.structured_outputs or from_response_format(self.response_format)
 
+    def constraint_field(self) -> str:
+        """The request field its constraint came from, for errors that name it."""
+        return "structured_outputs" if self.structured_outputs else "response_format"
+
 
 PARAMS = "params"  # a segment payload's entry: the request's params, parsed at intake
 

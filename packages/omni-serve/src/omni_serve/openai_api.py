@@ -112,6 +112,9 @@ class _TextBody(_Body):
     presence_penalty: float | None = None
     ignore_eos: bool | None = None  # omni (as vLLM): decode to max_tokens
     response_format: ResponseFormat | None = None
+    # vLLM's: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}, checked by
+    # the pipeline's intake (omni_ar.structured), a 400 naming the field where it is bad
+    structured_outputs: dict[str, Any] | None = None
     store: bool | None = None  # accepted (OpenAI's stored completions): nothing is stored
     # with store: accepted, unused (OpenAI's limit: 16 pairs)
     metadata: Annotated[dict[str, str], _at_most(16)] | None = None
@@ -262,14 +265,17 @@ def _sampling(req: _TextBody, max_tokens: int | None, limit: TokenLimit | None) 
     if req.stop is not None:
         out["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
     fmt = req.response_format
-    if fmt is not None and fmt.type in ("json_object", "json_schema"):
-        # the pipeline checks the rest, and fails it (400) where no stage can honour it
+    if fmt is not None and fmt.type in ("text", "json_object", "json_schema"):
+        # the pipeline checks the rest, and fails it (400) where no stage can honour it;
+        # "text" too: it opts out of a stage's default constraint
         out["response_format"] = fmt.model_dump()
-    elif fmt is not None and fmt.type != "text":
+    elif fmt is not None:
         raise bad_field(
             "response_format",
             f"type {fmt.type[:40]!r}: expected 'text', 'json_object' or 'json_schema'",
         )
+    if req.structured_outputs is not None:
+        out["structured_outputs"] = req.structured_outputs
     return out
 
 

@@ -52,6 +52,7 @@ from omni_hf import quiet_offline
 from omni_ar.engines.cpu_turns import cpu_turn
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.params import RequestError, Sampled, SamplingParams
+from omni_ar.structured import Grammars
 
 KV_CONNECTORS = ("shm", "file")
 INSTALL_HINT = (
@@ -112,10 +113,13 @@ class _Steps:
     """The tokens of a request already in the engine; ``close`` aborts it even when it
     was never iterated (a generator's ``finally`` would not run then)."""
 
-    def __init__(self, engine: VllmEngine, rid: str, kv_key: str | None) -> None:
+    def __init__(
+        self, engine: VllmEngine, rid: str, kv_key: str | None, grammar_key: str | None = None
+    ) -> None:
         self.engine = engine
         self.rid = rid
         self.kv_key = kv_key
+        self.grammar_key = grammar_key  # its matcher in vllm_grammar.MATCHERS
         self.gen = engine._stream(rid)
 
     def __iter__(self) -> _Steps:
@@ -123,10 +127,18 @@ class _Steps:
 
     def __next__(self) -> Sampled | None:
         try:
-            return next(self.gen)
+            s = next(self.gen)
         except StopIteration:
             self.close()
             raise
+        if self.grammar_key is not None:
+            from omni_ar.engines.vllm_grammar import MATCHERS
+
+            state = MATCHERS.get(self.grammar_key)
+            if state is not None and state.error is not None:
+                self.close()
+                raise RuntimeError(f"structured output: {state.error}")
+        return s
 
     def close(self) -> None:
         from omni_ar.engines.kv_connector import INBOX
@@ -136,6 +148,10 @@ class _Steps:
         if st is not None and not st.done:  # never iterated
             self.engine.engine.abort_request([self.rid])
         INBOX.pop(self.kv_key or "", None)  # never loaded (cancelled while waiting)
+        if self.grammar_key is not None:
+            from omni_ar.engines.vllm_grammar import MATCHERS
+
+            MATCHERS.pop(self.grammar_key, None)
 
 
 class VllmEngine:
@@ -189,6 +205,7 @@ class VllmEngine:
         self.llm: Any = None
         self._streams: dict[str, _Stream] = {}
         self.turn = cpu_turn(cpu_turns, device)
+        self.grammars: Grammars | None = None  # decode's constraints (see vllm_grammar)
 
     def load_model(self) -> None:
         """vLLM's ``LLM`` on the model, with this engine's KV connector and settings."""
@@ -206,6 +223,8 @@ class VllmEngine:
             "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
             "scheduling_policy": self.scheduling_policy,
         }
+        if self.kv_role == "kv_consumer":  # decode continues constrained requests
+            args["logits_processors"] = ["omni_ar.engines.vllm_grammar:GrammarLogitsProcessor"]
         self.llm = LLM(model=self.model_dir, **{**args, **self.engine_args})
         self.engine = self.llm.llm_engine
         from transformers import AutoConfig, GenerationConfig
@@ -236,14 +255,42 @@ class VllmEngine:
         )
 
     # -- streams ------------------------------------------------------------------------
-    def _sampling(self, params: SamplingParams, max_tokens: int, kv_key: str | None) -> Any:
+    def check_constraint(self, constraint: dict[str, Any]) -> None:
+        """A decode engine compiles a constraint for its own matchers (cached; a
+        ConstraintError where it cannot); elsewhere vLLM checks it as the request enters
+        (:meth:`_submit`)."""
+        if self.kv_role == "kv_consumer":
+            self._grammars().matcher(constraint)
+
+    def _grammars(self) -> Grammars:
+        """Constraints compiled for the model's tokenizer, as vLLM's xgrammar backend
+        compiles them (see :mod:`omni_ar.engines.vllm_grammar`)."""
+        if self.grammars is None:
+            tokenizer = self.tokenizer or self.load_tokenizer()
+            vocab = self.engine.model_config.get_vocab_size()
+            self.grammars = Grammars(tokenizer, vocab)
+        return self.grammars
+
+    def _sampling(
+        self,
+        params: SamplingParams,
+        max_tokens: int,
+        kv_key: str | None,
+        grammar_key: str | None = None,
+    ) -> Any:
+        """vLLM's sampling params of a request; ``grammar_key``: it continues another
+        engine's request under its matcher (vllm_grammar), not vLLM's own grammar."""
         from vllm import SamplingParams as VllmParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         from omni_ar.engines.kv_connector import PARAM
+        from omni_ar.engines.vllm_grammar import ARG
 
-        extra = {"kv_transfer_params": {PARAM: kv_key}} if kv_key else None
+        extra: dict[str, Any] = {"kv_transfer_params": {PARAM: kv_key}} if kv_key else {}
         structured = params.structured()
+        if grammar_key is not None:
+            extra[ARG] = grammar_key
+            structured = None
         return VllmParams(
             max_tokens=max_tokens,
             temperature=params.temperature,
@@ -253,14 +300,16 @@ class VllmEngine:
             logprobs=params.top_logprobs if params.logprobs else None,
             detokenize=False,  # the postprocess stage detokenizes
             output_kind=RequestOutputKind.DELTA,
-            extra_args=extra,
+            extra_args=extra or None,
             structured_outputs=StructuredOutputsParams(**structured) if structured else None,
         )
 
-    def _submit(self, ids: list[int], sp: Any, priority: int = 0) -> str:
+    def _submit(
+        self, ids: list[int], sp: Any, priority: int = 0, params: SamplingParams | None = None
+    ) -> str:
         """The request into the engine, with ``priority`` under the priority policy (0
-        under fcfs); a grammar vLLM's backend refuses is a RequestError naming
-        ``response_format`` (this request fails, the engine goes on)."""
+        under fcfs); a grammar vLLM's backend refuses is a RequestError naming the
+        field of ``params`` it came from (this request fails, the engine goes on)."""
         from vllm.exceptions import VLLMClientError
 
         rid = uuid.uuid4().hex
@@ -273,7 +322,8 @@ class VllmEngine:
             del self._streams[rid]
             if sp.structured_outputs is None:
                 raise
-            raise RequestError(f"field 'response_format': vLLM refused it: {e}") from None
+            field = params.constraint_field() if params is not None else "structured_outputs"
+            raise RequestError(f"field {field!r}: vLLM refused it: {e}") from None
         return rid
 
     def _step(self) -> None:
@@ -324,7 +374,7 @@ class VllmEngine:
         :meth:`_stream`), batched with the others open; it enters the engine at this
         call, with ``priority`` (see :meth:`_submit`)."""
         sp = self._sampling(params, params.max_tokens, None)
-        return self._stream(self._submit(ids, sp, priority))
+        return self._stream(self._submit(ids, sp, priority, params))
 
     # -- the engine interface -----------------------------------------------------------
     def prefill(self, ids: list[int], params: SamplingParams) -> tuple[int, float, Any, Any]:
@@ -347,7 +397,7 @@ class VllmEngine:
         shm = self.kv_role == "kv_producer" and self.kv_connector == "shm"
         keys = [uuid.uuid4().hex if shm else None for _ in prompts]
         rids = [
-            self._submit(ids, self._sampling(p, 1, key), prio)
+            self._submit(ids, self._sampling(p, 1, key), prio, p)
             for ids, p, key, prio in zip(
                 prompts, params, keys, priorities or [0] * len(prompts), strict=True
             )
@@ -399,18 +449,24 @@ class VllmEngine:
         if params.max_tokens <= 1 or (first in self.eos_ids and not params.ignore_eos):
             return iter(())
         from omni_ar.engines.kv_connector import INBOX
+        from omni_ar.engines.vllm_grammar import MATCHERS, Constrained
 
-        key = None
+        key = grammar_key = None
         if getattr(keys, "ndim", 0) > 1 and keys.shape[1] > 0:  # (layers, blocks, ...)
             key = uuid.uuid4().hex
             INBOX[key] = (keys, values, len(prompt))
         try:
-            sp = self._sampling(params, params.max_tokens - 1, key)
-            rid = self._submit([*prompt, first], sp, priority)  # it joins the next step
+            constraint = params.structured()
+            if constraint is not None:  # its grammar, past the first token
+                grammar_key = uuid.uuid4().hex
+                MATCHERS[grammar_key] = Constrained(self._grammars().matcher(constraint, [first]))
+            sp = self._sampling(params, params.max_tokens - 1, key, grammar_key)
+            rid = self._submit([*prompt, first], sp, priority, params)  # joins the next step
         except BaseException:
             INBOX.pop(key or "", None)
+            MATCHERS.pop(grammar_key or "", None)
             raise
-        return _Steps(self, rid, key)
+        return _Steps(self, rid, key, grammar_key)
 
     def generate(self, source: str | list[dict[str, str]], params: SamplingParams) -> list[int]:
         """The whole request in one engine (the one-process run)."""

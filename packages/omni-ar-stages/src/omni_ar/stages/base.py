@@ -139,7 +139,7 @@ class ModelStage(Stage):
         if constraint is None:
             return params
         if self.unstructured:
-            field = "structured_outputs" if params.structured_outputs else "response_format"
+            field = params.constraint_field()
             raise RequestError(f"field {field!r}: structured output: {self.unstructured}")
         self.engine.check_constraint(constraint)
         return params

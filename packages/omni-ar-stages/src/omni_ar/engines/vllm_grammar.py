@@ -1,0 +1,87 @@
+"""Structured output for a request vLLM continues from another engine's first token.
+
+vLLM's own structured outputs start a request's grammar at the first token it samples,
+but a decode engine receives the request as prompt + prefill's first token: under its
+own grammar the second token would be checked as if it were the first. So the decode
+engine holds a handed-off request to its constraint with this logits processor instead:
+the engine puts the request's :class:`omni_ar.structured.Matcher` (already past the
+first token) in :data:`MATCHERS` under a key the request carries in its sampling
+params' ``extra_args``; each step the processor advances the matcher by the tokens vLLM
+sampled and masks the request's logits row. The matcher compiles the constraint with
+vLLM's settings (xgrammar, JSON without free whitespace), so the tokens allowed are the
+ones vLLM's own grammar would allow at the same place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from omni_ar.structured import Matcher
+
+ARG = "omni_grammar"  # the extra_args key naming a request's matcher in MATCHERS
+
+
+@dataclass
+class Constrained:
+    """A request's matcher and how many of its output tokens the matcher accepted (it
+    outlives the request's place in the batch: a preempted request comes back with its
+    output so far)."""
+
+    matcher: Matcher
+    accepted: int = 0
+    error: str | None = None  # the grammar refused a token: the engine fails the request
+
+
+MATCHERS: dict[str, Constrained] = {}  # key -> state, put and removed by the engine
+
+
+@dataclass
+class _Row:
+    state: Constrained
+    output: list[int]  # vLLM's live list of the request's output tokens
+
+
+class GrammarLogitsProcessor(LogitsProcessor):
+    """Masks the logits of the requests that name a matcher in :data:`MATCHERS`."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows: dict[int, _Row] = {}  # persistent batch index -> its request
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it changes which token is likeliest
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is not None:
+            for index, params, _prompt, output in batch_update.added:
+                key = ((params.extra_args or {}) if params is not None else {}).get(ARG)
+                state = MATCHERS.get(key) if isinstance(key, str) else None
+                if state is not None:
+                    self.rows[index] = _Row(state, output)
+                else:
+                    self.rows.pop(index, None)
+            for index in batch_update.removed:
+                self.rows.pop(index, None)
+            for a, b, direction in batch_update.moved:
+                row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
+                if row_a is not None:
+                    self.rows[b] = row_a
+                if row_b is not None and direction == MoveDirectionality.SWAP:
+                    self.rows[a] = row_b
+        for index, row in list(self.rows.items()):  # the tokens sampled since the last step
+            st = row.state
+            try:
+                for tok in row.output[st.accepted :]:
+                    st.matcher.accept(tok)
+            except RuntimeError as e:  # never in vLLM's step: the engine fails the request
+                st.error = str(e)
+                del self.rows[index]
+            st.accepted = len(row.output)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, row in self.rows.items():
+            row.state.matcher.mask(logits[index])
+        return logits
