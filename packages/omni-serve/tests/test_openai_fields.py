@@ -235,8 +235,14 @@ def check_constrained(client, model, max_tokens=60):
         chat = client.chat.completions.create(
             model=model, messages=MESSAGES, max_tokens=max_tokens, **extra
         )
+        # the client's completions take no response_format: it goes in the body as is
+        as_body = (
+            {"extra_body": {"response_format": extra["response_format"]}}
+            if "response_format" in extra
+            else extra
+        )
         text = client.completions.create(
-            model=model, prompt="the quick brown fox", max_tokens=max_tokens, **extra
+            model=model, prompt="the quick brown fox", max_tokens=max_tokens, **as_body
         )
         for choice, answer in (
             (chat.choices[0], chat.choices[0].message.content),
