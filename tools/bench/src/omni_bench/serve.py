@@ -14,6 +14,18 @@ Per server and level: output tokens per second (completion tokens over the level
 time), TTFT p50/p99 (request start to the first content chunk) and the inter-token
 latency p50 (per request (last chunk - first chunk) / (tokens - 1), so servers that send
 several tokens per chunk are measured alike). Ratios are omni's figure over vLLM's.
+
+``--constraint json_schema``: the structured arm. Every request (to every server, the
+same body) carries ``response_format: {"type": "json_schema", ...}`` with
+:data:`PERSON_SCHEMA`, and no ``ignore_eos``: once the grammar completes only EOS is
+allowed, and vLLM stops masking a finished grammar, so ``ignore_eos`` would sample
+unconstrained text past the JSON. Tokens are the ones produced (``usage``), not
+``max_tokens``. vLLM's server runs twice: at its defaults (``vllm_default``: backend
+``auto``, free whitespace allowed) and with the settings omni's vLLM engine uses
+(``vllm``, :data:`OMNI_STRUCTURED_OUTPUTS`, the one ``omni_vs_vllm_*`` compares;
+``omni_vs_vllm_default_*`` compares the other). Every answer is parsed and validated
+against the schema (``jsonschema``): per level ``valid``, ``invalid`` and ``cut`` (stopped
+at ``max_tokens`` before the JSON was whole), and per server ``valid_share``.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import os
 import signal
@@ -41,6 +54,27 @@ SPLITS = ("split", "split_turns", "split_local")  # the layouts compared with fu
 # split_local: prompts up to this many tokens are prefilled by the decode engine
 LOCAL_PREFILL_MAX_TOKENS = 512
 OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
+CONSTRAINTS = ("none", "json_schema")
+# the structured arm's schema: a small object whose every string, number and array is
+# bounded, so that a small model's greedy answer is whole well within 64 tokens
+PERSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1, "maxLength": 12},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+# vLLM's structured outputs as omni's vLLM engine sets them (``load_model`` of
+# omni_ar.engines.vllm_engine): the "same settings" vLLM server gets these
+OMNI_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 def omni_config(model: str, layout: str = "fused") -> dict[str, Any]:
@@ -189,21 +223,59 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-async def one_request(client: Any, i: int, max_tokens: int) -> tuple[float, float, int]:
-    """(TTFT s, inter-token latency s, completion tokens) of one streamed chat completion."""
+def request_body(i: int, max_tokens: int, constraint: str = "none") -> dict[str, Any]:
+    """The keyword arguments of request ``i``'s ``chat.completions.create``, the same for
+    every server. ``none``: a fixed prompt, ``max_tokens`` with ``ignore_eos`` (every
+    request makes ``max_tokens`` tokens); ``json_schema``: the prompt asks for
+    :data:`PERSON_SCHEMA`'s object, which ``response_format`` holds it to, no
+    ``ignore_eos`` (the answer ends where the grammar does)."""
+    if constraint not in CONSTRAINTS:
+        raise ValueError(f"constraint {constraint!r}: expected one of {list(CONSTRAINTS)}")
+    prompt = PROMPTS[i % len(PROMPTS)]
+    body: dict[str, Any] = {
+        "model": SERVED_NAME,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if constraint == "none":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        body["extra_body"] = {"ignore_eos": True}
+        return body
+    ask = f"Reply with a JSON object (name, age, tags) for a person this brings to mind: {prompt}"
+    body["messages"] = [{"role": "user", "content": ask}]
+    body["response_format"] = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
+    }
+    return body
+
+
+def classify(text: str, finish_reason: str | None, schema: dict[str, Any]) -> str:
+    """``valid`` (parses as JSON and validates against ``schema``), ``cut`` (not valid, and
+    stopped at ``max_tokens``: ``finish_reason`` ``length``) or ``invalid``."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return "valid"
+    except (ValueError, jsonschema.ValidationError):
+        return "cut" if finish_reason == "length" else "invalid"
+
+
+async def one_request(
+    client: Any, i: int, max_tokens: int, constraint: str = "none"
+) -> tuple[float, float, int, str | None]:
+    """(TTFT s, inter-token latency s, completion tokens, the answer's :func:`classify`
+    under ``constraint``, None without one) of one streamed chat completion."""
     t0 = time.monotonic()
     first = last = None
     chunks = 0
     usage = None
-    stream = await client.chat.completions.create(
-        model=SERVED_NAME,
-        messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
+    parts: list[str] = []
+    finish: str | None = None
+    stream = await client.chat.completions.create(**request_body(i, max_tokens, constraint))
     # a tiny test model's tokens may decode to no text: then any chunk of a choice counts
     any_first = any_last = None
     async for chunk in stream:
@@ -213,29 +285,55 @@ async def one_request(client: Any, i: int, max_tokens: int) -> tuple[float, floa
             now = time.monotonic()
             any_first = any_first if any_first is not None else now
             any_last = now
+            finish = chunk.choices[0].finish_reason or finish
             if chunk.choices[0].delta.content:
                 first = first if first is not None else now
                 last = now
                 chunks += 1
+                parts.append(chunk.choices[0].delta.content)
     tokens = usage if usage is not None else chunks
     if first is None or last is None:
         first, last = any_first, any_last
     if first is None or last is None or tokens == 0:
         raise RuntimeError(f"request {i} produced no tokens")
     itl = (last - first) / (tokens - 1) if tokens > 1 else math.nan
-    return first - t0, itl, tokens
+    verdict = None if constraint == "none" else classify("".join(parts), finish, PERSON_SCHEMA)
+    return first - t0, itl, tokens, verdict
 
 
-async def drive(url: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, float]:
+def count_verdicts(verdicts: list[str | None]) -> dict[str, int]:
+    """How many answers were ``valid``, ``invalid`` and ``cut`` (empty without a
+    constraint: no verdicts)."""
+    if all(v is None for v in verdicts):
+        return {}
+    return {k: sum(v == k for v in verdicts) for k in ("valid", "invalid", "cut")}
+
+
+def valid_share(levels: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """A server's answers over all its levels: the share that validated, was cut at
+    ``max_tokens``, and the share of those not cut that validated."""
+    n = {k: sum(lv.get(k, 0) for lv in levels.values()) for k in ("valid", "invalid", "cut")}
+    total = sum(n.values())
+    whole = n["valid"] + n["invalid"]
+    return {
+        "valid_share": round(n["valid"] / total, 3) if total else math.nan,
+        "cut_share": round(n["cut"] / total, 3) if total else math.nan,
+        "valid_share_of_uncut": round(n["valid"] / whole, 3) if whole else math.nan,
+    }
+
+
+async def drive(
+    url: str, concurrency: int, requests: int, max_tokens: int, constraint: str = "none"
+) -> dict[str, float]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
     try:
         sem = asyncio.Semaphore(concurrency)
 
-        async def limited(i: int) -> tuple[float, float, int]:
+        async def limited(i: int) -> tuple[float, float, int, str | None]:
             async with sem:
-                return await one_request(client, i, max_tokens)
+                return await one_request(client, i, max_tokens, constraint)
 
         t0 = time.monotonic()
         results = await asyncio.gather(*(limited(i) for i in range(requests)))
@@ -252,6 +350,7 @@ async def drive(url: str, concurrency: int, requests: int, max_tokens: int) -> d
         "itl_p50_ms": round(percentile(itls, 50), 2),
         "tokens": tokens,
         "requests": requests,
+        **count_verdicts([r[3] for r in results]),
     }
 
 
@@ -298,16 +397,21 @@ def cpu_per_token(
 
 
 def measure(
-    server: Server, levels: list[int], per_level: int | None, max_tokens: int
+    server: Server,
+    levels: list[int],
+    per_level: int | None,
+    max_tokens: int,
+    constraint: str = "none",
 ) -> dict[str, dict[str, Any]]:
     async def run() -> dict[str, dict[str, Any]]:
-        await drive(server.url, min(levels), min(levels), 4)  # warm up
+        # warm up (under the constraint: its grammar compiled before any level)
+        await drive(server.url, min(levels), min(levels), 4, constraint)
         out: dict[str, dict[str, Any]] = {}
         pid = server.proc.pid
         for c in levels:
             n = per_level or max(2 * c, 8)
             before = session_cpu(pid)
-            out[f"c{c}"] = level = await drive(server.url, c, n, max_tokens)
+            out[f"c{c}"] = level = await drive(server.url, c, n, max_tokens, constraint)
             after = session_cpu(pid)
             level["cpu_ms_per_token"] = cpu_per_token(before, after, pid, int(level["tokens"]))
         return out
@@ -321,7 +425,9 @@ def run_server(
     server = Server(name, cmd, env, workdir / f"{name}.log")
     try:
         server.wait_ready(args.ready_timeout)
-        return measure(server, args.levels, args.requests_per_level, args.max_tokens)
+        return measure(
+            server, args.levels, args.requests_per_level, args.max_tokens, args.constraint
+        )
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
             tail = server.tail()
@@ -331,7 +437,14 @@ def run_server(
         server.stop()
 
 
-def vllm_command(model: str, port: int) -> list[str]:
+def vllm_command(
+    model: str, port: int, structured_outputs: dict[str, Any] | None = None
+) -> list[str]:
+    """vLLM's OpenAI server; ``structured_outputs``: its ``--structured-outputs-config``
+    (none: vLLM's defaults)."""
+    extra = []
+    if structured_outputs is not None:
+        extra = ["--structured-outputs-config", json.dumps(structured_outputs)]
     return [
         sys.executable,
         "-m",
@@ -348,10 +461,11 @@ def vllm_command(model: str, port: int) -> list[str]:
         "--port",
         str(port),
         "--disable-log-stats",
+        *extra,
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="omni bench serve", description=__doc__)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--model", default="smollm2", help="a named model or a model directory")
@@ -367,11 +481,51 @@ def main(argv: list[str] | None = None) -> int:
         help="generated omni pipelines, the first compared with vLLM: fused (ar.generate), "
         "split, split_turns, split_local",
     )
+    ap.add_argument(
+        "--constraint",
+        choices=CONSTRAINTS,
+        default="none",
+        help="json_schema: every request held to a JSON schema (response_format), vLLM "
+        "at its defaults and with omni's structured-output settings",
+    )
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds per server start")
     args = ap.parse_args(argv)
-    args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    try:
+        args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        args.levels = []
     if not args.levels or min(args.levels) < 1:
         ap.error("--concurrency: positive integers, comma-separated")
+    return args
+
+
+def compare(
+    res: dict[str, Any],
+    targets: dict[str, bool],
+    omni: dict[str, dict[str, Any]],
+    vllm: dict[str, dict[str, Any]],
+    levels: list[int],
+    baseline: str = "vllm",
+) -> None:
+    """``omni_vs_BASELINE_*`` ratios into ``res`` and their targets into ``targets``:
+    tok/s >= 0.9x at every level, TTFT p50 <= 1.25x at levels up to 8."""
+    label = "vllm" if baseline == "vllm" else f"{baseline} (vLLM at its defaults)"
+    for c in levels:
+        o, v = omni[f"c{c}"], vllm[f"c{c}"]
+        r = o["tok_per_s"] / v["tok_per_s"] if v["tok_per_s"] else math.nan
+        res[f"omni_vs_{baseline}_tok_per_s_c{c}"] = round(r, 3)
+        targets[f"tok_per_s_c{c} >= 0.9 x {label}"] = r >= 0.9
+    for c in levels:
+        if c > 8:
+            continue
+        o, v = omni[f"c{c}"], vllm[f"c{c}"]
+        r = o["ttft_p50_ms"] / v["ttft_p50_ms"] if v["ttft_p50_ms"] else math.nan
+        res[f"omni_vs_{baseline}_ttft_p50_c{c}"] = round(r, 3)
+        targets[f"ttft_p50_c{c} <= 1.25 x {label}"] = r <= 1.25
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from omni_ar.models import resolve_model
 
     model = str(resolve_model(args.model))
@@ -382,11 +536,17 @@ def main(argv: list[str] | None = None) -> int:
         "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
+    structured = args.constraint != "none"
     layouts = ["custom"] if args.omni_config else [x for x in args.layouts.split(",") if x]
     runs: dict[str, dict[str, Any]] = {}
+    vllm_default: dict[str, dict[str, Any]] | None = None
     with tempfile.TemporaryDirectory(prefix="omni-bench-serve-") as tmp:
         work = Path(tmp)
-        vllm = run_server("vllm", vllm_command(model, free_port()), vllm_env, work, args)
+        if structured:  # the baseline at its own defaults, then at omni's settings
+            cmd = vllm_command(model, free_port())
+            vllm_default = run_server("vllm-default", cmd, vllm_env, work, args)
+        cmd = vllm_command(model, free_port(), OMNI_STRUCTURED_OUTPUTS if structured else None)
+        vllm = run_server("vllm", cmd, vllm_env, work, args)
         for layout in layouts:
             if args.omni_config:
                 cfg_path = Path(args.omni_config)
@@ -411,11 +571,20 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "max_tokens": args.max_tokens,
         "concurrency": args.levels,
+        "constraint": args.constraint,
         "omni_config": args.omni_config or f"generated ({', '.join(layouts)})",
-        "vllm": vllm,
-        "omni": omni,
-        **{f"omni_{layout}": r for layout, r in runs.items() if layout != layouts[0]},
     }
+    if structured:
+        res["vllm_structured_outputs_config"] = OMNI_STRUCTURED_OUTPUTS
+    res["vllm"] = vllm
+    if vllm_default is not None:
+        res["vllm_default"] = vllm_default
+    res["omni"] = omni
+    res.update({f"omni_{layout}": r for layout, r in runs.items() if layout != layouts[0]})
+    if structured:
+        servers = {"vllm": vllm, "vllm_default": vllm_default or {}, "omni": omni}
+        servers.update({f"omni_{lay}": r for lay, r in runs.items() if lay != layouts[0]})
+        res["answers"] = {name: valid_share(r) for name, r in servers.items()}
     targets: dict[str, bool] = {}
     for split in SPLITS:
         if split not in runs or layouts[0] != "fused":
@@ -425,18 +594,9 @@ def main(argv: list[str] | None = None) -> int:
             r = sp / f if f else math.nan
             res[f"{split}_vs_fused_tok_per_s_c{c}"] = round(r, 3)
             targets[f"{split}_tok_per_s_c{c} >= 0.8 x fused"] = r >= 0.8
-    for c in args.levels:
-        o, v = omni[f"c{c}"], vllm[f"c{c}"]
-        r = o["tok_per_s"] / v["tok_per_s"] if v["tok_per_s"] else math.nan
-        res[f"omni_vs_vllm_tok_per_s_c{c}"] = round(r, 3)
-        targets[f"tok_per_s_c{c} >= 0.9 x vllm"] = r >= 0.9
-    for c in args.levels:
-        if c > 8:
-            continue
-        o, v = omni[f"c{c}"], vllm[f"c{c}"]
-        r = o["ttft_p50_ms"] / v["ttft_p50_ms"] if v["ttft_p50_ms"] else math.nan
-        res[f"omni_vs_vllm_ttft_p50_c{c}"] = round(r, 3)
-        targets[f"ttft_p50_c{c} <= 1.25 x vllm"] = r <= 1.25
+    compare(res, targets, omni, vllm, args.levels)
+    if vllm_default is not None:
+        compare(res, targets, omni, vllm_default, args.levels, "vllm_default")
     res["targets"] = targets
     res["targets_met"] = all(targets.values())
     emit(res, args.json)

@@ -1,0 +1,109 @@
+"""``omni bench serve --constraint``: its pure parts (no servers): the arguments, the
+request both servers get, the vLLM command lines and the counting of valid answers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from omni_bench.prompts import PROMPTS
+from omni_bench.serve import (
+    OMNI_STRUCTURED_OUTPUTS,
+    PERSON_SCHEMA,
+    classify,
+    compare,
+    count_verdicts,
+    parse_args,
+    request_body,
+    valid_share,
+    vllm_command,
+)
+
+
+def test_constraint_argument():
+    assert parse_args([]).constraint == "none"  # today's behaviour by default
+    args = parse_args(["--constraint", "json_schema", "--concurrency", "1,8"])
+    assert args.constraint == "json_schema" and args.levels == [1, 8]
+    with pytest.raises(SystemExit):
+        parse_args(["--constraint", "regex"])
+    with pytest.raises(SystemExit):
+        parse_args(["--concurrency", "x"])
+
+
+def test_request_without_constraint_is_unchanged():
+    body = request_body(9, 64)
+    assert body["extra_body"] == {"ignore_eos": True} and body["max_tokens"] == 64
+    assert "response_format" not in body
+    assert body["messages"] == [{"role": "user", "content": PROMPTS[9 % len(PROMPTS)]}]
+
+
+def test_structured_request():
+    body = request_body(2, 48, "json_schema")
+    # no ignore_eos: past the finished grammar vLLM samples unconstrained text
+    assert "extra_body" not in body and body["max_tokens"] == 48
+    fmt = body["response_format"]
+    assert fmt["type"] == "json_schema" and fmt["json_schema"]["schema"] == PERSON_SCHEMA
+    assert body["stream_options"] == {"include_usage": True}  # tokens from usage
+    assert body["temperature"] == 0
+    with pytest.raises(ValueError):
+        request_body(0, 8, "yaml")
+
+
+def test_schema_is_one_omni_accepts():
+    from omni_ar.params import check_response_format
+    from omni_ar.structured import check_constraint
+
+    fmt = request_body(0, 8, "json_schema")["response_format"]
+    check_response_format(fmt)  # raises on a body omni's intake would refuse
+    assert check_constraint({"json": PERSON_SCHEMA}) == {"json": PERSON_SCHEMA}
+
+
+def test_vllm_commands():
+    default = vllm_command("/m", 8000)
+    assert "--structured-outputs-config" not in default
+    same = vllm_command("/m", 8000, OMNI_STRUCTURED_OUTPUTS)
+    i = same.index("--structured-outputs-config")
+    assert json.loads(same[i + 1]) == {"backend": "xgrammar", "disable_any_whitespace": True}
+    assert same[:i] == default
+
+
+def test_classify():
+    ok = '{"name":"Ada","age":36,"tags":["math"]}'
+    assert classify(ok, "stop", PERSON_SCHEMA) == "valid"
+    assert classify(ok, "length", PERSON_SCHEMA) == "valid"  # whole at the last token
+    assert classify('{"name":"Ada","age":3', "length", PERSON_SCHEMA) == "cut"
+    assert classify('{"name":"Ada","age":3', "stop", PERSON_SCHEMA) == "invalid"
+    assert classify('{"name":"Ada","age":360,"tags":["x"]}', "stop", PERSON_SCHEMA) == "invalid"
+    extra = '{"name":"Ada","age":36,"tags":["x"],"z":1}'
+    assert classify(extra, "stop", PERSON_SCHEMA) == "invalid"
+    assert classify(ok + " trailing", "stop", PERSON_SCHEMA) == "invalid"
+
+
+def test_counting():
+    assert count_verdicts([None, None]) == {}
+    counts = count_verdicts(["valid", "cut", "valid", "invalid"])
+    assert counts == {"valid": 2, "invalid": 1, "cut": 1}
+    levels = {"c1": {"tok_per_s": 1.0, **counts}, "c8": {"valid": 4, "invalid": 0, "cut": 0}}
+    share = valid_share(levels)
+    assert share == {"valid_share": 0.75, "cut_share": 0.125, "valid_share_of_uncut": 0.857}
+    assert math.isnan(valid_share({"c1": {"valid": 0, "invalid": 0, "cut": 0}})["valid_share"])
+
+
+def test_compare_names_both_baselines():
+    omni = {"c1": {"tok_per_s": 9.0, "ttft_p50_ms": 100.0}}
+    same = {"c1": {"tok_per_s": 10.0, "ttft_p50_ms": 100.0}}
+    default = {"c1": {"tok_per_s": 12.0, "ttft_p50_ms": 50.0}}
+    res: dict = {}
+    targets: dict = {}
+    compare(res, targets, omni, same, [1])
+    compare(res, targets, omni, default, [1], "vllm_default")
+    assert res == {
+        "omni_vs_vllm_tok_per_s_c1": 0.9,
+        "omni_vs_vllm_ttft_p50_c1": 1.0,
+        "omni_vs_vllm_default_tok_per_s_c1": 0.75,
+        "omni_vs_vllm_default_ttft_p50_c1": 2.0,
+    }
+    assert targets["tok_per_s_c1 >= 0.9 x vllm"] is True
+    assert targets["tok_per_s_c1 >= 0.9 x vllm_default (vLLM at its defaults)"] is False
+    assert targets["ttft_p50_c1 <= 1.25 x vllm_default (vLLM at its defaults)"] is False
