@@ -2,8 +2,9 @@
 
 A scene is one flat shape (circle, square, triangle) in one colour on a background of
 another, at a random size and place; its caption names the three ("a red circle on a blue
-background", and paraphrases). :func:`draw` paints a scene, :data:`HELD_OUT` are the
-shape-and-colours combinations the model never saw in training, and :func:`judge` reads a
+background", or any of :data:`TRAIN_PHRASINGS`). :func:`draw` paints a scene,
+:data:`HELD_OUT` are the shape-and-colours combinations the model never saw in training,
+:data:`USER_PHRASINGS` the wordings it never saw, and :func:`judge` reads a
 picture back with simple image statistics: the background's colour from the border, the
 figure's from the rest, and the shape from how the figure fills its bounding box and how
 its width changes from top to bottom.
