@@ -9,12 +9,11 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 from omni_ar.params import RequestError, SamplingParams, parse_request
 from omni_ar.structured import choice_grammar
+from omni_ar.testing import run_oracle
 from omni_core import Pipeline
 from omni_core.config import ConfigError
 
@@ -301,15 +300,7 @@ def vllm_reference(vllm_model):
         }
         for r in requests()
     ]
-    out = subprocess.run(
-        [sys.executable, "-c", ORACLE, vllm_model, json.dumps(ENGINE_ARGS), json.dumps(reqs)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [x for x in out.stdout.splitlines() if x.startswith("ORACLE")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("ORACLE"))
+    return run_oracle(ORACLE, vllm_model, json.dumps(ENGINE_ARGS), json.dumps(reqs))
 
 
 @needs_vllm

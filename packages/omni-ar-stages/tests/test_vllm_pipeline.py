@@ -8,8 +8,6 @@ Skipped when vLLM is not installed, except under CI (env ``CI`` set), where that
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 import warnings
 
@@ -26,6 +24,7 @@ if importlib.util.find_spec("vllm") is None:
 import torch  # noqa: E402
 from omni_ar.engines.vllm_engine import VllmEngine  # noqa: E402
 from omni_ar.params import SamplingParams  # noqa: E402
+from omni_ar.testing import run_oracle  # noqa: E402
 from omni_core import Pipeline  # noqa: E402
 from omni_core.client.collector import collect  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
@@ -65,15 +64,7 @@ pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process engine
 
 def oracle(model, prompts):
     """``LLM.generate`` for all prompts at once, in a process of its own."""
-    out = subprocess.run(
-        [sys.executable, "-c", ORACLE, model, json.dumps(ENGINE_ARGS), json.dumps(prompts)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [x for x in out.stdout.splitlines() if x.startswith("ORACLE")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("ORACLE"))
+    return run_oracle(ORACLE, model, json.dumps(ENGINE_ARGS), json.dumps(prompts))
 
 
 @pytest.fixture(scope="module")

@@ -89,3 +89,20 @@ def build_tiny_llama(
     config = tiny_llama_config(len(fast), head_dim, max_positions)
     LlamaForCausalLM(config).eval().save_pretrained(path)
     return path
+
+
+def run_oracle(script: str, *args: str, timeout: float = 300) -> Any:
+    """Run ``script`` (Python source) in a fresh interpreter with ``args``; its answer is
+    the JSON after ``ORACLE`` on the last line that starts so (a reference engine, e.g.
+    vLLM's ``LLM``, run in a process of its own: no engine state leaks into the test's)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout
+    )
+    lines = [x for x in out.stdout.splitlines() if x.startswith("ORACLE")]
+    if out.returncode != 0 or not lines:
+        raise AssertionError(f"the oracle failed (exit {out.returncode}): {out.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("ORACLE"))
