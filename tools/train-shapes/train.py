@@ -99,9 +99,9 @@ def caption_pools(per_scene: int, seed: int) -> list[list[str]]:
     pool bounds the encoding time; across scenes the pools cover the grammar.
 
     A third of the draws are phrasings that start with a colour ("red circle over blue"):
-    there the colour is SmolLM2's first token, whose hidden state is unlike the same word's
-    anywhere else, and drawn as often as their share of the grammar (2%) the model left
-    "red circle on blue" blank 22 times in 24."""
+    there the colour is SmolLM2's first token (no BOS is added), and drawn as often as
+    their share of the grammar (2%) the model left the held-out "red circle on blue" blank
+    22 times in 24 (docs/shapes-model.md, "Wording")."""
     rng = random.Random(seed)
     colour_first = [p for p in shapes.TRAIN_PHRASINGS if p.startswith("{")]
     pools = []
