@@ -117,6 +117,22 @@ def check_all(outs):
         ({"json_object": "yes"}, "structured_outputs.json_object", "expected true"),
         ("json", "structured_outputs", "Expected `object"),
         ({"regex": "a" * 65537}, "structured_outputs.regex", "65537 characters, over 65536"),
+        ({"json": "[" * 65536}, "structured_outputs.json", "not JSON"),
+        (
+            {"json": {"type": "string", "pattern": "[a-z]+", "maxLength": 5}},
+            "structured_outputs.json",
+            "'pattern' or 'format' with a length bound at $",
+        ),
+        (
+            {"json": {"type": "object", "patternProperties": {"a": {}, "b": {}}}},
+            "structured_outputs.json",
+            "'patternProperties' beside 'properties' or another pattern at $",
+        ),
+        (
+            {"json": {"type": "object", "propertyNames": {}, "properties": {}}},
+            "structured_outputs.json",
+            "'propertyNames' with other property keywords at $",
+        ),
     ],
 )
 def test_a_bad_constraint_names_the_field(spec, where, message):
@@ -322,3 +338,39 @@ def test_vllm_every_kind_equals_vllms_own_generate(vllm_model, vllm_reference, l
     assert check_all(outs) == vllm_reference
     assert not bad[0].ok and "field 'structured_outputs.grammar'" in bad[0].error
     assert bad[1].ok, bad[1].error
+
+
+@needs_vllm
+def test_decodes_matcher_waits_for_a_token_still_in_flight(tiny_model):
+    """Under async scheduling (vLLM's default on a GPU) a row's output holds -1 for the
+    step in flight when the processor runs: the matcher takes the real tokens only, the
+    placeholder's token the next time, and masks the row each time."""
+    import torch
+    from omni_ar.engines.vllm_grammar import MATCHERS, Constrained, GrammarLogitsProcessor
+    from omni_ar.structured import Grammars
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams as VllmParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    grammars = Grammars(tok, len(tok))
+    a, b = (tok.convert_tokens_to_ids(t) for t in ("a", "b"))
+    MATCHERS["k"] = state = Constrained(grammars.matcher({"regex": "ab+"}, [a]))
+    try:
+        proc = GrammarLogitsProcessor(None, torch.device("cpu"), False)
+        output = [b, -1]
+        sp = VllmParams(extra_args={"omni_grammar": "k"})
+        proc.update_state(
+            BatchUpdate(batch_size=1, removed=[], added=[(0, sp, [1], output)], moved=[])
+        )
+        logits = proc.apply(torch.zeros(1, len(tok)))
+        assert state.accepted == 1 and state.error is None
+        assert logits[0, b] == 0 and torch.isinf(logits[0, a])  # only b (or the end) next
+        output[1] = b  # the step's token arrives
+        proc.apply(torch.zeros(1, len(tok)))
+        assert state.accepted == 2 and state.error is None
+        output.append(a)  # a token the grammar refuses: the request's error, not the step's
+        proc.apply(torch.zeros(1, len(tok)))
+        assert state.error is not None and 0 not in proc.rows
+    finally:
+        MATCHERS.pop("k", None)

@@ -33,6 +33,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 65536  # a schema (as JSON), regex, grammar or the choices, at most
 MAX_CHOICES = 1024  # a choice's alternatives, at most
 MAX_JSON_DEPTH = 64  # a schema's nesting, at most
+CACHE_BYTES = 64 << 20  # compiled grammars kept per engine, at most (least recently used go)
 # the JSON grammar's separators: no free whitespace (a small model pads until
 # max_tokens where the grammar lets it), as the vLLM engine sets its backend
 JSON_SEPARATORS = (",", ":")
@@ -97,7 +98,7 @@ def check_constraint(spec: Any, where: str = "structured_outputs") -> dict[str, 
             _check_size(at, len(value))
             try:
                 schema = json.loads(value)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise ConstraintError(f"field {at!r}: not JSON: {e}") from None
         return {"json": check_schema(schema, at)}
     if not isinstance(value, str) or not value:
@@ -167,12 +168,26 @@ def unsupported_schema_feature(schema: dict[str, Any]) -> str | None:
                     return f"{key!r} at {path}"
         if "string" in types and "format" in node and node["format"] not in _FORMATS:
             return f"format {str(node['format'])[:40]!r} at {path}"
+        if "string" in types and _bounded_pattern(node):
+            return f"'pattern' or 'format' with a length bound at {path}"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return f"'allOf' with more than one schema at {path}"
-        if "patternProperties" in node and ("properties" in node or "propertyNames" in node):
-            return f"'patternProperties' beside 'properties' at {path}"
+        patterns = node.get("patternProperties")
+        if isinstance(patterns, dict) and ("properties" in node or len(patterns) > 1):
+            return f"'patternProperties' beside 'properties' or another pattern at {path}"
+        names = node.get("propertyNames")
+        if "propertyNames" in node and (
+            {"properties", "patternProperties"} & set(node)
+            or node.get("unevaluatedProperties", True) is not True
+            or (isinstance(names, dict) and _bounded_pattern(names))
+        ):
+            return f"'propertyNames' with other property keywords at {path}"
         todo.extend((v, f"{path}.{k}") for k, v in node.items() if isinstance(v, (dict, list)))
     return None
+
+
+def _bounded_pattern(node: dict[str, Any]) -> bool:
+    return ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node)
 
 
 def grammar_syntax(grammar: str) -> str:
@@ -259,7 +274,9 @@ class Grammars:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.stop_ids = sorted({*self.info.stop_token_ids, *stop_ids})
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True)
+        self.compiler = xgr.GrammarCompiler(
+            self.info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES
+        )
 
     def compile(self, constraint: dict[str, Any]) -> Any:
         """xgrammar's compiled grammar of a checked constraint (see :func:`check_constraint`)."""
@@ -283,19 +300,24 @@ class Grammars:
             return c.compile_grammar(xgr.Grammar.from_lark(value))
         return c.compile_grammar(value)
 
-    def matcher(self, constraint: dict[str, Any], sampled: Iterable[int] = ()) -> Matcher:
+    def matcher(
+        self,
+        constraint: dict[str, Any],
+        sampled: Iterable[int] = (),
+        field: str = "structured_outputs",
+    ) -> Matcher:
         """A matcher at the start of ``constraint``'s grammar, advanced by the tokens the
         request already ``sampled`` (a decode continuing a prefill's request); a
-        ConstraintError where the grammar cannot be compiled for this tokenizer."""
+        ConstraintError naming ``field`` (the request's, whence the constraint came) where
+        the grammar cannot be compiled for this tokenizer."""
         import xgrammar as xgr
 
         try:
             compiled = self.compile(constraint)
         except Exception as e:
             kind = next(iter(constraint))
-            raise ConstraintError(
-                f"field 'structured_outputs.{kind}': {_backend_message(e)}"
-            ) from None
+            at = f"{field}.{kind}" if field == "structured_outputs" else field
+            raise ConstraintError(f"field {at!r}: {_backend_message(e)}") from None
         m = Matcher(
             xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids), self.vocab_size
         )

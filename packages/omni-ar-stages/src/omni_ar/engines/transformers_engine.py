@@ -113,10 +113,12 @@ class TransformersEngine:
             self.grammars = Grammars(tokenizer, vocab, self.eos_ids)
         return self.grammars
 
-    def check_constraint(self, constraint: dict[str, Any]) -> None:
+    def check_constraint(
+        self, constraint: dict[str, Any], field: str = "structured_outputs"
+    ) -> None:
         """A checked constraint compiled for this model's tokenizer (cached), or a
-        ConstraintError (see :meth:`omni_ar.structured.Grammars.matcher`)."""
-        self._grammars().matcher(constraint)
+        ConstraintError naming ``field`` (see :meth:`omni_ar.structured.Grammars.matcher`)."""
+        self._grammars().matcher(constraint, field=field)
 
     def matcher(self, params: SamplingParams, sampled: list[int] | None = None) -> Matcher | None:
         """The request's grammar matcher, past the tokens it ``sampled`` already (a

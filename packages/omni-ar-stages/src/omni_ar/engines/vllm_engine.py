@@ -52,7 +52,7 @@ from omni_hf import quiet_offline
 from omni_ar.engines.cpu_turns import cpu_turn
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.params import RequestError, Sampled, SamplingParams
-from omni_ar.structured import Grammars
+from omni_ar.structured import ConstraintError, Grammars
 
 KV_CONNECTORS = ("shm", "file")
 INSTALL_HINT = (
@@ -255,12 +255,25 @@ class VllmEngine:
         )
 
     # -- streams ------------------------------------------------------------------------
-    def check_constraint(self, constraint: dict[str, Any]) -> None:
-        """A decode engine compiles a constraint for its own matchers (cached; a
-        ConstraintError where it cannot); elsewhere vLLM checks it as the request enters
-        (:meth:`_submit`)."""
+    def check_constraint(
+        self, constraint: dict[str, Any], field: str = "structured_outputs"
+    ) -> None:
+        """A ConstraintError naming ``field`` where vLLM's xgrammar backend would refuse
+        the constraint (its own check, so a request fails alone, here, not inside a
+        batch's engine call); a decode engine also compiles it for its own matchers."""
+        from vllm import SamplingParams as VllmParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import StructuredOutputsParams
+        from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+        try:
+            validate_xgrammar_grammar(
+                VllmParams(structured_outputs=StructuredOutputsParams(**constraint))
+            )
+        except (ValueError, VLLMClientError) as e:
+            raise ConstraintError(f"field {field!r}: vLLM refused it: {e}") from None
         if self.kv_role == "kv_consumer":
-            self._grammars().matcher(constraint)
+            self._grammars().matcher(constraint, field=field)
 
     def _grammars(self) -> Grammars:
         """Constraints compiled for the model's tokenizer, as vLLM's xgrammar backend
@@ -396,19 +409,18 @@ class VllmEngine:
 
         shm = self.kv_role == "kv_producer" and self.kv_connector == "shm"
         keys = [uuid.uuid4().hex if shm else None for _ in prompts]
-        rids = [
-            self._submit(ids, self._sampling(p, 1, key), prio, p)
+        rids: list[str] = []
+        try:
             for ids, p, key, prio in zip(
                 prompts, params, keys, priorities or [0] * len(prompts), strict=True
-            )
-        ]
-        try:
+            ):
+                rids.append(self._submit(ids, self._sampling(p, 1, key), prio, p))
             for rid, key in zip(rids, keys, strict=True):
                 (first,) = [s for s in self._stream(rid) if s is not None]
                 kv = self._take_kv(OUTBOX.pop(key, None) if shm else None, shm)
                 yield Sampled((*first, *kv), first.top)
-        finally:  # closed early: abort the rest, drop what their steps saved
-            for rid, key in zip(rids, keys, strict=True):
+        finally:  # closed early (or a submit failed): abort the rest, drop their KV
+            for rid, key in zip(rids, keys, strict=False):
                 st = self._streams.pop(rid, None)
                 if st is not None and not st.done:
                     self.engine.abort_request([rid])

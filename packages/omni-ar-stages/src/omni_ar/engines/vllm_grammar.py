@@ -71,17 +71,23 @@ class GrammarLogitsProcessor(LogitsProcessor):
                     self.rows[b] = row_a
                 if row_b is not None and direction == MoveDirectionality.SWAP:
                     self.rows[a] = row_b
-        for index, row in list(self.rows.items()):  # the tokens sampled since the last step
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row advanced by the tokens sampled since its last mask, then masked. Here,
+        not in ``update_state``: under async scheduling (vLLM's default on a GPU) the
+        output list holds a ``-1`` placeholder for the step in flight until just before
+        sampling; a placeholder still there ends the advance (it is taken next time)."""
+        for index, row in list(self.rows.items()):
             st = row.state
             try:
                 for tok in row.output[st.accepted :]:
+                    if tok < 0:
+                        break
                     st.matcher.accept(tok)
+                    st.accepted += 1
             except RuntimeError as e:  # never in vLLM's step: the engine fails the request
                 st.error = str(e)
                 del self.rows[index]
-            st.accepted = len(row.output)
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for index, row in self.rows.items():
-            row.state.matcher.mask(logits[index])
+                continue
+            st.matcher.mask(logits[index])
         return logits

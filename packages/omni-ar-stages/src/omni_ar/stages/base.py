@@ -141,5 +141,5 @@ class ModelStage(Stage):
         if self.unstructured:
             field = params.constraint_field()
             raise RequestError(f"field {field!r}: structured output: {self.unstructured}")
-        self.engine.check_constraint(constraint)
+        self.engine.check_constraint(constraint, params.constraint_field())
         return params
