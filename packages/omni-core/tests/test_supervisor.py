@@ -1,5 +1,6 @@
 """The supervisor's rules with a fake launcher and a fake clock: no process, no socket."""
 
+import pytest
 from omni_core.config import parse_config
 from omni_core.control.launcher import Launcher, WorkerHandle
 from omni_core.control.supervisor import Supervisor
@@ -150,3 +151,47 @@ def test_a_restart_that_never_becomes_ready_is_killed_after_ready_timeout():
     clock.t += sup.cfg.ready_timeout_s + 1
     (hung,) = sup.check_liveness()
     assert hung is new and "not ready" in hung.hung
+
+
+def crash(sup, clock):
+    """The current worker dies now; returns the stage's state and its back-off (s)."""
+    p = sup.procs["s"]
+    p.worker.ended = True
+    sup.on_death(sup.ended({})[0])
+    return p.state, p.restart_at - clock.t
+
+
+def restart(sup, clock):
+    """The back-off passes; the new worker comes up."""
+    clock.t = sup.procs["s"].restart_at
+    (new,) = sup.due_restarts()
+    sup.on_status(Ready(stage="s", pid=new.worker.pid, load_s=0.1))
+
+
+@pytest.mark.parametrize(("quiet_s", "after"), [(60.0, "dead"), (60.001, "restarting")])
+def test_a_restart_leaves_the_window_one_tick_past_restart_window_s(quiet_s, after):
+    sup, clock = make(max_restarts=2, restart_window_s=60, restart_backoff_s=1.0)
+    crash(sup, clock)
+    restart(sup, clock)  # the first restart, at t1
+    t1 = clock.t
+    crash(sup, clock)
+    restart(sup, clock)  # the second: the budget is spent while t1 is in the window
+    clock.t = t1 + quiet_s
+    assert crash(sup, clock)[0] == after
+    assert sup.health()["s"]["state"] == after
+
+
+def test_the_backoff_starts_over_after_a_quiet_window():
+    sup, clock = make(max_restarts=4, restart_window_s=60, restart_backoff_s=1.0)
+    waits = []
+    for _ in range(3):  # a burst of crashes: the back-off doubles
+        waits.append(crash(sup, clock)[1])
+        restart(sup, clock)
+    assert waits == [1.0, 2.0, 4.0]
+    clock.t += 60.001  # every restart of the burst is now older than the window
+    assert crash(sup, clock) == ("restarting", 1.0)
+    restart(sup, clock)
+    for _ in range(3):  # and the whole budget is back: three more in a row survive
+        assert crash(sup, clock)[0] == "restarting"
+        restart(sup, clock)
+    assert crash(sup, clock)[0] == "dead"
