@@ -214,7 +214,8 @@ class Collector:
                     request_id=h.request_id,
                     stage=ev.stage,
                     message=f"stage {ev.stage!r}: event sequence {ev.sequence} where "
-                    f"{expected} was expected (lost event)",
+                    f"{expected} was expected "
+                    + ("(lost event)" if ev.sequence > expected else "(repeated event)"),
                     code="sequence_gap",
                 ),
             )
