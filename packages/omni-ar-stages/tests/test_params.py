@@ -35,3 +35,22 @@ def test_good_request():
     )
     assert source == [{"role": "user", "content": "hi"}]
     assert (p.max_tokens, p.temperature, p.stop) == (5, 0.0, ["\n"])
+
+
+@pytest.mark.parametrize(
+    ("stop", "refused"),
+    [
+        ([str(i) for i in range(16)], None),  # exactly MAX_STOP_STRINGS
+        ([str(i) for i in range(17)], "at most 16 stop strings, got 17"),
+        (["x" * 1024], None),  # exactly MAX_STOP_CHARS
+        (["é" * 1024], None),  # characters, not UTF-8 bytes
+        (["a", "x" * 1025], "at most 1024 characters, got 1025"),
+    ],
+)
+def test_stop_strings_at_their_limits(stop, refused):
+    request = {"prompt": "a", "stop": stop}
+    if refused is None:
+        assert parse_request(request, max_tokens_limit=100)[1].stop == stop
+    else:
+        with pytest.raises(RequestError, match=f"field 'stop': .*{refused}"):
+            parse_request(request, max_tokens_limit=100)
