@@ -239,7 +239,7 @@ def _problem(value: Any) -> str | None:
         return None
     elif isinstance(value, int):
         if not INT_MIN <= value <= INT_MAX:
-            return f"an integer of {value.bit_length()} bits: integers must fit in 64 bits"
+            return f"an integer outside {INT_MIN}..{INT_MAX}: integers must fit in 64 bits"
     elif isinstance(value, float) and not math.isfinite(value):
         return f"{value} is not a finite number"
     return None
