@@ -14,9 +14,9 @@ import zmq
 from omni_core import Pipeline
 from omni_core.dataplane.serial import encode_frame
 from omni_core.errors import OverloadedError, RuntimeFailedError
-from omni_core.events import Completed, Segment
+from omni_core.events import Completed, Segment, SegmentRun
 from omni_testing.configs import chain
-from omni_testing.faults import kill_stage, wait_for, wait_ready
+from omni_testing.faults import Gate, kill_stage, wait_for, wait_ready
 
 FAST = {"heartbeat_interval_s": 0.05}
 
@@ -37,13 +37,12 @@ def test_an_undecodable_payload_fails_its_request_only(no_leaked_segments):
         assert pipe.healthy and pipe.failure is None
 
 
-def test_a_frame_with_one_bad_message_delivers_the_others():
-    # one batch of four, held 2 s each in turn: "other" ends first on its own; the three
-    # the injected frame speaks for are held 4-8 s, so the frame arrives before any real
-    # output of theirs would (a load that outruns that would outrun everything)
-    cfg = chain(
-        ("hold", "synthetic.sleep", {"hold_s": 2}, {"max_inflight": 4, "max_batch_size": 4}), **FAST
-    )
+def test_a_frame_with_one_bad_message_delivers_the_others(tmp_path):
+    # the stage holds all four at a gate, so nothing real of theirs can come before the
+    # injected frame, however loaded the machine; "other" is let go afterwards
+    gate = Gate(tmp_path)
+    held = {"hold_s": 0, "until_file": gate.path}
+    cfg = chain(("hold", "synthetic.sleep", held, {"max_inflight": 4}), **FAST)
     with Pipeline(cfg) as pipe:
         ids = ("other", "bad", "run", "good")
         other, bad, run, good = (pipe.submit({}, request_id=r) for r in ids)
@@ -51,9 +50,13 @@ def test_a_frame_with_one_bad_message_delivers_the_others():
         ctx = zmq.Context.instance()
         push = ctx.socket(zmq.PUSH)
         push.connect(pipe.backend.addr.results)
+        packed = [
+            Segment(request_id="good", stage="hold", sequence=i, tokens=[t])
+            for i, t in enumerate((7, 8))
+        ]
         frame = encode_frame(
             [
-                Segment(request_id="good", stage="hold", sequence=0, tokens=[7]),
+                SegmentRun.of(packed, "hold", 0),  # two segments packed in columns
                 Segment(request_id="bad", stage="hold", sequence=0, payload={0: "x"}),
                 {  # a malformed run: two token entries for one segment
                     "event_type": "segment_run",
@@ -64,23 +67,23 @@ def test_a_frame_with_one_bad_message_delivers_the_others():
                     "tokens": [[1], [2]],
                     "payloads": [{}],
                 },
-                Completed(request_id="good", stage="hold", sequence=1),
+                Completed(request_id="good", stage="hold", sequence=2),
             ]
         )
         push.send(frame)
         push.close(linger=1000)
         got = list(good)
-        assert [e.event_type for e in got] == ["segment", "completed"]
-        assert got[0].tokens == [7]
+        assert [e.event_type for e in got] == ["segment", "segment", "completed"]
+        assert [e.tokens for e in got[:2]] == [[7], [8]]
         err = terminal(bad)
         assert err.code == "bad_message" and "stage 'hold'" in err.message
         err = terminal(run)
         assert err.code == "bad_message" and "one entry per segment" in err.message
+        assert not other.done
+        gate.open()
         untouched = list(other)  # its own output, as if nothing had happened
         assert [e.event_type for e in untouched] == ["segment", "completed"]
-        assert pipe.healthy
-        for rid in ("bad", "run", "good"):  # still held at the stage: let go
-            pipe.cancel(rid)
+        assert pipe.healthy and pipe.failure is None
 
 
 def test_a_worker_fails_only_the_request_of_an_undecodable_data_message():

@@ -1,5 +1,6 @@
 """Fault injection for tests: kill a stage's worker, wait for its restart, wait for a
-condition, start a child process that holds something until told."""
+condition, hold a stage's requests until the test lets them go, start a child process
+that holds something until told."""
 
 from __future__ import annotations
 
@@ -37,6 +38,19 @@ def wait_for(cond: Callable[[], object], timeout: float = 10.0, what: str = "con
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class Gate:
+    """A file ``synthetic.sleep`` (``until_file``) holds its requests until: they go on
+    once the test calls :meth:`open`, whatever the load, never on a timer. (A pipeline
+    closed with requests still held ends them at once.)"""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.path = os.path.join(directory, "gate")
+
+    def open(self) -> None:
+        with open(self.path, "a"):
+            pass
 
 
 def child_reporting(script: str, *args: str) -> tuple[subprocess.Popen[str], str]:

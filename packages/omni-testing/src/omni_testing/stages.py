@@ -100,6 +100,9 @@ class SleepOptions(msgspec.Struct, forbid_unknown_fields=True):
     """``synthetic.sleep``'s options."""
 
     hold_s: float = 0.01  # how long each request is held
+    # each request is first held until a file of this path exists (a test's
+    # :class:`~omni_testing.faults.Gate`), the others in flight given turns meanwhile
+    until_file: str = ""
 
 
 class Sleep(Stage):
@@ -107,8 +110,12 @@ class Sleep(Stage):
 
     Options = SleepOptions
 
-    def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
+    def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
+        gate = self.options.until_file
         for inp in batch:
+            while gate and not os.path.exists(gate):
+                time.sleep(0.005)
+                yield None  # a turn: other batches run, a cancelled one ends
             t0 = time.time()
             time.sleep(self.options.hold_s)
             tokens = [t for w in inp.windows.values() for t in w.new_tokens] if inp.windows else [0]
