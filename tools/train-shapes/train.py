@@ -118,12 +118,16 @@ def caption_pools(per_scene: int, seed: int) -> list[list[str]]:
     return pools
 
 
+def text_encoder(text_tokens: int, threads: int, lead_token: str | None) -> TextEncoder:
+    """SmolLM2 as ``ar.text_encode`` runs it in the shipped configs."""
+    return TextEncoder("smollm2", "float32", threads, "cpu", text_tokens, -1, lead_token)
+
+
 def encode_captions(
-    pools: list[list[str]], text_tokens: int, threads: int
+    pools: list[list[str]], encoder: TextEncoder
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scenes, phrasings, tokens, width)`` embeds and ``(scenes, phrasings, width)``
     pooled, for every training scene's pool of captions."""
-    encoder = TextEncoder("smollm2", "float32", threads, "cpu", text_tokens)
     captions = [c for pool in pools for c in pool]
     embeds, pooled = [], []
     for i in range(0, len(captions), 64):
@@ -131,7 +135,7 @@ def encode_captions(
             embeds.append(e)
             pooled.append(p)
     shape = (len(pools), len(pools[0]))
-    e = torch.from_numpy(np.stack(embeds)).reshape(*shape, text_tokens, -1)
+    e = torch.from_numpy(np.stack(embeds)).reshape(*shape, encoder.max_tokens, -1)
     p = torch.from_numpy(np.stack(pooled)).reshape(*shape, -1)
     return e, p
 
@@ -286,15 +290,13 @@ def save(
 def check(
     vae: AutoencoderKL,
     model: SD3Transformer2DModel,
-    text_tokens: int,
-    threads: int,
+    encoder: TextEncoder,
     steps: int,
     guidance: float,
     phrasing: int | str = 0,
 ) -> dict[str, float]:
     """Sample every held-out scene in one phrasing (seed 0, Euler, the shipped scheduler)
     and read the pictures with the oracle."""
-    encoder = TextEncoder("smollm2", "float32", threads, "cpu", text_tokens)
     encoded = encoder.encode([s.caption(phrasing) for s in shapes.HELD_OUT])
     e = torch.from_numpy(np.stack([x[0] for x in encoded]))
     p = torch.from_numpy(np.stack([x[1] for x in encoded]))
@@ -334,6 +336,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-scene", type=int, default=64, help="pictures of each training scene")
     ap.add_argument("--text-tokens", type=int, default=16, help="ar.text_encode's max_tokens")
+    ap.add_argument(
+        "--lead-token",
+        default="<|endoftext|>",
+        help="ar.text_encode's lead_token ('' for none): the configs must set the same",
+    )
     ap.add_argument("--phrasings", type=int, default=32, help="captions encoded per scene")
     ap.add_argument("--vae-steps", type=int, default=300)
     ap.add_argument("--vae-batch", type=int, default=16)
@@ -369,7 +376,8 @@ def main() -> None:
         log(f"wrote {args.out / 'preview_rgb.npz'}")
         return
     pools = caption_pools(args.phrasings, args.seed + 4)
-    embeds, pooled = encode_captions(pools, args.text_tokens, torch.get_num_threads())
+    encoder = text_encoder(args.text_tokens, torch.get_num_threads(), args.lead_token or None)
+    embeds, pooled = encode_captions(pools, encoder)
     log(f"captions encoded: {tuple(embeds.shape)}")
     if args.vae:  # a VAE trained before (to try transformer settings without retraining it)
         vae = AutoencoderKL.from_pretrained(args.vae, torch_dtype=torch.float32).eval()
@@ -400,6 +408,7 @@ def main() -> None:
         "seed": args.seed,
         "per_scene": args.per_scene,
         "text_tokens": args.text_tokens,
+        "lead_token": args.lead_token or None,
         "phrasings": args.phrasings,
         "vae": "reused" if args.vae else "trained",
         "vae_steps": args.vae_steps,
@@ -411,12 +420,11 @@ def main() -> None:
     }
     save(args.out, vae, model, fit_preview(latents, x, args.seed + 3), meta)
     log(f"wrote {args.out}")
-    threads = torch.get_num_threads()
     for guidance in (1.0, 5.0):
-        rates = check(vae, model, args.text_tokens, threads, 20, guidance)
+        rates = check(vae, model, encoder, 20, guidance)
         log(f"held-out, 20 steps, guidance {guidance}: {rates}")
     for phrasing in shapes.USER_PHRASINGS:
-        rates = check(vae, model, args.text_tokens, threads, 20, 5.0, phrasing)
+        rates = check(vae, model, encoder, 20, 5.0, phrasing)
         log(f"held-out, {phrasing!r}, guidance 5.0: {rates}")
 
 

@@ -285,3 +285,54 @@ def test_split_pipeline_across_replicas_equals_the_model(tiny_model, reference):
     check_outputs(outs[: len(PROMPTS)], tok, expected)
     check_outputs(outs[len(PROMPTS) :], tok, expected)
     assert served, {r: stats[r] for r in replicas}
+
+
+def test_chat_options_put_the_system_prompt_and_examples_before_a_plain_prompt(tiny_model):
+    """``chat``, ``system_prompt`` and ``examples`` make a plain prompt the conversation a
+    user would send as ``messages``: the same tokens come back; without the examples
+    others do."""
+    chat = {
+        "chat": True,
+        "system_prompt": "answer briefly",
+        "examples": [
+            {"user": "the quick brown fox", "assistant": "jumps"},
+            {"user": "a red fox", "assistant": "in the snow"},
+        ],
+    }
+    turns = [
+        {"role": "system", "content": "answer briefly"},
+        {"role": "user", "content": "the quick brown fox"},
+        {"role": "assistant", "content": "jumps"},
+        {"role": "user", "content": "a red fox"},
+        {"role": "assistant", "content": "in the snow"},
+        {"role": "user", "content": "stream tokens"},
+    ]
+    cfg = ar_config(tiny_model)
+    cfg["stages"][0]["options"].update(chat)
+    plain = {"prompt": "stream tokens", "max_tokens": 12}
+    with Pipeline(cfg) as pipe:  # messages are sent as they are
+        with_examples, as_messages, no_examples = pipe.generate(
+            [
+                plain,
+                {"messages": turns, "max_tokens": 12},
+                {"messages": turns[-1:], "max_tokens": 12},
+            ]
+        )
+    assert with_examples.ok and as_messages.ok and no_examples.ok
+    assert text_and_tokens(with_examples)[1] == text_and_tokens(as_messages)[1]
+    assert text_and_tokens(with_examples)[1] != text_and_tokens(no_examples)[1]
+
+
+def test_examples_need_chat():
+    from omni_core.config import ConfigError, parse_config
+
+    def config(**options):
+        stage = {"name": "intake", "kind": "ar.intake", "options": {"model": "m", **options}}
+        return {"stages": [stage]}
+
+    example = [{"user": "u", "assistant": "a"}]
+    parse_config(config(chat=True, examples=example))
+    with pytest.raises(ConfigError, match=r"examples are chat turns"):
+        parse_config(config(examples=example))
+    with pytest.raises(ConfigError, match=r"options\.examples\[0\]"):
+        parse_config(config(chat=True, examples=[{"user": "u"}]))

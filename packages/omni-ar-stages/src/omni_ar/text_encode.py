@@ -39,6 +39,11 @@ class TextEncodeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     threads: int | None = None  # torch threads in this worker
     max_tokens: int = 64  # every prompt is padded or cut to this many tokens
     layer: int = -1  # which hidden layer conditions the image (-1: the last)
+    # a special token put before every text (its text, e.g. "<|endoftext|>"; None: none).
+    # A causal LM's hidden state at position 0 hardly depends on the token there (it is
+    # the attention sink: SmolLM2's last layer there is 0.994 alike for "red" and "blue"),
+    # so a text's first word is lost unless something comes before it.
+    lead_token: str | None = None
 
 
 class TextEncode(Stage):
@@ -51,7 +56,9 @@ class TextEncode(Stage):
     def load(self) -> None:
         o = self.options
         p = place(self.ctx.name, self.ctx.devices, o.dtype)
-        self.encoder = TextEncoder(o.model, p.dtype, o.threads, p.device, o.max_tokens, o.layer)
+        self.encoder = TextEncoder(
+            o.model, p.dtype, o.threads, p.device, o.max_tokens, o.layer, o.lead_token
+        )
         self.engine = self.encoder.engine  # as every model stage has one
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
@@ -99,6 +106,7 @@ class TextEncoder:
         device: str = "cpu",
         max_tokens: int = 64,
         layer: int = -1,
+        lead_token: str | None = None,
     ) -> None:
         self.engine = load_engine("transformers", resolve_model(model), dtype, threads, device)
         tok = self.engine.load_tokenizer()
@@ -106,19 +114,29 @@ class TextEncoder:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.max_tokens, self.layer = max_tokens, layer
+        self.lead: list[int] = []
+        if lead_token is not None:
+            lead = tok.convert_tokens_to_ids(lead_token)
+            if not isinstance(lead, int) or tok.convert_ids_to_tokens(lead) != lead_token:
+                raise ValueError(f"option 'lead_token': {lead_token!r} is not one token of {model}")
+            if max_tokens < 2:
+                raise ValueError("option 'max_tokens': at least 2 with a lead_token")
+            self.lead = [lead]
 
     def encode(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """Per text: ``prompt_embeds`` ``(max_tokens, hidden)``, ``pooled`` ``(hidden,)``
         and how many of the tokens are the text's own (the rest are padding)."""
         ids, lengths = zip(*(self._ids(t) for t in texts), strict=True)
         hidden = self.engine.hidden_states(list(ids), self.layer)
+        k = len(self.lead)  # the lead token is in the embeds, not in the pooled mean
         return [
-            (np.ascontiguousarray(h), h[:n].mean(axis=0), n)
+            (np.ascontiguousarray(h), h[k : k + n].mean(axis=0), n)
             for h, n in zip(hidden, lengths, strict=True)
         ]
 
     def _ids(self, text: str) -> tuple[list[int], int]:
-        """Token ids padded or cut to ``max_tokens``, and how many are real."""
-        ids = self.engine.encode(text)[: self.max_tokens]
-        n = max(1, len(ids))
+        """Token ids (the lead token first) padded or cut to ``max_tokens``, and how many
+        are the text's own."""
+        ids = (self.lead + self.engine.encode(text))[: self.max_tokens]
+        n = max(1, len(ids) - len(self.lead))
         return ids + [self.pad_id] * (self.max_tokens - len(ids)), n

@@ -15,6 +15,13 @@ from omni_ar.params import RequestError, SamplingParams, carried_params, parse_r
 from omni_ar.structured import check_constraint
 
 
+class ChatExample(msgspec.Struct, forbid_unknown_fields=True):
+    """One worked example: a user turn and the answer the model should have given."""
+
+    user: str
+    assistant: str
+
+
 class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The options every AR stage takes (``options:`` of a stage in the YAML)."""
 
@@ -38,12 +45,17 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_max_tokens: int = 16  # for requests that do not say
     chat: bool = False  # a plain "prompt" goes through the chat template as a user turn
     system_prompt: str | None = None  # with chat: a system turn before a plain prompt
+    # with chat: worked examples, as user / assistant turns between the system prompt and
+    # a plain prompt (few-shot prompting: a small model copies an answer's form from them)
+    examples: list[ChatExample] = msgspec.field(default_factory=list)
     # the constraint of every request that brings none (no structured_outputs, no
     # response_format), as a request spells it: {"regex": ...}, {"json": ...}, ...
     # (omni_ar.structured); it applies where the request enters the family (intake)
     structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.examples and not self.chat:
+            raise ValueError("examples are chat turns: they need chat: true")
         if self.structured_outputs is not None:
             try:
                 self.structured_outputs = check_constraint(self.structured_outputs)
@@ -117,12 +129,15 @@ class ModelStage(Stage):
         return self._chat(source), params
 
     def _chat(self, source: Any) -> Any:
-        """A plain prompt as a user turn (after the system prompt) with ``chat``."""
+        """A plain prompt as a user turn, after the system prompt and the worked
+        examples, with ``chat``."""
         o = self.options
         if o.chat and isinstance(source, str):
-            source = [{"role": "user", "content": source}]
-            if o.system_prompt:
-                source.insert(0, {"role": "system", "content": o.system_prompt})
+            turns = [{"role": "system", "content": o.system_prompt}] if o.system_prompt else []
+            for example in o.examples:
+                turns.append({"role": "user", "content": example.user})
+                turns.append({"role": "assistant", "content": example.assistant})
+            source = [*turns, {"role": "user", "content": source}]
         return source
 
     def _sampling_params(self, inp: StageInput) -> SamplingParams:
