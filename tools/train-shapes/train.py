@@ -268,6 +268,9 @@ def save(
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.float16).save_pretrained(out / "transformer")
+    config = json.loads((out / "transformer/config.json").read_text())
+    if config.pop("_name_or_path", None) is not None:  # where an earlier run lay
+        (out / "transformer/config.json").write_text(json.dumps(config, indent=2) + "\n")
     vae.to(torch.float16).save_pretrained(out / "vae")
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0).save_pretrained(
         out / "scheduler"
@@ -418,6 +421,9 @@ def main() -> None:
         "batch": args.batch,
         "minutes": round((time.time() - t0) / 60, 1),
     }
+    earlier = args.transformer.parent / "model_index.json" if args.transformer else None
+    if earlier is not None and earlier.exists():  # the history of the weights gone on from
+        meta["went_on_from"] = json.loads(earlier.read_text()).get("_omni_training")
     save(args.out, vae, model, fit_preview(latents, x, args.seed + 3), meta)
     log(f"wrote {args.out}")
     for guidance in (1.0, 5.0):

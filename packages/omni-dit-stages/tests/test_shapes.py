@@ -147,3 +147,33 @@ def test_score_takes_a_phrasing_and_counts_blank_pictures():
     blank = shapes.score(_Painter(), scenes, "a {fg} thing on a {bg} background")
     assert blank["blank_rate"] == 1.0 and blank["shape_rate"] == 0.0
     assert shapes.score(_Painter(), scenes, 3)["colour_rate"] == 1.0  # an index: TEMPLATES[3]
+
+
+class _Rewriter(_Painter):
+    """A stand-in for the main job: rewrites each prompt first (the canonical caption of
+    the scene its words name, its colours swapped in every other one, streamed as text
+    in two pieces) and paints the rewrite."""
+
+    def generate(self, requests: list[dict]) -> list:
+        from types import SimpleNamespace
+
+        rewritten = []
+        for i, r in enumerate(requests):
+            words = r["prompt"].replace(",", " ").split()
+            fg, bg = [w for w in words if w in shapes.PALETTE]
+            shape = next(w for w in words if w in shapes.SHAPES)
+            scene = shapes.Scene(shape, *((fg, bg) if i % 2 == 0 else (bg, fg)))
+            rewritten.append({**r, "prompt": scene.caption()})
+        outs = super().generate(rewritten)
+        for out, r in zip(outs, rewritten, strict=True):
+            text = r["prompt"].capitalize() + "."
+            out.events = [SimpleNamespace(payload={"text": t}) for t in (text[:5], text[5:])]
+        return outs
+
+
+def test_score_reads_a_rewrite_against_the_canonical_caption():
+    scenes = shapes.HELD_OUT[:6]
+    r = shapes.score(_Rewriter(), scenes, "{fg} {shape} on {bg}")
+    assert r["rewrite_rate"] == 0.5 and r["colour_rate"] == 0.5  # the swapped half
+    assert r["pictures"][0]["expanded"] == scenes[0].caption().capitalize() + "."
+    assert "rewrite_rate" not in shapes.score(_Painter(), scenes)  # nothing rewritten

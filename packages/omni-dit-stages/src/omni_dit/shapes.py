@@ -226,7 +226,7 @@ def score(
     captions = [s.caption(template) for s in scenes]
     requests = [{"prompt": c, "image": {"seed": seed + i}} for i, c in enumerate(captions)]
     seen: list[dict[str, Any]] = []
-    colours = shapes_right = blank = 0
+    colours = shapes_right = blank = rewrites = rewrites_right = 0
     for scene, caption, out in zip(scenes, captions, pipe.generate(requests), strict=True):
         entry: dict[str, Any] = {"prompt": caption}
         if not out.ok:
@@ -242,11 +242,15 @@ def score(
             expanded = "".join(t for t in texts if isinstance(t, str)).strip()
             if expanded:  # a pipeline that rewrote the prompt first
                 entry["expanded"] = expanded
+                rewrites += 1
+                rewrites_right += expanded.lower().rstrip(".") == scene.caption()
         seen.append(entry)
     n = max(len(scenes), 1)
-    return {
+    rates = {
         "colour_rate": round(colours / n, 3),
         "shape_rate": round(shapes_right / n, 3),
         "blank_rate": round(blank / n, 3),
-        "pictures": seen,
     }
+    if rewrites:  # the share of rewrites that are the scene's canonical caption
+        rates["rewrite_rate"] = round(rewrites_right / n, 3)
+    return {**rates, "pictures": seen}

@@ -296,8 +296,12 @@ def quality_arm(scenes: int, phrasings: int = 4) -> dict[str, Any]:
         res[f"{prefix}quality_shape_rate"] = r["shape_rate"]
         res[f"{prefix}quality_blank_rate"] = r["blank_rate"]
         res[f"{prefix}quality_pictures"] = r["pictures"]
-        for key in ("colour_rate", "shape_rate", "blank_rate"):  # all user phrasings
-            rates = [b[key] for b in by_phrasing.values()]
+        keys = ["colour_rate", "shape_rate", "blank_rate"]
+        if "rewrite_rate" in r:  # the main job: how often the rewrite is the caption asked
+            res[f"{prefix}quality_rewrite_rate"] = r["rewrite_rate"]
+            keys.append("rewrite_rate")
+        for key in keys:  # all user phrasings
+            rates = [b.get(key, 0.0) for b in by_phrasing.values()]
             res[f"{prefix}quality_user_{key}"] = round(sum(rates) / max(len(rates), 1), 3)
         res[f"{prefix}quality_by_phrasing"] = by_phrasing
     return res
