@@ -2,54 +2,9 @@
 
 import pytest
 from omni_core.config import parse_config
-from omni_core.control.launcher import Launcher, WorkerHandle
 from omni_core.control.supervisor import Supervisor
 from omni_core.events import Heartbeat, Ready, StageStats
-
-
-class FakeWorker(WorkerHandle):
-    def __init__(self, n: int) -> None:
-        self.pid = 1000 + n
-        self.segment = f"seg{n}"
-        self.ended = False
-        self.killed = False
-
-    def exited(self) -> bool:
-        return self.ended
-
-    def reap(self) -> str:
-        return "killed by SIGKILL" if self.killed else "exited with code 9"
-
-    def stop(self, grace_s: float) -> None:
-        self.ended = True
-
-    def kill(self) -> None:
-        self.killed = self.ended = True
-
-
-class FakeLauncher(Launcher):
-    socket_dir = "/nonexistent"
-
-    def __init__(self) -> None:
-        self.spawned: list[FakeWorker] = []
-
-    def spawn(self, stage: str) -> WorkerHandle:
-        self.spawned.append(FakeWorker(len(self.spawned)))
-        return self.spawned[-1]
-
-    def unlink_segment(self, handle: WorkerHandle) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from omni_testing.supervision import Clock, FakeLauncher
 
 
 def make(**stage):
