@@ -113,7 +113,9 @@ def test_content_parts_of_every_form_pass_with_images():
 
 
 def test_content_parts_need_the_multimodal_stages():
-    refused(chat([TEXT]), "messages[0].content", "need the multimodal stages")
+    """The text stages (which do not pass ``images``) refuse them."""
+    with pytest.raises(RequestError, match=r"field 'messages\[0\].content': .*multimodal stages"):
+        parse_request(chat([TEXT]), max_tokens_limit=LIMIT)
 
 
 def test_empty_content_parts_are_refused():
