@@ -172,3 +172,38 @@ def test_latencies_are_measured_from_submission(monkeypatch):
     c.on_event(Error(request_id="f", stage="s", message="boom"))
     assert collect(failed).metrics == {"time_to_first_event_s": 4.0, "latency_s": 4.0}
     assert c.metrics.report()["completion_latency_s"]["count"] == 1  # completions only
+
+
+def test_a_summary_of_three_samples_takes_the_middle_as_p50():
+    s = Summary()
+    for x in (3.0, 1.0, 2.0):
+        s.add(x)
+    assert s.report()["p50"] == 2.0 and s.report()["p95"] == 3.0
+
+
+# -- what an event does to its request ---------------------------------------------------------
+
+
+def test_on_event_says_whether_the_request_just_failed():
+    c = Collector(["s"], ["s"], ArrayCodec("client"))
+    for rid in ("ok", "err", "gap"):
+        c.open(rid)
+    assert c.on_event(seg("ok", 0)) == ([], False)
+    assert c.on_event(Completed(request_id="ok", stage="s", sequence=1)) == ([], False)
+    assert c.on_event(Error(request_id="err", stage="s", message="boom")) == ([], True)
+    assert c.on_event(seg("gap", 1)) == ([], True)  # 0 was lost
+    assert c.counts["error"] == 2 and c.counts["completed"] == 1
+
+
+def test_a_preview_between_segments_does_not_take_a_sequence_number():
+    """A preview carries the number of the next must-deliver event, so dropping it (under
+    backpressure) leaves no gap; the segment after it keeps that number."""
+    c = Collector(["s"], ["s"], ArrayCodec("client"))
+    h = c.open("r")
+    c.on_event(seg("r", 0))
+    c.on_event(ImageProgress(request_id="r", sequence=1, stage="s"))
+    c.on_event(seg("r", 1))
+    c.on_event(Completed(request_id="r", stage="s", sequence=2))
+    *events, end = list(h)
+    assert end.event_type == "completed" and tokens_of(events) == [0, 1]
+    assert end.arrays == {} and all(e.arrays == {} for e in events)  # every event has arrays

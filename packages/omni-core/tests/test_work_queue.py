@@ -4,11 +4,12 @@ else arrives and the stage thread goes idle."""
 
 import queue
 import threading
+import time
 
 import pytest
 from omni_core.config import parse_config
 from omni_core.dataplane.serial import ArrayCodec
-from omni_core.events import Release, Segment, SegmentRun, ShmHandle
+from omni_core.events import Completed, Release, Segment, SegmentRun, ShmHandle
 from omni_core.stage import StageInput
 from omni_core.worker.host import StageHost, WorkItem, stage_context
 from omni_core.worker.scheduler import Scheduler
@@ -192,3 +193,117 @@ def test_by_priority_a_cancelled_item_gives_its_slots_back_and_is_never_taken():
     )
     assert drain(work, state, max_batch=4) == ["a"]
     assert state.host.releasable == [slot] and not work.ready
+
+
+# -- the queue at its edges -------------------------------------------------------------------
+
+
+class Kicks:
+    """A waker that counts how often the I/O thread was woken."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def kick(self) -> None:
+        self.n += 1
+
+
+def seg_of(rid, seq, stage="burst", last=False):
+    return Segment(request_id=rid, sequence=seq, stage=stage, tokens=[seq], is_last=last)
+
+
+def test_the_queue_has_room_below_its_capacity_and_none_once_stopping():
+    state, work = windowed_queue(2, size=1)
+    assert work.has_room()
+    work.ready.append(prioritized("a"))
+    assert work.has_room()  # one below capacity
+    work.ready.append(prioritized("b"))
+    assert not work.has_room()  # at capacity
+    work.ready.popleft()
+    state.stopping = True
+    assert not work.has_room()
+
+
+def test_in_order_a_batch_is_max_batch_items_skipping_cancelled_and_running_requests():
+    state, work = windowed_queue(16, size=1)
+    gone = threading.Event()
+    gone.set()
+    slot = ShmHandle(SEGMENT, 64, 4, "|u1", (4,), "burst", 7)
+    cancelled = WorkItem(StageInput("x", {}, {}, True, True, gone), [slot])
+    work.ready.extend(
+        [
+            cancelled,
+            prioritized("run", first=False),  # its request is running: waits, in place
+            prioritized("a"),
+            prioritized("a", first=False),  # a's next trigger: not in the same batch
+            prioritized("b"),
+            prioritized("c"),
+        ]
+    )
+    assert drain(work, state, busy={"run"}, max_batch=2) == ["a", "b"]
+    assert state.host.releasable == [slot]  # the cancelled item's slot, given back
+    assert [(it.inp.request_id, it.inp.first) for it in work.ready] == [
+        ("run", False),
+        ("a", False),
+        ("c", True),
+    ]
+    assert drain(work, state, busy={"run"}, max_batch=3) == ["a", "c"]
+
+
+def test_taking_a_batch_records_how_long_its_items_waited():
+    state, work = windowed_queue(16, size=1)
+    now = time.monotonic()
+    for rid, waited in (("a", 2.0), ("b", 5.0), ("c", 1.0)):
+        item = prioritized(rid)
+        item.queued_at = now - waited
+        work.ready.append(item)
+    drain(work, state, max_batch=2)
+    stats = state.stats
+    assert stats.dequeued == 2
+    assert stats.queued_s == pytest.approx(7.0, abs=0.5)
+    assert stats.queued_max_s == pytest.approx(5.0, abs=0.5)
+    drain(work, state, max_batch=1)  # a shorter wait leaves the longest as it was
+    assert stats.dequeued == 3 and stats.queued_max_s == pytest.approx(5.0, abs=0.5)
+
+
+@pytest.mark.parametrize(
+    ("ready", "stashed", "kicked"),
+    [
+        (1, False, False),  # room all along: the I/O thread was never held back
+        (3, False, True),  # the queue was full (3 of 3): room again
+        (2, False, False),  # one below full before the take
+        (1, True, True),  # messages wait in the stash: take them in now
+    ],
+)
+def test_a_take_wakes_the_io_thread_only_when_it_was_held_back(ready, stashed, kicked):
+    state, work = windowed_queue(3, size=1)
+    work.waker = Kicks()
+    work.ready.extend(prioritized(f"r{i}") for i in range(ready))
+    if stashed:
+        work.stash.append(seg_of("s", 0))
+    drain(work, state, max_batch=1)
+    assert work.waker.n == (1 if kicked else 0)
+    drain(work, state, busy={f"r{i}" for i in range(ready)}, max_batch=1)  # nothing taken
+    assert work.waker.n == (1 if kicked else 0)
+
+
+def test_intake_counts_what_arrives_and_acks_an_edge_end():
+    state, work = windowed_queue(8, size=1)
+    sent = []
+    work.send_status = sent.append
+    work.stash.extend([seg_of("p", 0), run_of(3), Completed(request_id="q", stage="burst")])
+    work.intake()
+    assert state.stats.received == 5  # a segment, a run of three, an end
+    assert [(a.kind, a.request_id, a.source) for a in sent] == [("edge_end", "q", "burst")]
+
+
+def test_a_message_that_fails_ends_its_request_and_intake_goes_on():
+    state, work = windowed_queue(8, size=1)
+    work.stash.extend([seg_of("bad", 0, stage="nowhere"), seg_of("r", 0)])
+    work.intake()
+    ((dest, error),) = list(state.outbox.sent.queue)
+    assert error.request_id == "bad" and error.code == "stage_error"
+    assert error.message == (  # the stage's plain message, not the exception's type
+        "stage 'count': stage 'count' got an event from 'nowhere', which has no edge to it"
+    )
+    assert [it.inp.request_id for it in work.ready] == ["r"]  # the next message went on
