@@ -1,15 +1,19 @@
 """The collector as a caller sees it: what a request's output says, how often a request
-is replayed and what a replay delivers again, how requests are counted, and the latency
-figures (the percentiles at their edges). No process."""
+is replayed and what a replay delivers again, how requests are counted, the latency
+figures (the percentiles at their edges), arrays out of shared memory, and a reader whose
+event loop closed. No process."""
 
+import asyncio
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from omni_core.client import collector as collector_module
 from omni_core.client.collector import Collector, RequestOutput, Summary, collect
-from omni_core.dataplane.serial import ArrayCodec
-from omni_core.events import Cancelled, Completed, Error, ImageProgress, Segment
+from omni_core.dataplane.serial import ArrayCodec, releases
+from omni_core.dataplane.shm import Arena, SegmentOwner, SegmentReader
+from omni_core.events import Cancelled, Completed, Error, ImageProgress, Segment, ShmHandle
 
 
 def seg(rid, seq, stage="s", tokens=None):
@@ -88,8 +92,8 @@ def test_a_replay_delivers_only_what_the_caller_does_not_have():
     c.on_event(seg("r", 0))
     c.on_event(seg("r", 1))
     wire = c.replay(h)  # the stage crashed: the new attempt makes 0, 1 again, then 2
-    for n in range(3):
-        c.on_event(seg(wire, n))
+    for n in range(3):  # what the caller has is skipped, and fails nothing
+        assert c.on_event(seg(wire, n)) == ([], False)
     c.on_event(Completed(request_id=wire, stage="s", sequence=3))
     *segments, end = list(h)
     assert tokens_of(segments) == [0, 1, 2] and end.event_type == "completed"
@@ -112,6 +116,35 @@ def test_previews_do_not_count_as_delivered_for_a_replay():
         "ImageProgress",
         "Segment",
         "Completed",
+    ]
+
+
+def test_a_first_preview_does_not_count_as_delivered_for_a_replay():
+    """A preview numbered 0 (the request's first event) is no must-deliver event either:
+    the replay's segment 0 still arrives."""
+    c = Collector(["s"], [], ArrayCodec("client"), previews=["s"])
+    h = c.open("r")
+    c.on_event(ImageProgress(request_id="r", sequence=0, stage="s", step=1))
+    wire = c.replay(h)
+    c.on_event(seg(wire, 0))
+    c.on_event(Completed(request_id=wire, stage="s", sequence=1))
+    assert [e.event_type for e in h] == ["image", "segment", "completed"]
+
+
+def test_a_final_image_the_caller_has_is_not_delivered_again_by_a_replay():
+    c = Collector(["s"], [], ArrayCodec("client"), previews=["s"])
+    h = c.open("r")
+    c.on_event(ImageProgress(request_id="r", sequence=0, stage="s", step=8, is_last=True))
+    wire = c.replay(h)  # the stage crashed before it completed the request
+    assert c.on_event(ImageProgress(request_id=wire, sequence=0, stage="s", is_last=True)) == (
+        [],
+        False,
+    )
+    c.on_event(Completed(request_id=wire, stage="s", sequence=1))
+    events = list(h)
+    assert [(e.event_type, getattr(e, "step", None)) for e in events] == [
+        ("image", 8),
+        ("completed", None),
     ]
 
 
@@ -207,3 +240,105 @@ def test_a_preview_between_segments_does_not_take_a_sequence_number():
     *events, end = list(h)
     assert end.event_type == "completed" and tokens_of(events) == [0, 1]
     assert end.arrays == {} and all(e.arrays == {} for e in events)  # every event has arrays
+
+
+# -- a handle's counts and the trace ------------------------------------------------------------
+
+
+def test_a_handle_says_how_many_events_wait_and_the_next_ones_number():
+    c = Collector(["s"], [], ArrayCodec("client"))
+    c.trace = []
+    h = c.open("r")
+    assert (h.waiting, h.sequence) == (0, 0)
+    c.on_event(seg("r", 0))
+    c.on_event(seg("r", 1))
+    assert (h.waiting, h.sequence) == (2, 2)
+    assert next(iter(h)).tokens == [0]
+    assert (h.waiting, h.sequence) == (1, 2)  # one read: one fewer waits
+    c.on_event(Completed(request_id="r", stage="s", sequence=2))
+    assert (h.waiting, h.sequence) == (3, 3)  # the end, and the end of the stream
+    assert [(m.sequence, m.event_type) for m in c.trace] == [
+        (0, "segment"),
+        (1, "segment"),
+        (2, "completed"),
+    ]
+
+
+# -- arrays out of shared memory ---------------------------------------------------------------
+
+
+@pytest.fixture
+def slots(tmp_path):
+    """A producer ``s`` whose arrays go through a shared-memory slot, and the caller's
+    codec that maps its segment."""
+    owner = SegmentOwner(str(tmp_path))
+    name = owner.create("s", 1 << 16)
+    arena = Arena(name, str(tmp_path))
+    producer = ArrayCodec("s", arena=arena, threshold=1)
+    yield SimpleNamespace(
+        owner=owner,
+        name=name,
+        arena=arena,
+        producer=producer,
+        caller=ArrayCodec("client", reader=SegmentReader(str(tmp_path))),
+    )
+    arena.close()
+    owner.unlink_all()
+
+
+def test_an_events_arrays_stay_the_callers_once_its_slot_is_reused(slots):
+    c = Collector(["s"], [], slots.caller)
+    h = c.open("r")
+    handles = slots.producer.pack({"image": np.arange(64, dtype=np.uint8)}, {"client": 1})
+    assert isinstance(handles["image"], ShmHandle)
+    done, failed = c.on_event(Segment(request_id="r", stage="s", device_handles=handles))
+    assert done == [handles["image"]] and not failed  # the slot goes back at once
+    for _, release in releases(done, "client"):
+        slots.arena.release(release.slots, release.reader)
+    again = slots.producer.pack({"image": np.full(64, 255, np.uint8)}, {"client": 1})
+    assert again["image"].offset == handles["image"].offset  # the same slot, rewritten
+    c.on_event(Completed(request_id="r", stage="s", sequence=1))
+    ev, end = list(h)
+    assert ev.arrays["image"].tolist() == list(range(64)) and end.event_type == "completed"
+
+
+def test_an_event_whose_segment_is_gone_fails_its_request_and_others_go_on(slots):
+    c = Collector(["s"], [], slots.caller)
+    lost, other = c.open("lost"), c.open("other")
+    handles = slots.producer.pack({"image": np.arange(64, dtype=np.uint8)}, {"client": 1})
+    slots.owner.unlink(slots.name)  # its producer died: the segment was removed
+    done, failed = c.on_event(Segment(request_id="lost", stage="s", device_handles=handles))
+    assert done == [handles["image"]] and failed  # the slot is still given back
+    (end,) = list(lost)
+    assert isinstance(end, Error) and end.message.startswith("stage 's': ")
+    assert "No such file" in end.message and lost.finish_reason == "error"
+    c.on_event(seg("other", 0))
+    c.on_event(Completed(request_id="other", stage="s", sequence=1))
+    assert [e.event_type for e in other] == ["segment", "completed"]
+    assert c.counts["error"] == 1 and c.counts["completed"] == 1
+
+
+# -- a reader whose event loop closed -----------------------------------------------------------
+
+
+def test_a_request_whose_readers_loop_closed_is_cancelled_once_and_named_an_orphan():
+    """Whether its reader never started or awaited the next event when ``asyncio.run``
+    returned: the next event finds nobody, and the request ends cancelled."""
+    c = Collector(["s"], [], ArrayCodec("client"))
+
+    async def caller(request_id: str, start_reading: bool):
+        h = c.open(request_id, asyncio.get_running_loop())
+        if start_reading:
+            asyncio.create_task(anext(aiter(h)))
+            await asyncio.sleep(0)  # the reader awaits the first event
+        return h
+
+    idle = asyncio.run(caller("idle", start_reading=False))
+    awaiting = asyncio.run(caller("awaiting", start_reading=True))
+    assert c.on_event(seg("idle", 0)) == ([], False)
+    assert c.on_event(seg("awaiting", 0)) == ([], False)
+    assert c.take_orphans() == ["idle", "awaiting"]
+    assert idle.finish_reason == awaiting.finish_reason == "cancelled"
+    assert c.counts["cancelled"] == 2 and not c.handles
+    assert c.on_event(seg("idle", 1)) == ([], False)  # a late event: ignored
+    assert c.take_orphans() == []
