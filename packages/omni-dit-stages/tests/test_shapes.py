@@ -177,3 +177,43 @@ def test_score_reads_a_rewrite_against_the_canonical_caption():
     assert r["rewrite_rate"] == 0.5 and r["colour_rate"] == 0.5  # the swapped half
     assert r["pictures"][0]["expanded"] == scenes[0].caption().capitalize() + "."
     assert "rewrite_rate" not in shapes.score(_Painter(), scenes)  # nothing rewritten
+
+
+def test_a_rewrite_is_right_only_as_the_scenes_canonical_caption():
+    scene = shapes.Scene("circle", "red", "blue")
+    for text in (
+        "a red circle on a blue background",
+        "A red circle on a blue background.",  # case and a final period aside
+        " A Red Circle On A Blue Background. \n",
+    ):
+        assert shapes.rewrite_right(scene, text), text
+    for text in (
+        "a blue circle on a red background",  # the colours swapped
+        "a red square on a blue background",
+        "red circle on blue",  # right words, not the caption
+        "a red circle on a blue background, please",
+        "a red circle. on a blue background",
+        "",
+    ):
+        assert not shapes.rewrite_right(scene, text), text
+
+
+def test_streamed_text_joins_the_text_pieces_of_a_request():
+    from types import SimpleNamespace
+
+    payloads = [{"text": " A red"}, None, {"tokens": [7]}, {"text": ["x"]}, {"text": " circle. "}]
+    out = SimpleNamespace(events=[SimpleNamespace(payload=p) for p in payloads])
+    assert shapes.streamed_text(out) == "A red circle."
+    assert shapes.streamed_text(SimpleNamespace(events=[])) == ""
+
+
+def test_other_wordings_are_the_documented_ones_never_trained():
+    scene = shapes.Scene("circle", "red", "blue")
+    assert [scene.caption(w) for w in shapes.OTHER_WORDINGS] == [
+        "can you show a red circle with a blue background",
+        "blue background, red circle in the middle",
+        "make a circle that is red on blue",
+        "A red circle. Background: blue.",
+    ]
+    known = {p.casefold() for p in shapes.TRAIN_PHRASINGS + shapes.USER_PHRASINGS}
+    assert not known & {w.casefold() for w in shapes.OTHER_WORDINGS}

@@ -81,6 +81,15 @@ USER_PHRASINGS = (
     "{fg} {shape} on {bg}",
 )
 
+# Wordings far from the main job's worked examples (configs/mixed_ar_dit.yaml), to show
+# how far they carry: the second set of ``omni bench dit --arms rewrite``.
+OTHER_WORDINGS = (
+    "can you show a {fg} {shape} with a {bg} background",
+    "{bg} background, {fg} {shape} in the middle",
+    "make a {shape} that is {fg} on {bg}",
+    "A {fg} {shape}. Background: {bg}.",
+)
+
 
 def _grammar() -> tuple[str, ...]:
     out: list[str] = []
@@ -238,12 +247,11 @@ def score(
             shapes_right += v.shape_right(scene)
             blank += v.fg is None
             entry["seen"] = f"a {v.fg} {v.shape} on a {v.bg} background"
-            texts = [e.payload.get("text", "") for e in out.events if e.payload]
-            expanded = "".join(t for t in texts if isinstance(t, str)).strip()
+            expanded = streamed_text(out)
             if expanded:  # a pipeline that rewrote the prompt first
                 entry["expanded"] = expanded
                 rewrites += 1
-                rewrites_right += expanded.lower().rstrip(".") == scene.caption()
+                rewrites_right += rewrite_right(scene, expanded)
         seen.append(entry)
     n = max(len(scenes), 1)
     rates = {
@@ -254,3 +262,16 @@ def score(
     if rewrites:  # the share of rewrites that are the scene's canonical caption
         rates["rewrite_rate"] = round(rewrites_right / n, 3)
     return {**rates, "pictures": seen}
+
+
+def streamed_text(out: Any) -> str:
+    """The text a request's events streamed (``payload["text"]`` pieces, joined), stripped:
+    the main job's rewrite of its prompt; empty where none was streamed."""
+    texts = [e.payload.get("text", "") for e in out.events if e.payload]
+    return "".join(t for t in texts if isinstance(t, str)).strip()
+
+
+def rewrite_right(scene: Scene, text: str) -> bool:
+    """Whether a rewrite is ``scene``'s canonical caption, case and periods at its end
+    aside."""
+    return text.strip().lower().rstrip(".") == scene.caption()
