@@ -37,6 +37,16 @@ timed) and the same image settings, and both end in encoded JPEG bytes.
   ``quality_user_shape_rate`` and ``quality_user_blank_rate`` (pictures with no figure)
   over all of them, ``quality_by_phrasing`` per phrasing (the same with ``mixed_``);
   ``--quality-phrasings`` takes the first n of them.
+* rewrite (``--arms rewrite``): the main job's rewrite alone, as its users run it: the
+  stages of ``configs/mixed_ar_dit.yaml`` as shipped that write the caption (those before
+  its text encoder: SmolLM2 under the grammar, with the config's worked examples), no
+  painting, over the same held-out scenes. A rewrite is right when it is the scene's
+  canonical caption (``omni_dit.shapes.rewrite_right``): ``rewrite_rate`` over the
+  canonical caption and the user phrasings (``--quality-phrasings``),
+  ``rewrite_other_rate`` over ``omni_dit.shapes.OTHER_WORDINGS`` (wordings far from the
+  examples; ``--other-wordings`` takes the first n), ``rewrite_by_phrasing`` each,
+  ``rewrite_right`` / ``rewrite_asked`` (and ``rewrite_other_*``) as counts, and
+  ``rewrite_wrong``: up to two wrong rewrites of each phrasing.
 
 On a GPU (``--device auto``, the default, takes one where torch sees it) both arms run
 there in the same dtype (``--dtype``, default the device's: bfloat16 on a GPU): the stock
@@ -52,12 +62,18 @@ import argparse
 import io
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 from omni_core import Pipeline
+from omni_core.config import PipelineConfig
 
 from omni_bench.report import emit
+
+if TYPE_CHECKING:
+    from omni_dit.shapes import Scene
 
 CONFIGS = Path(__file__).resolve().parents[4] / "configs"  # the repository's
 # the shipped real-checkpoint configs, and the variable each takes its checkpoint from
@@ -219,11 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--arms",
         default="embeds,full,second,quality",
-        help="any of embeds, full, second, hop, quality",
+        help="any of embeds, full, second, hop, quality, rewrite",
     )
     ap.add_argument("--quality-scenes", type=int, default=24, help="held-out scenes judged")
     ap.add_argument(
         "--quality-phrasings", type=int, default=4, help="user phrasings (shapes.USER_PHRASINGS)"
+    )
+    ap.add_argument(
+        "--other-wordings", type=int, default=4, help="rewrite arm: shapes.OTHER_WORDINGS"
     )
     ap.add_argument(
         "--device", default="auto", help="auto (a GPU where torch sees one), cuda or cpu"
@@ -265,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         res["second_arch_vs_stock"] = second["vs_stock"]
     if "quality" in arms:
         res.update(quality_arm(args.quality_scenes, args.quality_phrasings))
+    if "rewrite" in arms:
+        res.update(rewrite_arm(args.quality_scenes, args.quality_phrasings, args.other_wordings))
     res["settings"] = {
         "device": args.device,
         "dtype": args.dtype,
@@ -304,6 +325,69 @@ def quality_arm(scenes: int, phrasings: int = 4) -> dict[str, Any]:
             rates = [b.get(key, 0.0) for b in by_phrasing.values()]
             res[f"{prefix}quality_user_{key}"] = round(sum(rates) / max(len(rates), 1), 3)
         res[f"{prefix}quality_by_phrasing"] = by_phrasing
+    return res
+
+
+def rewrite_config(cfg: PipelineConfig) -> PipelineConfig:
+    """The stages of ``cfg`` that write its prompt's rewrite, with the edges between them:
+    every stage upstream of its text encoder (``ar.text_encode``), none of the painter's."""
+    keep: set[str] = set()
+    pending = [s.name for s in cfg.stages if s.kind == "ar.text_encode"]
+    while pending:
+        for edge in cfg.inbound(pending.pop()):
+            if edge.source not in keep:
+                keep.add(edge.source)
+                pending.append(edge.source)
+    if not keep:
+        raise ValueError(f"{cfg.source_file}: no stage rewrites the prompt before ar.text_encode")
+    stages = [s for s in cfg.stages if s.name in keep]
+    edges = [e for e in cfg.edges if e.source in keep and e.target in keep]
+    return msgspec.structs.replace(cfg, stages=stages, edges=edges)
+
+
+def rewrite_arm(scenes: int, phrasings: int = 4, others: int = 4) -> dict[str, Any]:
+    """How often the main job's rewrite alone is the scene's canonical caption, on the
+    first ``scenes`` held-out scenes: in the canonical caption and the first ``phrasings``
+    user phrasings, and in the first ``others`` of the other wordings."""
+    from omni_core import load_config
+    from omni_dit.shapes import HELD_OUT, OTHER_WORDINGS, TEMPLATES, USER_PHRASINGS
+
+    sets = {"": (TEMPLATES[0], *USER_PHRASINGS[:phrasings]), "other_": OTHER_WORDINGS[:others]}
+    with Pipeline(rewrite_config(load_config(CONFIGS / "mixed_ar_dit.yaml"))) as pipe:
+        return rewrite_rates(pipe, HELD_OUT[:scenes], sets)
+
+
+def rewrite_rates(
+    pipe: Any, scenes: Sequence[Scene], sets: dict[str, Sequence[str]]
+) -> dict[str, Any]:
+    """Each scene's caption in each phrasing of each set through ``pipe`` (a pipeline
+    that streams a rewrite as text), all at once: the share and count of rewrites that
+    are the scene's canonical caption per set (``rewrite_{set}rate``), the share per
+    phrasing, and up to two wrong rewrites of each phrasing."""
+    from omni_dit.shapes import rewrite_right, streamed_text
+
+    asked = [(p, s) for ps in sets.values() for p in ps for s in scenes]
+    outs = pipe.generate([{"prompt": s.caption(p)} for p, s in asked])
+    right: dict[str, int] = dict.fromkeys([p for ps in sets.values() for p in ps], 0)
+    wrong: list[dict[str, Any]] = []
+    for (phrasing, scene), out in zip(asked, outs, strict=True):
+        text = streamed_text(out)
+        if out.ok and rewrite_right(scene, text):
+            right[phrasing] += 1
+        elif sum(w["phrasing"] == phrasing for w in wrong) < 2:  # a few of each
+            entry = {"phrasing": phrasing, "prompt": scene.caption(phrasing), "rewrite": text}
+            entry["caption"] = scene.caption()
+            if not out.ok:
+                entry["error"] = out.error
+            wrong.append(entry)
+    res: dict[str, Any] = {}
+    for prefix, ps in sets.items():
+        got, total = sum(right[p] for p in ps), len(ps) * len(scenes)
+        res[f"rewrite_{prefix}rate"] = round(got / max(total, 1), 3)
+        res[f"rewrite_{prefix}right"] = got
+        res[f"rewrite_{prefix}asked"] = total
+    res["rewrite_by_phrasing"] = {p: round(r / max(len(scenes), 1), 3) for p, r in right.items()}
+    res["rewrite_wrong"] = wrong
     return res
 
 
