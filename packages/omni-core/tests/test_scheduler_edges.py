@@ -92,7 +92,7 @@ def test_with_a_place_free_a_request_arriving_later_starts_in_the_next_round():
     assert rig.run() == ["a0", "a1", "a2", "b0", "a3", "b1"]
 
 
-def test_one_place_more_than_max_inflight_never_runs_at_once():
+def test_never_more_than_max_inflight_requests_run_at_once():
     rig = Rig(max_inflight=3)
     running = []
     for rid in "abcd":
