@@ -25,6 +25,15 @@ pytestmark = pytest.mark.skipif(SMOLLM2_MISSING, reason="needs the packaged Smol
 OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
 
 
+def _all_phrasings(r: dict, key: str) -> float:
+    """A rate over the canonical caption and every user phrasing, each as many pictures:
+    ``quality_shape_rate`` -> the mean of it and ``quality_user_shape_rate`` weighted 1:4."""
+    prefix, _, rate = key.partition("quality_")
+    user = r[f"{prefix}quality_user_{rate}"]
+    return (r[key] + len(USER_PHRASINGS) * user) / (1 + len(USER_PHRASINGS))
+
+
+@pytest.mark.timeout(1600)  # the run below: ~5 min on 2 quiet cores, more beside other work
 def test_held_out_pictures_are_right_through_the_shipped_configs():
     out = subprocess.run(
         [*OMNI, "bench", "dit", "--arms", "quality", "--json"],
@@ -37,17 +46,16 @@ def test_held_out_pictures_are_right_through_the_shipped_configs():
     seen = json.dumps(r["quality_pictures"], indent=1)
     assert len(r["quality_pictures"]) == 24 and all("seen" in p for p in r["quality_pictures"])
     assert r["quality_colour_rate"] >= 0.9, seen
-    assert r["quality_shape_rate"] >= 0.65, seen
     # plain user wording ("red circle on blue", "I want a ... over a ..."): the targets
-    # for colours and blank pictures (0.9, 0.02); shapes held to what the shipped weights
-    # do (0.708; the target 0.8 is not met: docs/shapes-model.md, "Wording")
+    # for colours and blank pictures (0.9, 0.02), and for shapes over all five phrasings
+    # (0.8)
     by_phrasing = r["quality_by_phrasing"]
     assert list(by_phrasing) == list(USER_PHRASINGS)
     assert all(len(b["pictures"]) == 24 for b in by_phrasing.values())
     user = json.dumps(by_phrasing, indent=1)
     assert r["quality_user_blank_rate"] <= 0.02, user
     assert r["quality_user_colour_rate"] >= 0.9, user
-    assert r["quality_user_shape_rate"] >= 0.65, user
+    assert _all_phrasings(r, "quality_shape_rate") >= 0.8, user
     # the main job: SmolLM2 rewrites each caption first (a grammar and worked examples
     # hold it to the painter's caption), in every wording
     mixed = r["mixed_quality_pictures"]
@@ -58,8 +66,7 @@ def test_held_out_pictures_are_right_through_the_shipped_configs():
     assert r["mixed_quality_user_colour_rate"] >= 0.9, mixed_user
     assert r["mixed_quality_user_rewrite_rate"] >= 0.9, mixed_user
     assert r["mixed_quality_user_blank_rate"] <= 0.02, mixed_user
-    assert r["mixed_quality_shape_rate"] >= 0.65, mixed
-    assert r["mixed_quality_user_shape_rate"] >= 0.65, mixed_user
+    assert _all_phrasings(r, "mixed_quality_shape_rate") >= 0.8, mixed_user
     print(
         f"dit_image: colours {r['quality_colour_rate']}, shapes {r['quality_shape_rate']}; "
         f"mixed: colours {r['mixed_quality_colour_rate']}, "
