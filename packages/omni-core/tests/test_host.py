@@ -7,20 +7,8 @@ from omni_core.dataplane.serial import ArrayCodec
 from omni_core.events import Segment, SegmentRun, Submit
 from omni_core.worker.host import RequestFailed, StageHost, stage_context
 from omni_testing.configs import chain
+from omni_testing.stage_thread import windowed_host
 from omni_testing.stages import Count
-
-
-def make_host(size):
-    cfg = parse_config(
-        chain(
-            ("burst", "synthetic.burst", {}),
-            ("count", "synthetic.count", {}),
-            edges=[{"from": "burst", "to": "count", "window": {"size": size}}],
-        )
-    )
-    stage = Count(stage_context(cfg, "count", None))
-    stage.load()
-    return StageHost(cfg, "count", stage, ArrayCodec("count"))
 
 
 def segments(n, tokens_per_event=1):
@@ -41,7 +29,7 @@ def segments(n, tokens_per_event=1):
 def test_a_run_taken_in_parts_consumes_exactly_what_it_reports():
     # the worker takes a run until its queue is full (limit), puts the rest back, and
     # comes back for it: the count it is told must be the events the windows took
-    host = make_host(size=4)
+    host = windowed_host(size=4)
     evs = segments(203, tokens_per_event=2)
     items = host.receive(evs[0])
     rest = evs[1:]
@@ -64,7 +52,7 @@ def test_a_run_taken_in_parts_consumes_exactly_what_it_reports():
 
 
 def test_pieces_cut_across_windows_carry_their_share_of_units():
-    host = make_host(size=3)
+    host = windowed_host(size=3)
     evs = segments(5, tokens_per_event=2)  # 10 tokens in pieces of 2, windows of 3
     items = host.receive(evs[0])
     got, n = host.receive_run(SegmentRun.of(evs[1:], "burst", 1), limit=100)
@@ -76,7 +64,7 @@ def test_pieces_cut_across_windows_carry_their_share_of_units():
 
 
 def test_a_run_sets_its_request_up_checks_its_numbering_and_is_dropped_once_ended():
-    host = make_host(size=4)
+    host = windowed_host(size=4)
     evs = segments(6)
     items, n = host.receive_run(SegmentRun.of(evs[:3], "burst", 0, evs[0].request), 10)
     assert n == 3 and items == []
@@ -119,9 +107,9 @@ def test_a_run_with_unitless_segments_gives_the_windows_of_its_events_one_by_one
             evs[i].tokens = []
         return evs
 
-    one = make_host(size)
+    one = windowed_host(size)
     expected = [w for ev in stream() for w in one.receive(ev)]
-    cols = make_host(size)
+    cols = windowed_host(size)
     evs = stream()
     got = cols.receive(evs[0])
     for lo, hi in ((1, 7), (7, 12)):

@@ -16,6 +16,7 @@ from omni_core.worker.scheduler import Scheduler
 from omni_core.worker.state import WorkerState
 from omni_core.worker.work_queue import WorkQueue
 from omni_testing.configs import chain
+from omni_testing.stage_thread import windowed_host
 from omni_testing.stages import Count
 
 SEGMENT = "omni-1-x-burst-0-" + "0" * 16  # a slot of the producer's arena
@@ -80,17 +81,7 @@ def test_an_ended_requests_queued_item_gives_its_slot_back_on_an_idle_worker():
 
 
 def windowed_queue(capacity, size):
-    cfg = parse_config(
-        chain(
-            ("burst", "synthetic.burst", {}),
-            ("count", "synthetic.count", {}),
-            edges=[{"from": "burst", "to": "count", "window": {"size": size}}],
-        )
-    )
-    stage = Count(stage_context(cfg, "count", None))
-    stage.load()
-    host = StageHost(cfg, "count", stage, ArrayCodec("count"))
-    state = WorkerState("count", host, Outbox())
+    state = WorkerState("count", windowed_host(size), Outbox())
     return state, WorkQueue(state, capacity, waker=Quiet(), stage_name="count", send_status=print)
 
 

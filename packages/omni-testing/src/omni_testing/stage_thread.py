@@ -285,9 +285,8 @@ class Rig:
 # -- the work queue alone ----------------------------------------------------------------
 
 
-def windowed_queue(capacity: int, size: int) -> tuple[WorkerState, WorkQueue]:
-    """The work queue of stage ``count``, fed by ``burst`` in windows of ``size`` units
-    (its outbox an :class:`Outbox`, its waker :class:`Kicks`, ``state.work`` :class:`Wakes`)."""
+def windowed_host(size: int) -> StageHost:
+    """The host of stage ``count`` (loaded), fed by ``burst`` in windows of ``size`` units."""
     cfg = parse_config(
         chain(
             ("burst", "synthetic.burst", {}),
@@ -297,8 +296,13 @@ def windowed_queue(capacity: int, size: int) -> tuple[WorkerState, WorkQueue]:
     )
     stage = Count(stage_context(cfg, "count", None))
     stage.load()
-    host = StageHost(cfg, "count", stage, ArrayCodec("count"))
-    state = WorkerState("count", host, Outbox())  # type: ignore[arg-type]
+    return StageHost(cfg, "count", stage, ArrayCodec("count"))
+
+
+def windowed_queue(capacity: int, size: int) -> tuple[WorkerState, WorkQueue]:
+    """The work queue of :func:`windowed_host` (its outbox an :class:`Outbox`, its waker
+    :class:`Kicks`, ``state.work`` :class:`Wakes`)."""
+    state = WorkerState("count", windowed_host(size), Outbox())  # type: ignore[arg-type]
     state.work = Wakes(state.lock)
     return state, WorkQueue(state, capacity, Kicks(), "count", print)  # type: ignore[arg-type]
 
