@@ -21,7 +21,7 @@ from omni_core.dataplane.serial import (
     pack_runs,
     salvage_frame,
 )
-from omni_core.dataplane.shm import Arena, SegmentOwner, ShmPoolExhausted
+from omni_core.dataplane.shm import EXTERNAL_SEGMENTS, Arena, SegmentOwner, ShmPoolExhausted
 from omni_core.events import Completed, InlineArray, Segment, SegmentRun, ShmHandle
 
 
@@ -360,3 +360,12 @@ def test_releases_one_per_producer_segment():
         ("p", "s1", "me", [(0, 1), (128, 3)]),
         ("q", "s2", "me", [(64, 2)]),
     ]
+
+
+def test_a_writeable_external_segment_is_read_only_once_unpacked(monkeypatch):
+    lent = bytearray(range(16))  # a backend's buffer that happens to be writeable
+    monkeypatch.setitem(EXTERNAL_SEGMENTS, "ext-", lambda name: lent)
+    handle = ShmHandle("ext-1", 4, 8, "uint8", (8,), "q", 0, False)
+    arrays, shm = ArrayCodec("p").unpack({"x": handle})
+    assert shm == [handle] and arrays["x"].tolist() == list(range(4, 12))
+    assert not arrays["x"].flags.writeable  # fan-out peers share the buffer
