@@ -111,6 +111,6 @@ class RequestContext:
                 param="Host",
                 code="host_not_allowed",
             )
-            await JSONResponse(err.body(rid), status_code=400)(scope, receive, send_with_id)
+            await JSONResponse(err.body(rid), status_code=err.status)(scope, receive, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
