@@ -5,6 +5,7 @@ limits on names, spans, modes and sizes of the segments a reader maps."""
 import errno
 import os
 import threading
+from pathlib import Path
 
 import pytest
 from omni_core.dataplane import shm as shm_module
@@ -242,6 +243,20 @@ def test_the_sweep_goes_on_past_a_name_not_ours(tmp_path, monkeypatch):
     real = os.listdir
     monkeypatch.setattr(os, "listdir", lambda d: ["other", *real(d)])
     assert sweep_stale(str(tmp_path)) == [stale]
+
+
+def test_the_sweep_goes_on_past_a_live_segment_to_an_orphan_after_it(owner, monkeypatch):
+    """A live pipeline's segment (its owner holds the lock) listed first: left in place,
+    and the dead owner's segment listed after it is still removed."""
+    live = owner.create("a", 8)
+    owner_dir = Path(owner.directory)
+    orphan = _file(owner_dir, 0o600, 8)
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda d: sorted(real(d), key=lambda n: n != live))
+    assert os.listdir(owner.directory)[0] == live
+    assert sweep_stale(owner.directory) == [orphan]
+    assert os.path.exists(owner_dir / live)
+    assert not os.path.exists(owner_dir / orphan)
 
 
 def test_list_segments_of_one_owner_or_all(tmp_path):
