@@ -285,6 +285,40 @@ def test_a_stage_whose_pause_or_resume_raises_fails_that_batch_only(call):
     assert (stats.paused, stats.errors, stats.completed) == (0, 1, 1)
 
 
+def _raise_deep(depth: int) -> None:
+    """Raise ``depth`` frames below the caller: a traceback longer than the log keeps
+    (two functions in turn, so that Python does not fold the repeated frames)."""
+    if depth == 0:
+        raise RuntimeError("deep down")
+    _raise_deeper(depth - 1)
+
+
+def _raise_deeper(depth: int) -> None:
+    _raise_deep(depth)
+
+
+@pytest.mark.parametrize("where", ["step", "pause", "resume"])
+def test_a_stage_failure_is_logged_with_its_traceback_cut_at_eight_frames(where, caplog):
+    """The log keeps the outermost 8 frames of a deep failure: where the runtime called
+    the stage and the first of the stage's own, not a page of recursion."""
+    rig = preempting()
+    if where == "step":
+        rig.submit("a", steps=2)
+        rig.at("a", 1, lambda: _raise_deep(20))
+    else:
+        setattr(rig.stage, where, lambda rids: _raise_deep(20))
+        if where == "resume":
+            rig.stage.pause = lambda rids: None
+        rig.submit("low", 5, steps=4)
+        rig.at("low", 1, lambda: rig.submit("high", 1, steps=2))
+    with caplog.at_level("ERROR", logger="omni.worker"):
+        rig.run()
+    (record,) = [r for r in caplog.records if "deep down" in r.getMessage()]
+    frames = [ln for ln in record.getMessage().splitlines() if ln.startswith('  File "')]
+    assert len(frames) == 8
+    assert record.getMessage().rstrip().endswith("RuntimeError: deep down")
+
+
 def test_a_stop_without_drain_closes_a_paused_batch_and_gives_its_slots_back():
     rig = preempting()
     rig.submit("low", 5, steps=4, slots=[slot(64)])
