@@ -207,10 +207,8 @@ def test_an_array_of_exactly_the_threshold_goes_to_the_store_one_byte_less_rides
     assert [r.hex() for r in refs] == ["key1"]
     assert rig.guard.puts == 1
     # both slots go back to their producer at once, read or not
-    assert rig.releases() == [
-        Release(slots=[(big.offset, big.rental), (small.offset, small.rental)],
-                segment=big.segment, reader="b")
-    ]  # fmt: skip
+    slots = [(big.offset, big.rental), (small.offset, small.rental)]
+    assert rig.releases() == [Release(slots=slots, segment=big.segment, reader="b")]
     assert rig.forgotten == [] and rig.errors() == [] and rig.guard.dropped == 0
 
 
@@ -248,7 +246,8 @@ def test_a_slot_ending_exactly_at_its_segments_end_is_read_one_byte_beyond_fails
 ):
     rig = make()
     arena = rig.arena("a", 128)
-    first, last = rig.slot(b"\x01" * 64), rig.slot(b"\x02" * 64)
+    rig.slot(b"\x01" * 64)
+    last = rig.slot(b"\x02" * 64)
     assert last.offset + last.nbytes == arena.size == 128
     beyond = ShmHandle(arena.name, 65, 64, "|u1", (64,), "a", 9)
     frame = encode_frame([segment("r1", {"x": beyond}), segment("r2", {"x": last})])
@@ -264,7 +263,7 @@ def test_a_slot_ending_exactly_at_its_segments_end_is_read_one_byte_beyond_fails
     # the unreadable slot goes back too (its producer may reuse whatever it names)
     (rel,) = rig.releases()
     assert rel.reader == "b" and rel.slots == [(65, 9), (last.offset, last.rental)]
-    assert first.offset == 0 and rig.guard.dropped == 1
+    assert rig.guard.dropped == 1
     (record,) = logged(caplog, "cannot read the arrays of a message of request r1")
     assert record.getMessage().startswith(f"gateway {NODE[:8]}: b.data: ")
     assert record.exc_info is not None and record.request_id == "r1"
@@ -299,7 +298,7 @@ def test_one_unreadable_message_fails_its_request_once_and_the_rest_of_the_frame
     assert rig.guard.dropped == 2 and refs == []
 
 
-def test_released_objects_need_nobody_to_forget_them(make):
+def test_an_unreadable_messages_objects_are_let_go_with_nobody_to_tell(make):
     rig = make(forget=False)
     missing = ShmHandle(gone(rig), 0, 8, "|u1", (8,), "a", 3)
     frame = encode_frame([segment("r1", {"x": missing, "o": obj("k9")}), segment("r2")])
@@ -368,8 +367,8 @@ def test_a_broken_socket_is_not_taken_for_a_bad_frame(make):
     with pytest.raises(zmq.ZMQError):
         rig.guard.inline_all("b.data", [encode_frame([segment("r1", {"x": rig.slot(b"1")})])], outs)
     with pytest.raises(zmq.ZMQError):
-        rig.guard.screen("b.data", encode_frame([Submit(request_id="s", request={})]),
-                         {RESULTS: broken}, THERE)  # fmt: skip
+        submit = encode_frame([Submit(request_id="s", request={})])
+        rig.guard.screen("b.data", submit, {RESULTS: broken}, THERE)  # refused: its error
 
 
 def test_the_sockets_it_opens_buffer_a_hundred_thousand_frames(make):
