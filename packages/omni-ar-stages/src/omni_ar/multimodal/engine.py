@@ -17,7 +17,12 @@ from typing import Any
 import numpy as np
 
 from omni_ar.engines.transformers_engine import TransformersEngine, _cache_of, kv_arrays
-from omni_ar.multimodal.handoff import AdmissionError, PrefixCache, block_hashes
+from omni_ar.multimodal.handoff import (
+    AdmissionError,
+    PrefixCache,
+    block_hashes,
+    check_handoff_model,
+)
 from omni_ar.multimodal.media import flatten
 from omni_ar.params import SamplingParams
 
@@ -32,6 +37,13 @@ LANGUAGE_PREFIXES = {
 
 
 class VLMEngine(TransformersEngine):
+    def check_model(self) -> None:
+        """:class:`ValueError` when the handoff cannot serve this model, read from its
+        config alone (:func:`~omni_ar.multimodal.handoff.check_handoff_model`)."""
+        from transformers import AutoConfig
+
+        check_handoff_model(AutoConfig.from_pretrained(self.model_dir))
+
     def load_tokenizer(self) -> Any:
         """The processor (tokenizer + image processor; no model weights)."""
         from transformers import AutoProcessor

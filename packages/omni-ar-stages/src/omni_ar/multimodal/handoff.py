@@ -32,6 +32,58 @@ class AdmissionError(Exception):
     """A ``requires_kv`` request decode must not continue; the message names the check."""
 
 
+# architecture-name endings of models that pool instead of generating
+POOLING_HEADS = (
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForImageClassification",
+    "ForRewardModeling",
+    "ForEmbedding",
+    "EmbeddingModel",
+)
+
+
+def check_handoff_model(config: Any) -> None:
+    """:class:`ValueError` naming why a model cannot hand a multimodal prompt's KV on
+    without its media, from its ``transformers`` config (``AutoConfig``):
+
+    * M-RoPE (Qwen2-VL and its kin): the positions of a prompt come from its images'
+      grids, which decode does not receive, so it could not place the tokens after them;
+    * encoder-decoder models, and decoders that cross-attend to the image (Mllama):
+      decode would need the encoder's states, not only the decoder's KV;
+    * a model that pools (a classification, reward or embedding head) instead of generating.
+    """
+    text = config.get_text_config()
+    name = getattr(config, "model_type", "?")
+    for c in {id(config): config, id(text): text}.values():
+        for field in ("rope_scaling", "rope_parameters"):
+            rope = getattr(c, field, None)
+            if isinstance(rope, dict) and (
+                "mrope_section" in rope or "mrope" in (rope.get("rope_type"), rope.get("type"))
+            ):
+                raise ValueError(
+                    f"model type {name!r} uses M-RoPE ({field} has mrope_section): its "
+                    "positions derive from the media, which a requires_kv decode does not "
+                    "receive"
+                )
+        if getattr(c, "is_encoder_decoder", False):
+            raise ValueError(
+                f"model type {name!r} is an encoder-decoder model: its decode needs the "
+                "encoder's states, not only the decoder's KV"
+            )
+        if getattr(c, "cross_attention_layers", None):
+            raise ValueError(
+                f"model type {name!r} cross-attends to the image in its decoder layers: its "
+                "decode needs the image's states, not only the KV of the prompt"
+            )
+    for arch in getattr(config, "architectures", None) or []:
+        if isinstance(arch, str) and arch.endswith(POOLING_HEADS):
+            raise ValueError(
+                f"model architecture {arch!r} pools (it has no language-model head): the "
+                "multimodal stages continue a prompt by generating from its KV"
+            )
+
+
 def block_hashes(
     ids: list[int], items: list[MMItem], block_size: int, n: int | None = None
 ) -> list[str]:

@@ -74,7 +74,9 @@ class _MMStage(ModelStage):
         if o.engine != "transformers":
             raise RuntimeError(VLLM_UNSUPPORTED)
         device, dtype = self._placement() if model else ("cpu", "float32")
-        return VLMEngine(resolve_model(o.model), dtype=dtype, threads=o.threads, device=device)
+        engine = VLMEngine(resolve_model(o.model), dtype=dtype, threads=o.threads, device=device)
+        engine.check_model()  # before the processor or a weight is read
+        return engine
 
     def _messages(self, inp: StageInput) -> list[dict[str, Any]] | None:
         """The request's chat messages (a plain prompt as a user turn with ``chat``), or
