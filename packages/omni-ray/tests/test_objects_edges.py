@@ -402,8 +402,8 @@ def test_the_routes_are_trusted_for_exactly_one_second(fake):
     writer = writer_on(fake, b=NODE_B)
     asked = writer.gateway.current_routes.calls
     writer.write(array(), {"b": 1})
-    assert len(asked) == 1 and fake.timeouts[0] == 60.0
-    fake.now = 1.0
+    assert len(asked) == 1 and fake.timeouts[0] == 60.0  # its gateway gets a minute
+    fake.now = 1.0  # exactly one second after: still trusted
     writer.write(array(), {"b": 1})
     assert len(asked) == 1
     fake.now = 1.25
@@ -510,13 +510,7 @@ def test_install_writer_makes_it_the_workers_external_writer(fake):
     gw = fake.gateway(HERE)
     try:
         writer = install_writer(PIPE, "up#1", HERE, gw)
-        assert EXTERNAL_WRITERS["up#1"] is writer
-        assert (writer.pipeline_id, writer.worker, writer.node_id, writer.gateway) == (
-            PIPE,
-            "up#1",
-            HERE,
-            gw,
-        )
+        assert EXTERNAL_WRITERS["up#1"] is writer and writer.worker == "up#1"
     finally:
         EXTERNAL_WRITERS.pop("up#1", None)
 
