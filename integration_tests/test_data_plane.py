@@ -48,15 +48,19 @@ def test_a_dead_consumers_slots_go_back_to_its_producer(no_leaked_segments):
 
 _CALLER = textwrap.dedent(
     """
-    import os, sys
+    import os, signal, sys
     from omni_core import Pipeline
     from omni_testing.configs import chain
     cfg = chain(("src", "synthetic.array_source", {"nbytes": 1 << 20, "count": 2}),
                 ("sink", "synthetic.array_sink", {}))
     with Pipeline(cfg) as pipe:
         assert pipe.generate([{}])[0].ok
-        print(os.getpid(), pipe.backend.launcher.socket_dir, *pipe.backend.pids().values(),
-              flush=True)
+        keeper = os.fork()  # shares every open file, the owner locks with them
+        if keeper == 0:
+            while True:
+                signal.pause()
+        print(os.getpid(), keeper, pipe.backend.launcher.socket_dir,
+              *pipe.backend.pids().values(), flush=True)
         for line in sys.stdin:  # one request per line, until stdin closes
             print(pipe.generate([{}], timeout_s=10)[0].ok, flush=True)
     """
@@ -64,16 +68,38 @@ _CALLER = textwrap.dedent(
 
 
 def _caller():
+    """A caller process with a pipeline, and its keeper: a child forked after the
+    pipeline started, that holds the caller's owner locks (it shares their open files)
+    until killed. While the keeper lives, what a SIGKILLed caller leaves is no orphan, so
+    no pipeline started meanwhile by anything else on the machine sweeps it first."""
     p = subprocess.Popen(
         [sys.executable, "-c", _CALLER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    pid, socket_dir, *workers = p.stdout.readline().split()
-    return p, int(pid), socket_dir, [int(w) for w in workers]
+    pid, keeper, socket_dir, *workers = p.stdout.readline().split()
+    return p, int(pid), int(keeper), socket_dir, [int(w) for w in workers]
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (its files are closed): gone, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    wait_for(lambda: _gone(pid), 5, f"process {pid} gone")
 
 
 def test_a_sigkilled_callers_leftovers_go_at_the_next_start_and_a_live_ones_stay():
-    dead, dead_pid, dead_dir, dead_workers = _caller()
-    live, live_pid, live_dir, _ = _caller()
+    dead, dead_pid, dead_keeper, dead_dir, dead_workers = _caller()
+    live, live_pid, live_keeper, live_dir, _ = _caller()
+    _kill(live_keeper)  # the live caller holds its own locks
     try:
         dead.kill()
         dead.wait()
@@ -81,6 +107,7 @@ def test_a_sigkilled_callers_leftovers_go_at_the_next_start_and_a_live_ones_stay
             wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 5, f"worker {pid} gone")
         assert list_segments(dead_pid) and os.path.isdir(dead_dir)  # left behind
         assert any(f.endswith(".spec.json") for f in os.listdir(dead_dir))
+        _kill(dead_keeper)  # orphans now
         cfg = chain(("m", "synthetic.map", {}))
         with Pipeline(cfg) as pipe:  # the next start sweeps them
             assert list_segments(dead_pid) == []
@@ -93,6 +120,8 @@ def test_a_sigkilled_callers_leftovers_go_at_the_next_start_and_a_live_ones_stay
         live.stdin.flush()
         assert live.stdout.readline().strip() == "True"  # the live pipeline still serves
     finally:
+        for pid in (dead_keeper, live_keeper):
+            _kill(pid)
         for p in (dead, live):
             if p.poll() is None:
                 p.stdin.close()
