@@ -139,6 +139,31 @@ def test_an_object_lent_then_released_is_gone_for_its_producer_too():
     assert held.forget_producer("a") == 1 and len(held) == 0
 
 
+def test_a_release_that_comes_before_its_hold_makes_the_hold_take_nothing():
+    """The producer gave up waiting and let go; the gateway ran the two calls in the
+    other order (a threaded actor may)."""
+    held = HeldObjects()
+    a, b = Ref("a" * 32), Ref("b" * 32)
+    held.release("r", [a.key])
+    held.hold("r", [a, b], producer="p")
+    assert keys(held.lend([a.key, b.key], "r")) == [None, b.key]
+    assert held.released == 0 and len(held) == 1
+    held.hold("r", [a])  # only once: a hold that comes again is taken
+    assert len(held) == 2
+
+
+def test_releases_before_their_holds_are_remembered_up_to_a_bound_oldest_forgotten_first():
+    held = HeldObjects()
+    refs = [Ref(f"{i:032x}") for i in range(HeldObjects.LET_GO_MAX + 1)]
+    for r in refs:
+        held.release("r", [r.key])
+    held.hold("r", refs[:2])  # the first was forgotten: taken; the second is not
+    assert keys(held.lend([refs[0].key, refs[1].key], "r")) == [refs[0].key, None]
+    held.clear()
+    held.hold("r", [refs[-1]])
+    assert len(held) == 1  # clear() forgot the let-go too
+
+
 def test_a_cleared_holding_holds_nothing():
     held = HeldObjects()
     held.hold("b", [Ref("k1")], producer="a")
@@ -457,6 +482,17 @@ def test_a_gateway_that_never_answers_is_given_up_after_a_minute(fake, caplog):
         assert writer.write(array(), {"b": 1}) is None
     assert fake.now == 61.0 and writer.puts == 0
     assert "no answer from the gateways" in caplog.text
+    # it may hold it yet (here it does, without answering): it is told to let go
+    assert gw_b.release.calls == [("b", ["0" * 32])] and len(gw_b.held) == 0
+
+
+def test_when_one_gateway_never_answers_the_one_that_held_lets_go_too(fake):
+    gw_b, gw_c = fake.gateway(NODE_B), fake.gateway(NODE_C)
+    gw_c.delay = None
+    writer = writer_on(fake, b=NODE_B, c=NODE_C)
+    assert writer.write(array(), {"b": 1, "c": 1}) is None
+    assert gw_b.release.calls == [("b", ["0" * 32])] and len(gw_b.held) == 0
+    assert gw_c.release.calls == [("c", ["0" * 32])] and len(gw_c.held) == 0
 
 
 def test_a_reader_that_moves_while_its_gateway_does_not_answer_gets_a_slot_at_once(fake):
@@ -467,6 +503,9 @@ def test_a_reader_that_moves_while_its_gateway_does_not_answer_gets_a_slot_at_on
     gw_b.then = lambda: fake.routes.update(b=NODE_C)  # b moves once the hold is sent
     assert writer.write(array(), {"b": 1}) is None
     assert fake.now == 1.0
+    # the let-go goes where the hold went, not where b is now
+    assert gw_b.release.calls == [("b", ["0" * 32])] and len(gw_b.held) == 0
+    assert fake.gateways[gateway_name(PIPE, NODE_C)].release.calls == []
 
 
 def test_each_nodes_gateway_is_looked_up_once(fake, monkeypatch):

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 import msgspec
@@ -66,7 +66,12 @@ class HeldObjects:
     """A gateway's references to objects lent to readers on its node, until released.
 
     One object may be held for several readers (a fan-out to stages on one node: the
-    producer put it once); it goes when the last of them released it."""
+    producer put it once); it goes when the last of them released it. A release that
+    comes before its hold (the producer gave up waiting for this gateway's answer and
+    let go; a threaded actor may run the two calls in either order) is remembered, and
+    the hold then takes nothing."""
+
+    LET_GO_MAX = 4096  # releases of what was not held, remembered (each object id is new)
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -74,6 +79,7 @@ class HeldObjects:
         self.readers: dict[str, set[str]] = {}  # object id -> the readers it is held for
         self.owners: dict[str, str] = {}  # object id -> the producer that put it, until lent
         self.released = 0  # releases taken (one per object and reader)
+        self.let_go: OrderedDict[tuple[str, str], None] = OrderedDict()  # (reader, id)
 
     def hold(self, reader: str, refs: list[Any], producer: str = "") -> None:
         """Hold ``refs`` for ``reader`` (a worker's name); ``producer``: the worker that
@@ -81,6 +87,9 @@ class HeldObjects:
         with self.lock:
             for ref in refs:
                 key = ref.hex()
+                if (reader, key) in self.let_go:  # released before it came
+                    del self.let_go[(reader, key)]
+                    continue
                 self.refs[key] = ref
                 self.readers.setdefault(key, set()).add(reader)
                 if producer:
@@ -118,6 +127,9 @@ class HeldObjects:
             for k in keys:
                 readers = self.readers.get(k)
                 if readers is None or reader not in readers:
+                    self.let_go[(reader, k)] = None  # its hold may be on its way
+                    if len(self.let_go) > self.LET_GO_MAX:
+                        self.let_go.popitem(last=False)
                     continue
                 readers.discard(reader)
                 self.released += 1
@@ -139,6 +151,7 @@ class HeldObjects:
             self.refs.clear()
             self.readers.clear()
             self.owners.clear()
+            self.let_go.clear()
 
     def __len__(self) -> int:
         with self.lock:
@@ -280,14 +293,20 @@ class ObjectWriter:
             self.puts += 1
             return segment
         self.routes_at = float("-inf")  # a reader moved: ask again next time
-        self.cancel(segment, {r: 1 for (r, _), ok in zip(targets, held, strict=True) if ok})
+        # the array takes a slot: every gateway that holds it, or may yet (it did not
+        # answer), lets go, on the node the hold went to
+        key = key_of(segment)
+        for (reader, node), ok in zip(targets, held, strict=True):
+            if ok is not False:
+                self._release(node, reader, key)
         return None
 
     def _held(
         self, calls: list[Any], readers: dict[str, int], targets: list[tuple[str, str]]
-    ) -> list[bool]:
-        """The gateways' answers to the holds; all False once a reader left the node it
-        was sent to (the node went away, say: its gateway would not answer soon)."""
+    ) -> list[bool | None]:
+        """The gateways' answers to the holds (None: none came); all None once a reader
+        left the node it was sent to (the node went away, say: its gateway would not
+        answer soon) or none came in time."""
         import ray
 
         deadline = time.monotonic() + HOLD_TIMEOUT_S
@@ -295,7 +314,7 @@ class ObjectWriter:
             self.routes_at = float("-inf")
             if self._targets(readers) != targets or time.monotonic() > deadline:
                 log.warning("no answer from the gateways of %s: the array takes a slot", targets)
-                return [False] * len(calls)
+                return [None] * len(calls)
         held = []
         for call in calls:
             try:
@@ -313,8 +332,13 @@ class ObjectWriter:
         for reader in readers:
             node = self.routes.get(DRIVER if reader == CLIENT else reader)
             if node is not None:
-                with contextlib.suppress(ValueError):  # that node's gateway is gone
-                    self._gateway(node).release.remote(reader, [key])  # fire and forget
+                self._release(node, reader, key)
+
+    def _release(self, node: str, reader: str, key: str) -> None:
+        """Tell ``node``'s gateway that ``reader`` is done with ``key`` (fire and forget;
+        should it come before the hold, the hold takes nothing: :class:`HeldObjects`)."""
+        with contextlib.suppress(ValueError):  # that node's gateway is gone
+            self._gateway(node).release.remote(reader, [key])
 
     def _targets(self, readers: dict[str, int]) -> list[tuple[str, str]] | None:
         """(reader, its node) for each reader, when every one is on another node."""
