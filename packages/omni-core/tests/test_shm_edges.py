@@ -259,6 +259,27 @@ def test_the_sweep_goes_on_past_a_live_segment_to_an_orphan_after_it(owner, monk
     assert not os.path.exists(owner_dir / orphan)
 
 
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_sweep_past_live_and_vanished_segments_leaves_no_file_open(owner, monkeypatch):
+    """A live owner's segment (its lock taken: opened, then let go) and a name gone
+    before it was looked at (never opened) are both skipped, and neither leaves a file
+    descriptor behind, however many sweeps run."""
+    live = owner.create("a", 8)
+    real = os.listdir
+    gone = f"omni-{os.getpid()}-tok-x-0-{'1' * 16}"
+    monkeypatch.setattr(
+        os, "listdir", lambda d: [gone, *real(d)] if d == owner.directory else real(d)
+    )
+    before = _open_fds()
+    for _ in range(3):
+        assert sweep_stale(owner.directory) == []
+    assert _open_fds() == before
+    assert os.path.exists(os.path.join(owner.directory, live))
+
+
 def test_list_segments_of_one_owner_or_all(tmp_path):
     ours = _file(tmp_path, 0o600, 1)
     theirs = "omni-1-tok-x-0"
