@@ -31,6 +31,7 @@ from omni_core.events import (
 )
 from omni_ray.frames import GATEWAY_ERROR, FrameGuard
 from omni_ray.objects import segment_name
+from omni_ray.testing import FakeRef
 from omni_testing.hostile import str8_frame
 
 NODE = "0123456789abcdefghij"  # longer than every cut of it in a log or a message
@@ -41,14 +42,6 @@ GARBAGE = b"garbage with \xa3shm in it"
 DEEP = b"\x91" * 100_000 + b"\xc0"  # nested too deep for any decoder: RecursionError
 END = b"--end of what was sent--"
 LONG = "omni-" + "x" * 75 + "0123456789"  # 90 characters: its first 80 are all x's after omni-
-
-
-class FakeRef:
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def hex(self) -> str:
-        return self.key
 
 
 class Store:

@@ -30,6 +30,7 @@ from omni_core.events import (
 from omni_ray.channel_auth import ChannelKeys
 from omni_ray.gateway import GATEWAY_ERROR, NodeGateway
 from omni_ray.objects import HeldObjects, segment_name
+from omni_ray.testing import FakeRef
 from omni_testing.faults import wait_for
 from omni_testing.hostile import Relay, str8_frame
 
@@ -265,14 +266,6 @@ def test_keys_never_show_their_secrets_nor_the_server_key_in_repr():
     keys = ChannelKeys.new()
     for secret in (keys.server_secret, keys.client_secret, keys.server_public):
         assert secret.decode() not in repr(keys)
-
-
-class FakeRef:
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def hex(self) -> str:
-        return self.key
 
 
 def test_a_reader_is_lent_only_the_objects_held_for_it():

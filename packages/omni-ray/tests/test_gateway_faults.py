@@ -21,6 +21,7 @@ from omni_core.events import Error, InlineArray, Release, Segment, ShmHandle
 from omni_ray import gateway as gateway_module
 from omni_ray.gateway import GATEWAY_ERROR, NodeGateway
 from omni_ray.objects import segment_name
+from omni_ray.testing import FakeRef
 
 HERE, THERE, HEAD = "node-here", "node-there", "node-head"
 GARBAGE = b"garbage with \xa3shm in it"  # carries the shm tag: the gateway decodes it
@@ -167,14 +168,6 @@ def test_an_unexpected_delivery_error_drops_that_batch_only(zctx, caplog):
         sock.close(linger=0)
     finally:
         gw.close()
-
-
-class FakeRef:
-    def __init__(self, key):
-        self.key = key
-
-    def hex(self):
-        return self.key
 
 
 def wait_held(gw, n, timeout=10.0):

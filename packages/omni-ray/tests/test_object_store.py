@@ -11,7 +11,7 @@ from omni_core import Pipeline
 from omni_core.dataplane.serial import decode_control_frame, encode_frame
 from omni_core.events import Cancel, ReaderLost, Release
 from omni_ray.objects import OBJECT_THRESHOLD, HeldObjects, segment_name, take_releases
-from omni_ray.testing import add_node, on, wait_object_store_empty
+from omni_ray.testing import FakeRef, add_node, on, wait_object_store_empty
 from omni_ray.testing import summary as reduced
 from omni_testing.configs import chain
 from omni_testing.faults import kill_stage, wait_ready
@@ -166,14 +166,6 @@ def test_a_reader_that_dies_holding_objects_leaves_none_behind(cluster):
         assert len(out.by_stage("slow")) >= 3  # a window per array (and the stream's end)
         usage = wait_object_store_empty()
         assert usage["objects"] == 0, usage
-
-
-class FakeRef:
-    def __init__(self, key):
-        self.key = key
-
-    def hex(self):
-        return self.key
 
 
 def test_a_release_of_an_object_ends_at_the_readers_gateway_and_the_rest_goes_on():

@@ -24,20 +24,11 @@ from omni_ray.objects import (
     uninstall_reader,
 )
 from omni_ray.routes import DRIVER, gateway_name, inbox_of, reader_of
+from omni_ray.testing import FakeRef
 
 MIB4 = 4 << 20  # arrays from 4 MiB take the object store
 PIPE = "p1"
 HERE, NODE_B, NODE_C = "node-here", "node-b", "node-c"
-
-
-class Ref:
-    """An object reference: its id in hex."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def hex(self) -> str:
-        return self.key
 
 
 def keys(refs):
@@ -72,9 +63,9 @@ def test_nothing_held_at_first():
 
 def test_held_objects_are_counted_by_reader_one_held_for_two_counts_for_each():
     held = HeldObjects()
-    held.hold("b", [Ref("k1"), Ref("k2")])
-    held.hold("c", [Ref("k1")])
-    held.hold("b", [Ref("k1")])  # the same object for the same reader again: held once
+    held.hold("b", [FakeRef("k1"), FakeRef("k2")])
+    held.hold("c", [FakeRef("k1")])
+    held.hold("b", [FakeRef("k1")])  # the same object for the same reader again: held once
     assert len(held) == 2 and held.by_reader() == {"b": 2, "c": 1}
     held.release("b", ["k1"])  # one release ends b's hold of it
     assert held.by_reader() == {"b": 1, "c": 1} and held.released == 1
@@ -83,8 +74,8 @@ def test_held_objects_are_counted_by_reader_one_held_for_two_counts_for_each():
 
 def test_a_lend_answers_each_key_in_order_none_for_what_is_not_held_for_that_reader():
     held = HeldObjects()
-    held.hold("b", [Ref("k1"), Ref("k2")])
-    held.hold("c", [Ref("k3")])
+    held.hold("b", [FakeRef("k1"), FakeRef("k2")])
+    held.hold("c", [FakeRef("k3")])
     got = held.lend(["nope", "k1", "k3", "k2"], "b")  # k3 is c's
     assert keys(got) == [None, "k1", None, "k2"]
     assert held.lend([], "b") == []
@@ -93,8 +84,8 @@ def test_a_lend_answers_each_key_in_order_none_for_what_is_not_held_for_that_rea
 
 def test_a_release_drops_the_object_with_its_last_reader_and_counts_each_release_once():
     held = HeldObjects()
-    held.hold("b", [Ref("k1"), Ref("k2")])
-    held.hold("c", [Ref("k1")])
+    held.hold("b", [FakeRef("k1"), FakeRef("k2")])
+    held.hold("c", [FakeRef("k1")])
     held.release("b", ["unknown", "k1", "k2"])  # an unknown key first: the rest still go
     assert held.released == 2 and len(held) == 1 and held.by_reader() == {"c": 1}
     held.release("b", ["k1"])  # stale: b released it already
@@ -106,8 +97,8 @@ def test_a_release_drops_the_object_with_its_last_reader_and_counts_each_release
 
 def test_a_reader_that_dies_loses_its_holds_and_the_others_keep_theirs():
     held = HeldObjects()
-    held.hold("b", [Ref("k1"), Ref("k2")])
-    held.hold("c", [Ref("k2"), Ref("k3")])
+    held.hold("b", [FakeRef("k1"), FakeRef("k2")])
+    held.hold("c", [FakeRef("k2"), FakeRef("k3")])
     assert held.forget_reader("b") == 2
     assert len(held) == 2 and held.by_reader() == {"c": 2}  # k1 went, k2 stays for c
     assert keys(held.lend(["k1", "k2"], "c")) == [None, "k2"]
@@ -118,9 +109,9 @@ def test_a_reader_that_dies_loses_its_holds_and_the_others_keep_theirs():
 
 def test_a_producer_that_restarts_takes_what_no_reader_was_lent_yet():
     held = HeldObjects()
-    held.hold("b", [Ref("k1"), Ref("k2")], producer="a")
-    held.hold("c", [Ref("k3")], producer="other")
-    held.hold("b", [Ref("k4")])  # put by a gateway: no producer of its own
+    held.hold("b", [FakeRef("k1"), FakeRef("k2")], producer="a")
+    held.hold("c", [FakeRef("k3")], producer="other")
+    held.hold("b", [FakeRef("k4")])  # put by a gateway: no producer of its own
     assert keys(held.lend(["k1"], "b")) == ["k1"]  # b maps k1: its release ends it now
     assert held.forget_producer("a") == 1  # k2 only
     assert held.by_reader() == {"b": 2, "c": 1}
@@ -131,11 +122,11 @@ def test_a_producer_that_restarts_takes_what_no_reader_was_lent_yet():
 
 def test_an_object_lent_then_released_is_gone_for_its_producer_too():
     held = HeldObjects()
-    held.hold("b", [Ref("k1")], producer="a")
+    held.hold("b", [FakeRef("k1")], producer="a")
     held.lend(["k1"], "b")
     held.release("b", ["k1"])
     assert len(held) == 0 and held.forget_producer("a") == 0
-    held.hold("b", [Ref("k1")], producer="a")  # held again (its producer's next life)
+    held.hold("b", [FakeRef("k1")], producer="a")  # held again (its producer's next life)
     assert held.forget_producer("a") == 1 and len(held) == 0
 
 
@@ -143,7 +134,7 @@ def test_a_release_that_comes_before_its_hold_makes_the_hold_take_nothing():
     """The producer gave up waiting and let go; the gateway ran the two calls in the
     other order (a threaded actor may)."""
     held = HeldObjects()
-    a, b = Ref("a" * 32), Ref("b" * 32)
+    a, b = FakeRef("a" * 32), FakeRef("b" * 32)
     held.release("r", [a.key])
     held.hold("r", [a, b], producer="p")
     assert keys(held.lend([a.key, b.key], "r")) == [None, b.key]
@@ -154,7 +145,7 @@ def test_a_release_that_comes_before_its_hold_makes_the_hold_take_nothing():
 
 def test_releases_before_their_holds_are_remembered_up_to_a_bound_oldest_forgotten_first():
     held = HeldObjects()
-    refs = [Ref(f"{i:032x}") for i in range(HeldObjects.LET_GO_MAX + 1)]
+    refs = [FakeRef(f"{i:032x}") for i in range(HeldObjects.LET_GO_MAX + 1)]
     for r in refs:
         held.release("r", [r.key])
     held.hold("r", refs[:2])  # the first was forgotten: taken; the second is not
@@ -166,7 +157,7 @@ def test_releases_before_their_holds_are_remembered_up_to_a_bound_oldest_forgott
 
 def test_a_cleared_holding_holds_nothing():
     held = HeldObjects()
-    held.hold("b", [Ref("k1")], producer="a")
+    held.hold("b", [FakeRef("k1")], producer="a")
     held.clear()
     assert len(held) == 0 and held.by_reader() == {} and held.forget_producer("a") == 0
 
@@ -174,7 +165,7 @@ def test_a_cleared_holding_holds_nothing():
 # ------------------------------------------------------------------ take_releases
 def test_a_frame_of_object_releases_only_ends_here():
     held = HeldObjects()
-    held.hold("b", [Ref("k1"), Ref("k2")])
+    held.hold("b", [FakeRef("k1"), FakeRef("k2")])
     frame = encode_frame([release_of("k1", "b"), release_of("k2", "b")])
     assert take_releases(frame, held) is None
     assert len(held) == 0 and held.released == 2
@@ -182,7 +173,7 @@ def test_a_frame_of_object_releases_only_ends_here():
 
 def test_the_object_releases_are_taken_out_wherever_they_are_and_the_rest_goes_on():
     held = HeldObjects()
-    held.hold("b", [Ref("k1"), Ref("k2")])
+    held.hold("b", [FakeRef("k1"), FakeRef("k2")])
     slot = Release(slots=[(64, 3)], segment="omni-1-x-a-0", reader="b")
     cancel = Cancel(request_id="r1")
     frame = encode_frame([cancel, release_of("k1", "b"), slot, release_of("k2", "b")])
@@ -192,7 +183,7 @@ def test_the_object_releases_are_taken_out_wherever_they_are_and_the_rest_goes_o
 
 def test_a_frame_with_nothing_to_take_goes_on_as_it_is():
     held = HeldObjects()
-    held.hold("b", [Ref("k1")])
+    held.hold("b", [FakeRef("k1")])
     frame = encode_frame([Cancel(request_id="r1"), Release(slots=[], segment="omni-x", reader="b")])
     assert take_releases(frame, held) is frame
     empty = encode_frame([])
@@ -209,8 +200,8 @@ def test_a_release_of_an_object_not_held_here_is_still_taken_out():
 
 def test_a_reader_lost_drops_its_objects_and_goes_on_to_the_producer():
     held = HeldObjects()
-    held.hold("b", [Ref("k1")])
-    held.hold("c", [Ref("k2")])
+    held.hold("b", [FakeRef("k1")])
+    held.hold("c", [FakeRef("k2")])
     lost = ReaderLost(reader="b")
     frame = encode_frame([lost, release_of("k2", "c")])
     assert decode_control_frame(take_releases(frame, held)) == [lost]
@@ -219,7 +210,7 @@ def test_a_reader_lost_drops_its_objects_and_goes_on_to_the_producer():
 
 def test_a_frame_that_does_not_decode_goes_on_untouched():
     held = HeldObjects()
-    held.hold("b", [Ref("k1")])
+    held.hold("b", [FakeRef("k1")])
     garbage = b"\xc1 not msgpack"
     assert take_releases(garbage, held) is garbage
     assert len(held) == 1
@@ -298,13 +289,13 @@ class FakeRay:
         return gw
 
     def put(self, value):
-        ref = Ref(f"{len(self.objects):032x}")
+        ref = FakeRef(f"{len(self.objects):032x}")
         self.objects[ref.key] = value
         return ref
 
     def get(self, what, timeout=None):
         self.timeouts.append(timeout)
-        if isinstance(what, Ref):
+        if isinstance(what, FakeRef):
             value = self.objects[what.key]
             if isinstance(value, Exception):
                 raise value

@@ -1,4 +1,5 @@
-"""A simulated multi-node Ray cluster on this machine, for tests and benchmarks."""
+"""A simulated multi-node Ray cluster on this machine, for tests and benchmarks, and a
+stand-in for an object reference where a test needs none of Ray."""
 
 from __future__ import annotations
 
@@ -166,3 +167,14 @@ def summary(out: Any, keep: tuple[str, ...]) -> list[tuple[Any, ...]]:
         (e.stage, e.event_type, e.tokens, {k: e.payload[k] for k in keep if k in e.payload})
         for e in events
     ]
+
+
+class FakeRef:
+    """Stands in for a Ray object reference where only its id is read (``hex()``), as
+    :class:`~omni_ray.objects.HeldObjects` reads it: no cluster needed."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def hex(self) -> str:
+        return self.key
