@@ -55,7 +55,7 @@ def check_handoff_model(config: Any) -> None:
     """
     text = config.get_text_config()
     name = getattr(config, "model_type", "?")
-    for c in {id(config): config, id(text): text}.values():
+    for c in (config,) if text is config else (config, text):
         for field in ("rope_scaling", "rope_parameters"):
             rope = getattr(c, field, None)
             if isinstance(rope, dict) and (
