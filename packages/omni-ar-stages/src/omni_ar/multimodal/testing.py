@@ -17,8 +17,11 @@ IMAGE_SIZE = 32  # the vision tower's input (shortest edge resized, then center-
 PATCH = 8  # -> (32 / 8)^2 = 16 placeholders per image
 
 
-def build_tiny_llava(path: str | Path, seed: int = 0) -> Path:
-    """Write a tiny Llava checkpoint and its processor into ``path``; returns it."""
+def build_tiny_llava(path: str | Path, seed: int = 0, for_vllm: bool = False) -> Path:
+    """Write a tiny Llava checkpoint and its processor into ``path``; returns it.
+    ``for_vllm``: one vLLM's CPU backend runs (attention heads of 32, which its
+    kernels need, and the vision tower's weights under ``vision_tower.vision_model.``,
+    where vLLM's Llava looks for them; transformers loads it too)."""
     import torch
     from transformers import (
         CLIPVisionConfig,
@@ -37,7 +40,7 @@ def build_tiny_llava(path: str | Path, seed: int = 0) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(extra_special=("<image>",))
-    text = tiny_llama_config(len(tok))
+    text = tiny_llama_config(len(tok), head_dim=32 if for_vllm else None)
     vision = CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -57,6 +60,8 @@ def build_tiny_llava(path: str | Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     LlavaForConditionalGeneration(cfg).eval().save_pretrained(path)
+    if for_vllm:
+        _vision_model_keys(path / "model.safetensors")
     images = CLIPImageProcessor(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     )
@@ -68,6 +73,21 @@ def build_tiny_llava(path: str | Path, seed: int = 0) -> Path:
         num_additional_image_tokens=1,  # CLIP's class token, dropped by "default"
     ).save_pretrained(path)
     return path
+
+
+def _vision_model_keys(file: Path) -> None:
+    """Rename the vision tower's tensors ``vision_tower.X`` -> ``vision_tower.vision_model.X``
+    (transformers 5 saves CLIP's tower without its ``vision_model`` level)."""
+    from safetensors.torch import load_file, save_file
+
+    tower, nested = "vision_tower.", "vision_tower.vision_model."
+    state = {
+        tower + "vision_model." + k[len(tower) :]
+        if k.startswith(tower) and not k.startswith(nested)
+        else k: v
+        for k, v in load_file(file).items()
+    }
+    save_file(state, file, metadata={"format": "pt"})
 
 
 def synthetic_image(seed: int, width: int = 64, height: int = 48, fmt: str = "PNG") -> bytes:

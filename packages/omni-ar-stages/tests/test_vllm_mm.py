@@ -1,0 +1,348 @@
+"""Media-free multimodal decode on vLLM itself: omni's ``requires_kv`` plugin
+(:mod:`omni_ar.engines.vllm_requires_kv`), the connector's block-name check and the
+engine's multimodal prefill and decode, on the tiny Llava.
+
+vLLM's Llava imports transformers' Pixtral image processor, which needs torchvision:
+the engine tests run where vLLM's Llava imports (``hatch run vllm-mm:test``, see the
+development guide), and are skipped elsewhere; the plugin's own tests run wherever vLLM
+is installed.
+"""
+
+import importlib.util
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("CI"):
+        pytest.fail("vLLM is not installed, and CI must run the vLLM tests", pytrace=False)
+    pytest.skip("vLLM is not installed", allow_module_level=True)
+
+from omni_ar.engines import vllm_requires_kv as plugin  # noqa: E402
+from omni_ar.params import SamplingParams  # noqa: E402
+from omni_ar.testing import run_oracle  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process engines below
+
+# blocks of 32 tokens (vLLM's CPU attention); the image's 16 placeholders at [19, 35)
+# straddle the first two blocks; a small KV cache per engine
+BLOCK = 32
+ENGINE_ARGS = {"block_size": BLOCK, "max_model_len": 256, "kv_cache_memory_bytes": 8 << 20}
+PROMPT = "USER: look at this <image>\nwhat is in this picture, please tell me in detail ASSISTANT:"
+
+
+# -- the plugin: entry point, version guard ------------------------------------------------
+def test_vllm_finds_the_plugin_in_its_own_entry_point_group():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "omni_requires_kv"]
+    assert ep.value == "omni_ar.engines.vllm_requires_kv:register"
+    assert ep.load() is plugin.register
+
+
+@pytest.fixture
+def unwrapped(monkeypatch):
+    """The scheduler as vLLM ships it, for one test; the plugin installed again after."""
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    load_general_plugins()  # what every engine does first (once a process)
+    assert plugin.installed()
+
+    original = Scheduler._try_schedule_encoder_inputs
+    monkeypatch.setattr(
+        Scheduler, "_try_schedule_encoder_inputs", getattr(original, "__wrapped__", original)
+    )
+    monkeypatch.setattr(plugin, "_refusal", None)
+    return Scheduler
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.31.2", "0.32.1", "1.0.0+cu130"])
+def test_on_another_vllm_version_it_installs_nothing_and_says_which_it_supports(
+    unwrapped, monkeypatch, caplog, version
+):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    plugin.register()
+    assert not plugin.installed()
+    assert f"supports vLLM {plugin.SUPPORTED_VLLM} only" in caplog.text
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"supports vLLM 0.32.0 only, and this is vLLM {version}")
+    ):
+        plugin.require()
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu"])
+def test_on_the_supported_version_it_installs_once(unwrapped, monkeypatch, version):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    original = unwrapped._try_schedule_encoder_inputs
+    plugin.register()
+    assert plugin.installed()
+    wrapped = unwrapped._try_schedule_encoder_inputs
+    assert wrapped.__wrapped__ is original
+    plugin.register()  # vLLM may load plugins more than once: never wrapped twice
+    assert unwrapped._try_schedule_encoder_inputs is wrapped
+    plugin.require()
+
+
+def test_a_scheduler_method_of_another_shape_is_left_alone(unwrapped, monkeypatch, caplog):
+    def other(self, request, num_computed_tokens, budget):  # pragma: no cover - never run
+        raise AssertionError
+
+    monkeypatch.setattr(unwrapped, "_try_schedule_encoder_inputs", other)
+    plugin.register()
+    assert unwrapped._try_schedule_encoder_inputs is other
+    with pytest.raises(RuntimeError, match="not the .* it was written for"):
+        plugin.require()
+
+
+def test_failure_notes_are_bounded(monkeypatch):
+    monkeypatch.setattr(plugin, "FAILURES_MAX", 3)
+    table = type(plugin.FAILURES)()
+    for i in range(5):
+        plugin.remember(table, f"k{i}", str(i))
+    plugin.remember(table, "k2", "again")  # a key seen again is the newest
+    assert list(table.items()) == [("k3", "3"), ("k4", "4"), ("k2", "again")]
+
+
+# -- the engines: vLLM's Llava --------------------------------------------------------------
+def _llava_imports() -> str | None:
+    try:
+        import vllm.model_executor.models.llava  # noqa: F401
+    except ImportError as e:  # transformers' Pixtral processor needs torchvision
+        return str(e)
+    return None
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    why = _llava_imports()
+    if why is not None:
+        if os.environ.get("OMNI_VLLM_MM"):
+            pytest.fail(f"vLLM's Llava does not import here: {why}", pytrace=False)
+        pytest.skip(f"vLLM's Llava does not import here ({why}): hatch run vllm-mm:test")
+    from omni_ar.multimodal.testing import build_tiny_llava
+
+    return str(build_tiny_llava(tmp_path_factory.mktemp("tiny-llava-vllm"), for_vllm=True))
+
+
+def _image(seed):
+    import io
+
+    from omni_ar.multimodal.testing import synthetic_image
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(synthetic_image(seed))).convert("RGB"))
+
+
+ORACLE = """
+import json, sys
+import numpy as np
+from PIL import Image
+from vllm import LLM, SamplingParams
+model, args, cases = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = LLM(model=model, enforce_eager=True, dtype="float32", **args)
+outs = llm.generate(
+    [{"prompt": c["prompt"], "multi_modal_data": {"image": Image.fromarray(
+        np.load(c["image"]))}} for c in cases],
+    [SamplingParams(max_tokens=c["max_tokens"], temperature=0) for c in cases],
+    use_tqdm=False,
+)
+print("ORACLE" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """Three images, also saved for the oracle's process."""
+    d = tmp_path_factory.mktemp("images")
+    out = []
+    for seed in range(3):
+        px = _image(seed)
+        np.save(d / f"{seed}.npy", px)
+        out.append((px, str(d / f"{seed}.npy")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(llava, images):
+    """vLLM's own ``LLM.generate`` given each image (in a process of its own)."""
+    cases = [{"prompt": PROMPT, "image": path, "max_tokens": 12} for _, path in images]
+    args = {**ENGINE_ARGS, "limit_mm_per_prompt": {"image": 1}}
+    out = run_oracle(ORACLE, llava, json.dumps(args), json.dumps(cases))
+    assert len({tuple(t) for t in out}) == len(out)  # the image changes the output
+    return out
+
+
+@pytest.fixture(scope="module")
+def intake(llava):
+    """Prompt ids with each image's placeholders and its hash, made as ``ar.mm_intake``
+    makes them (the Llava processor's count; the prompt as plain text, as the oracle's)."""
+    from omni_ar.multimodal.engine import VLMEngine
+    from omni_ar.multimodal.media import image_hash
+
+    engine = VLMEngine(llava)
+    engine.load_tokenizer()
+
+    def render(px):
+        ids = engine.encode(PROMPT)
+        marker = engine.processor.image_token_id
+        n = engine.processor._get_num_multimodal_tokens(
+            image_sizes=[px.shape[:2]]
+        ).num_image_tokens[0]
+        at = ids.index(marker)
+        ids = ids[:at] + [marker] * n + ids[at + 1 :]
+        return ids, [{"hash": image_hash(px), "offset": at, "length": n}]
+
+    return render
+
+
+@pytest.fixture(scope="module")
+def engines(llava):
+    """(prefill: KV producer with the vision tower, decode: media-free KV consumer)."""
+    from omni_ar.engines.vllm_engine import VllmEngine
+
+    out = []
+    for role in ("kv_producer", "kv_consumer"):
+        e = VllmEngine(llava, kv_role=role, multimodal=True, engine_args=ENGINE_ARGS)
+        e.load_model()
+        out.append(e)
+    return out
+
+
+def _handoff(engines, intake, px, max_tokens=12):
+    from omni_ar.engines.vllm_engine import MMContinuation
+
+    prefill, _ = engines
+    ids, items = intake(px)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    done = prefill.prefill_mm(ids, items, [px], params)
+    return ids, params, done, MMContinuation(items, done.block_hashes)
+
+
+def test_media_free_decode_equals_llm_generate_given_the_image(engines, intake, images, reference):
+    _, decode = engines
+    for (px, _), expected in zip(images, reference, strict=True):
+        ids, params, done, mm = _handoff(engines, intake, px)
+        steps = decode.decode(done.first[0], done.keys, done.values, params, ids, mm=mm)
+        assert [done.first[0], *(t for t, _ in steps)] == expected
+
+
+def test_decode_builds_no_vision_tower(engines):
+    prefill, decode = engines
+
+    def names(engine):
+        model = engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        return {n.split(".")[0] for n, _ in model.named_parameters()}
+
+    assert "vision_tower" in names(prefill)
+    assert "vision_tower" not in names(decode) and "multi_modal_projector" not in names(decode)
+
+
+def _fails(decode, done, params, ids, mm, keys=None, values=None):
+    from omni_ar.engines.vllm_engine import EngineRequestError
+
+    assert decode.llm.reset_prefix_cache()  # else its own cache may serve the blocks
+    keys = done.keys if keys is None else keys
+    values = done.values if values is None else values
+    steps = decode.decode(done.first[0], keys, values, params, ids, mm=mm)
+    with pytest.raises(EngineRequestError) as e:
+        list(steps)
+    return str(e.value)
+
+
+def test_each_kv_that_does_not_cover_the_placeholders_fails_the_request_closed(
+    engines, intake, images, reference
+):
+    from omni_ar.engines.vllm_engine import MMContinuation
+
+    _, decode = engines
+    px = images[0][0]
+    ids, params, done, mm = _handoff(engines, intake, px)
+    it = mm.items[0]
+    end = it["offset"] + it["length"]
+    assert end > BLOCK  # the placeholders reach past the first block
+    # no KV at all
+    empty = np.zeros((0,), np.float32)
+    msg = _fails(decode, done, params, ids, mm, empty, empty)
+    assert f"KV covers 0 prompt positions, its media placeholders end at {end}" in msg
+    assert "no KV arrived" in msg and "without running a vision encoder" in msg
+    # a short KV: its first block only
+    msg = _fails(decode, done, params, ids, mm, done.keys[:, :1], done.values[:, :1])
+    assert f"KV covers {BLOCK} prompt positions" in msg and "stops short" in msg
+    # the KV of another image: decode names the blocks after its own item hash
+    other = MMContinuation([{**it, "hash": "0" * 32}], mm.block_hashes)
+    msg = _fails(decode, done, params, ids, other)
+    assert "KV block 0 (positions [0, 32)) was computed for other tokens or media" in msg
+    # a block name altered in transit: the blocks before it load, the rest do not
+    names = list(mm.block_hashes)
+    names[1] = "f" * len(names[1])
+    msg = _fails(decode, done, params, ids, MMContinuation(mm.items, names))
+    assert f"KV covers {BLOCK} prompt positions" in msg and "KV block 1" in msg
+    # nothing stuck: the engine serves the same request whole afterwards
+    steps = decode.decode(done.first[0], done.keys, done.values, params, ids, mm=mm)
+    assert [done.first[0], *(t for t, _ in steps)] == reference[0]
+    assert not plugin.FAILURES and not plugin.CONNECTOR_NOTES
+
+
+def test_decodes_prefix_cache_serves_a_repeated_image_and_prefix(engines, intake, images, reference):
+    """The same image and prompt again: decode's own prefix cache holds their full blocks
+    (named by the image's hash), so the request needs no KV from prefill at all; another
+    image's blocks are not its."""
+    _, decode = engines
+    assert decode.llm.reset_prefix_cache()
+    px = images[1][0]
+    ids, params, done, mm = _handoff(engines, intake, px)
+    steps = decode.decode(done.first[0], done.keys, done.values, params, ids, mm=mm)
+    assert [done.first[0], *(t for t, _ in steps)] == reference[1]
+    empty = np.zeros((0,), np.float32)
+    steps = decode.decode(done.first[0], empty, empty, params, ids, mm=mm)
+    assert [done.first[0], *(t for t, _ in steps)] == reference[1]
+    ids2, _, done2, mm2 = _handoff(engines, intake, images[2][0])
+    steps = decode.decode(done2.first[0], empty, empty, params, ids2, mm=mm2)
+    with pytest.raises(Exception, match="no KV arrived"):
+        list(steps)
+
+
+def test_a_preempted_request_fails_instead_of_recomputing_without_its_media(
+    llava, engines, intake, images
+):
+    """A KV cache of 8 blocks and two requests that each grow to 5: vLLM preempts one,
+    and without its media it cannot recompute the placeholders. (With prefix caching,
+    off here, a preempted request whose freed blocks are still cached resumes from
+    them: those are valid KV of the same tokens and image.)"""
+    from omni_ar.engines.vllm_engine import EngineRequestError, VllmEngine
+
+    small = VllmEngine(
+        llava,
+        kv_role="kv_consumer",
+        multimodal=True,
+        engine_args={
+            **ENGINE_ARGS,
+            "max_model_len": 160,
+            "kv_cache_memory_bytes": 8 * 32768,
+            "enable_prefix_caching": False,
+        },
+    )
+    small.load_model()
+    runs = []
+    for px, _ in images[:2]:
+        ids, params, done, mm = _handoff(engines, intake, px, max_tokens=60)
+        params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        runs.append(small.decode(done.first[0], done.keys, done.values, params, ids, mm=mm))
+    results = []
+    for steps in runs:
+        try:
+            results.append(len([s for s in steps if s is not None]))
+        except EngineRequestError as e:
+            results.append(str(e))
+    errors = [r for r in results if isinstance(r, str)]
+    assert len(errors) == 1, results
+    assert "preempted" in errors[0] and "no media to recompute" in errors[0]
+    assert 59 in results  # the other one ran to its end
