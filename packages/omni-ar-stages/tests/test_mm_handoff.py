@@ -459,7 +459,7 @@ def test_local_image_files_only_with_the_stage_option(llava, images, tmp_path):
     assert "is not a regular file" in outs[2].error, outs[2].error
 
 
-def test_text_stages_refuse_image_parts_and_vllm_says_why(llava):
+def test_text_stages_refuse_image_parts(llava):
     request = chat("x ", img(b"png"))
     with pytest.raises(RequestError, match=r"messages\[0\].content.*multimodal stages"):
         parse_request(request, 100)
@@ -467,7 +467,23 @@ def test_text_stages_refuse_image_parts_and_vllm_says_why(llava):
     bad = {"messages": [{"role": "user", "content": [{"type": "image", "url": 1}]}]}
     with pytest.raises(RequestError, match=r"field 'messages\[0\].content\[0\]'"):
         parse_request(bad, 100, images=True)
-    with pytest.raises(RuntimeError, match="vLLM 0.32 cannot continue a multimodal request"):
+
+
+def test_media_free_decode_on_vllm_without_omnis_plugin_says_why(llava, monkeypatch):
+    """The plugin not installed (here: as on a vLLM other than 0.32.0): the stage
+    refuses at load, before any engine starts, naming the version it supports."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from omni_ar.engines import vllm_requires_kv as plugin
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    load_general_plugins()
+    method = Scheduler._try_schedule_encoder_inputs
+    monkeypatch.setattr(
+        Scheduler, "_try_schedule_encoder_inputs", getattr(method, "__wrapped__", method)
+    )
+    monkeypatch.setattr(plugin, "_refusal", "omni's plugin supports vLLM 0.32.0 only (test)")
+    with pytest.raises(RuntimeError, match=r"media-free decode: .*supports vLLM 0\.32\.0 only"):
         _stage(MMDecode, "ar.mm_decode", llava, engine="vllm")
 
 

@@ -291,7 +291,9 @@ def test_each_kv_that_does_not_cover_the_placeholders_fails_the_request_closed(
     assert not plugin.FAILURES and not plugin.CONNECTOR_NOTES
 
 
-def test_decodes_prefix_cache_serves_a_repeated_image_and_prefix(engines, intake, images, reference):
+def test_decodes_prefix_cache_serves_a_repeated_image_and_prefix(
+    engines, intake, images, reference
+):
     """The same image and prompt again: decode's own prefix cache holds their full blocks
     (named by the image's hash), so the request needs no KV from prefill at all; another
     image's blocks are not its."""
@@ -346,3 +348,143 @@ def test_a_preempted_request_fails_instead_of_recomputing_without_its_media(
     assert len(errors) == 1, results
     assert "preempted" in errors[0] and "no media to recompute" in errors[0]
     assert 59 in results  # the other one ran to its end
+
+
+# -- the stages: ar.mm_intake -> ar.mm_prefill -> ar.mm_decode on engine: vllm ---------------
+def _data_url(seed, width, height):
+    import base64
+
+    from omni_ar.multimodal.testing import synthetic_image
+
+    png = synthetic_image(seed, width, height)
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def _chat(*parts, max_tokens=16):
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p[0]}
+        for p in parts
+    ]
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+
+
+@pytest.fixture(scope="module")
+def chats():
+    a, b = (_data_url(7, 64, 48),), (_data_url(8, 40, 72),)
+    return [
+        _chat("the quick ", a, " fox"),
+        _chat("two: ", a, " and ", b, " ok", max_tokens=20),
+        _chat(b, "a red fox in the snow", max_tokens=12),
+        {"messages": [{"role": "user", "content": "stream tokens"}], "max_tokens": 10},
+    ]
+
+
+CHAT_ORACLE = """
+import json, sys
+import numpy as np
+from PIL import Image
+from vllm import LLM, SamplingParams
+model, args, cases = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = LLM(model=model, enforce_eager=True, dtype="float32", **args)
+inputs = []
+for c in cases:
+    one = {"prompt": c["prompt"]}
+    if c["images"]:
+        one["multi_modal_data"] = {"image": [Image.fromarray(np.load(p)) for p in c["images"]]}
+    inputs.append(one)
+params = [SamplingParams(max_tokens=c["max_tokens"], temperature=0) for c in cases]
+outs = llm.generate(inputs, params, use_tqdm=False)
+print("ORACLE" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+@pytest.fixture(scope="module")
+def chat_reference(llava, chats, tmp_path_factory):
+    """vLLM's own ``LLM.generate`` given each request's images, its prompt the chat
+    template's text with one image marker per image (as ar.mm_intake renders it)."""
+    from omni_ar.multimodal.media import decode_image, flatten, image_parts, source_bytes
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(llava)
+    d = tmp_path_factory.mktemp("chat-images")
+    cases = []
+    for i, r in enumerate(chats):
+        msgs = r["messages"]
+        text = proc.tokenizer.apply_chat_template(
+            flatten(msgs, proc.image_token), add_generation_prompt=True, tokenize=False
+        )
+        paths = []
+        for j, (_, part) in enumerate(image_parts(msgs)):
+            paths.append(str(d / f"{i}-{j}.npy"))
+            np.save(paths[-1], decode_image(source_bytes(part, "x"), "x", 10**9))
+        cases.append({"prompt": text, "images": paths, "max_tokens": r["max_tokens"]})
+    args = {**ENGINE_ARGS, "limit_mm_per_prompt": {"image": 2}}
+    out = run_oracle(CHAT_ORACLE, llava, json.dumps(args), json.dumps(cases))
+    assert len({tuple(t) for t in out}) == len(out)
+    return proc.tokenizer, out
+
+
+def mm_config(model, enabled=True, media="none"):
+    engine = {"model": model, "engine": "vllm", "engine_args": ENGINE_ARGS}
+    return {
+        "mrs": {"enabled": enabled},
+        "ready_timeout_s": 300,
+        "heartbeat_interval_s": 0.2,
+        "stages": [
+            {"name": "intake", "kind": "ar.mm_intake", "options": {"model": model}},
+            {
+                "name": "prefill",
+                "kind": "ar.mm_prefill",
+                "client_stream": True,  # the event decode receives, looked at below
+                "options": {**engine, "forward_media": media == "reprocess"},
+            },
+            {
+                "name": "decode",
+                "kind": "ar.mm_decode",
+                "max_inflight": 4,
+                "options": {**engine, "media": media, "max_segment_tokens": 4},
+            },
+            {"name": "postprocess", "kind": "ar.mm_postprocess", "options": {"model": model}},
+        ],
+        "edges": [
+            {"from": "intake", "to": "prefill"},
+            {"from": "prefill", "to": "decode"},
+            {"from": "decode", "to": "postprocess", "window": {"size": 1}},
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    "enabled,media",
+    [(True, "none"), (False, "none"), (True, "reprocess")],
+    ids=["processes", "inline", "full-media-baseline"],
+)
+def test_stages_on_vllm_equal_llm_generate_and_decode_never_gets_the_media(
+    llava, chats, chat_reference, enabled, media
+):
+    import copy
+
+    from omni_ar.multimodal.media import has_media
+    from omni_core import Pipeline
+
+    tok, expected = chat_reference
+    with Pipeline(mm_config(llava, enabled, media)) as pipe:
+        handles = [pipe.submit(copy.deepcopy(r)) for r in chats]
+        for h, exp in zip(handles, expected, strict=True):
+            events = list(h)
+            errors = [e.message for e in events if e.event_type == "error"]
+            assert not errors, errors
+            events = [e for e in events if e.event_type == "segment"]
+            tokens = [t for e in events if e.stage == "postprocess" for t in e.tokens]
+            text = "".join(e.payload["text"] for e in events if e.stage == "postprocess")
+            assert tokens == exp
+            assert text == tok.decode(exp, skip_special_tokens=True)
+            (sent,) = [e for e in events if e.stage == "prefill"]
+            assert sorted(sent.arrays) == ["keys", "values"]
+            handoff = sent.payload["handoff"]
+            assert all(sorted(it) == ["hash", "length", "offset"] for it in handoff["mm_items"])
+            assert handoff["requires_kv"] == bool(handoff["mm_items"])
+            # the media leaves with prefill, but in the full-media baseline
+            assert has_media(sent.request["messages"]) == (
+                media == "reprocess" and bool(handoff["mm_items"])
+            )

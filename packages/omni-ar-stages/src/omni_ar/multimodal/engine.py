@@ -36,13 +36,19 @@ LANGUAGE_PREFIXES = {
 }
 
 
+def check_model_dir(model_dir: str) -> None:
+    """:class:`ValueError` when the handoff cannot serve the model in ``model_dir``, read
+    from its config alone (:func:`~omni_ar.multimodal.handoff.check_handoff_model`), on
+    either engine."""
+    from transformers import AutoConfig
+
+    check_handoff_model(AutoConfig.from_pretrained(model_dir))
+
+
 class VLMEngine(TransformersEngine):
     def check_model(self) -> None:
-        """:class:`ValueError` when the handoff cannot serve this model, read from its
-        config alone (:func:`~omni_ar.multimodal.handoff.check_handoff_model`)."""
-        from transformers import AutoConfig
-
-        check_handoff_model(AutoConfig.from_pretrained(self.model_dir))
+        """:func:`check_model_dir` of this engine's model."""
+        check_model_dir(self.model_dir)
 
     def load_tokenizer(self) -> Any:
         """The processor (tokenizer + image processor; no model weights)."""

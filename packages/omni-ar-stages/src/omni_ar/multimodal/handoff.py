@@ -240,7 +240,12 @@ def check_kv_coverage(
             f"kv coverage: KV of shapes {tuple(keys.shape)} / {tuple(values.shape)} does not "
             f"fit this model's (layers, kv heads, head dim) = {want}"
         )
-    t = keys.shape[2]
+    check_covers(h, keys.shape[2], required)
+    return kv
+
+
+def check_covers(h: MMHandoff, t: int, required: int) -> None:
+    """KV of ``t`` prompt positions covers every placeholder and no more than the prompt."""
     items = h.mm_items
     if t < required:
         worst = max(range(len(items)), key=lambda i: items[i]["offset"] + items[i]["length"])
@@ -252,7 +257,46 @@ def check_kv_coverage(
     n = len(h.prompt_token_ids)
     if t > n:
         raise AdmissionError(f"kv coverage: KV of {t} positions for a prompt of {n} tokens")
-    return kv
+
+
+def admit_paged(
+    sent: dict[str, Any] | None, arrays: dict[str, Any], block_size: int, placeholder_id: int
+) -> Admission:
+    """:func:`admit` for KV in a paged engine's blocks (vLLM: ``(layers, blocks, ...)``,
+    each block named by the engine's own hashing): every check but the names' values,
+    which the decode engine's KV connector compares with its own block by block before
+    it loads any (:mod:`omni_ar.engines.kv_connector`)."""
+    h = read_contract(sent)
+    check_requires_kv(h)
+    check_block_size(h, block_size)
+    check_no_media_arrays(arrays)
+    required = check_spans(h, placeholder_id)
+    kv = kv_of_arrays(arrays)
+    if kv is None:
+        raise AdmissionError(
+            f"kv coverage: no KV arrived ('keys'/'values' missing); positions [0, {required}) "
+            "hold placeholders and are never recomputed"
+        )
+    keys, values = kv
+    if keys.ndim < 3 or keys.shape != values.shape:
+        raise AdmissionError(
+            f"kv coverage: KV of shapes {tuple(keys.shape)} / {tuple(values.shape)} is not "
+            "(layers, blocks, ...) blocks"
+        )
+    n = len(h.prompt_token_ids)
+    blocks = keys.shape[1]
+    check_covers(h, min(blocks * block_size, n), required)
+    if blocks > -(-n // block_size):
+        raise AdmissionError(
+            f"kv coverage: {blocks} KV blocks for a prompt of {n} tokens "
+            f"({-(-n // block_size)} blocks of {block_size})"
+        )
+    if len(h.kv_block_hashes) != blocks:
+        raise AdmissionError(
+            f"block hashes: the KV is named by {len(h.kv_block_hashes)} block hashes but "
+            f"holds {blocks} blocks"
+        )
+    return Admission(h, kv, min(blocks * block_size, n), h.kv_block_hashes)
 
 
 def check_block_hashes(h: MMHandoff, t: int) -> list[str]:

@@ -27,10 +27,17 @@ from typing import Any, Literal
 
 from omni_core import StageEvent, StageInput
 
+from omni_ar.engines.vllm_engine import EngineRequestError
 from omni_ar.handoff import Handoff, MMHandoff, MMItem
 from omni_ar.models import resolve_model
-from omni_ar.multimodal.engine import VLMEngine
-from omni_ar.multimodal.handoff import AdmissionError, PrefixCache, admit, block_hashes
+from omni_ar.multimodal.engine import VLMEngine, check_model_dir
+from omni_ar.multimodal.handoff import (
+    AdmissionError,
+    PrefixCache,
+    admit,
+    admit_paged,
+    block_hashes,
+)
 from omni_ar.multimodal.media import (
     has_media,
     image_hash,
@@ -38,19 +45,17 @@ from omni_ar.multimodal.media import (
     load_images,
     strip_media,
 )
-from omni_ar.params import RequestError, carried_params, params_payload, template_error
+from omni_ar.params import (
+    RequestError,
+    Sampled,
+    carried_params,
+    params_payload,
+    template_error,
+)
 from omni_ar.stages.base import ModelOptions, ModelStage
 from omni_ar.stages.decode import Decode, DecodeOptions
+from omni_ar.stages.logprobs import top_ids
 from omni_ar.stages.postprocess import Postprocess
-
-VLLM_UNSUPPORTED = (
-    "engine 'vllm': vLLM 0.32 cannot continue a multimodal request without its media on "
-    "a KV consumer: its Generate API's MultiModalFeatures has no requires_kv, an item "
-    "without data is looked up by hash in the engine's receiver cache (a miss ends the "
-    "request with MultiModalCacheMissError, asking for the media again), and its "
-    "scheduler has no check that KV covers the placeholders (it would schedule the "
-    "encoder); use engine 'transformers'"
-)
 
 
 class MMOptions(ModelOptions, kw_only=True):
@@ -69,14 +74,21 @@ class _MMStage(ModelStage):
     images = True
     unstructured = "not built for the multimodal stages (ar.mm_*)"
 
-    def _engine(self, model: bool = True) -> VLMEngine:
+    def _engine(self, model: bool = True, **vllm_options: Any) -> Any:
+        """The stage's engine (``model``: it loads the model, else only the processor,
+        which is the transformers one on either engine); a model the handoff cannot
+        serve is refused first, from its config alone."""
         o = self.options
-        if o.engine != "transformers":
-            raise RuntimeError(VLLM_UNSUPPORTED)
+        path = resolve_model(o.model)
+        check_model_dir(path)  # before the processor or a weight is read
+        if o.engine == "vllm" and model:
+            return super()._engine(model, multimodal=True, **vllm_options)
         device, dtype = self._placement() if model else ("cpu", "float32")
-        engine = VLMEngine(resolve_model(o.model), dtype=dtype, threads=o.threads, device=device)
-        engine.check_model()  # before the processor or a weight is read
-        return engine
+        return VLMEngine(path, dtype=dtype, threads=o.threads, device=device)
+
+    @property
+    def vllm(self) -> bool:
+        return self.options.engine == "vllm"
 
     def _messages(self, inp: StageInput) -> list[dict[str, Any]] | None:
         """The request's chat messages (a plain prompt as a user turn with ``chat``), or
@@ -150,9 +162,15 @@ class MMPrefill(_MMStage):
     """Ids + images -> the ``handoff`` payload and the KV of every position but the last."""
 
     Options = MMPrefillOptions
+    kv_role = "kv_producer"  # vLLM's
 
     def load(self) -> None:
         o = self.options
+        self.cache = None
+        if self.vllm:  # vLLM's own prefix cache (engine_args' enable_prefix_caching)
+            self.engine = self._engine(max_images=o.max_images)
+            self.engine.load_model()
+            return
         self.engine = self._engine()
         self.engine.load_tokenizer()
         self.engine.load_model(vision=True)
@@ -165,9 +183,22 @@ class MMPrefill(_MMStage):
             ids = w.tokens
             items = w.payloads[0]["mm_items"]
             images = [w.arrays[f"image_{i}"] for i in range(len(items))]
-            keys, values, cached = self.engine.prefill_kv(
-                ids, items, images, o.block_size, self.cache
-            )
+            params = carried_params(w)
+            first: Sampled | None = None
+            if self.vllm:
+                try:
+                    done = self.engine.prefill_mm(ids, items, images, params, inp.priority)
+                except (RuntimeError, ValueError) as e:
+                    yield inp.fail(f"vLLM multimodal prefill: {e}")
+                    continue
+                first, kv, names = done.first, (done.keys, done.values), done.block_hashes
+                block, cached = self.engine.block_size, None
+            else:
+                keys, values, cached = self.engine.prefill_kv(
+                    ids, items, images, o.block_size, self.cache
+                )
+                kv, block = (keys, values), o.block_size
+                names = block_hashes(ids, items, block, keys.shape[2])
             messages = inp.request.get("messages")
             if messages is not None and not o.forward_media:
                 # The request this stage forwards is this very dict: each receiving stage
@@ -176,12 +207,17 @@ class MMPrefill(_MMStage):
             contract = MMHandoff(
                 requires_kv=bool(items),
                 prompt_token_ids=ids,
-                block_size=o.block_size,
+                block_size=block,
                 mm_items=items,
-                kv_block_hashes=block_hashes(ids, items, o.block_size, keys.shape[2]),
+                kv_block_hashes=names,
             )
-            handoff = Handoff(params=carried_params(w), mm=contract, cached_tokens=cached)
-            yield handoff.segment(inp, kv=(keys, values))
+            handoff = Handoff(params=params, mm=contract, cached_tokens=cached)
+            if first is None:  # transformers: decode computes the final prompt token
+                yield handoff.segment(inp, kv=kv)
+                continue
+            if params.top_logprobs:
+                handoff.top_ids = [top_ids(first)]
+            yield handoff.segment(inp, [first[0]], [first[1]], kv)
 
 
 class MMDecodeOptions(DecodeOptions, kw_only=True):
@@ -204,19 +240,39 @@ class MMDecode(_MMStage, Decode):
 
     def load(self) -> None:
         o = self.options
-        self.engine = self._engine()
+        reprocess = o.media == "reprocess"
+        if self.vllm:
+            if not reprocess:  # omni's vLLM plugin, or the reason it is not there
+                from omni_ar.engines.vllm_requires_kv import require
+
+                require()
+            # media-free: no vision tower; reprocess: vLLM takes the images again
+            self.engine = self._engine(media_free=not reprocess)
+            self.engine.load_model()
+            if o.inline_detokenize:
+                self.engine.load_tokenizer()
+            # the processor that renders a prompt as ar.mm_intake does (reprocess)
+            self.render = self._engine(model=False) if reprocess else None
+            if self.render is not None:
+                self.render.load_tokenizer()
+            self.placeholder_id = self.engine.placeholder_id
+            return
+        self.engine = self.render = self._engine()
         self.engine.load_model(vision=False)
-        if o.inline_detokenize or o.media == "reprocess":
+        if o.inline_detokenize or reprocess:
             self.engine.load_tokenizer()
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
+        if self.vllm:
+            yield from self._process_paged(batch)
+            return
         for inp in batch:
             messages = self._messages(inp)
             w = inp.window
             sent = MMHandoff.as_sent(w)
             try:
                 if self.options.media == "reprocess":
-                    sent = self._rerender(messages, sent)
+                    sent, _ = self._rerender(messages, sent)
                 elif messages is not None and has_media(messages):
                     raise AdmissionError(
                         "media payload: the request still carries image data; a requires_kv "
@@ -239,14 +295,55 @@ class MMDecode(_MMStage, Decode):
                 continue
             yield from self._stream(inp, params, [first], steps, prompt_tokens=len(ids))
 
+    def _process_paged(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
+        """On vLLM: admit (:func:`~omni_ar.multimodal.handoff.admit_paged`), then continue
+        from prefill's first token; the engine checks the block names, and ends a
+        request whose KV stops short of a placeholder (omni's vLLM plugin)."""
+        from omni_ar.engines.vllm_engine import MMContinuation
+
+        for inp in batch:
+            messages = self._messages(inp)
+            w = inp.window
+            sent = MMHandoff.as_sent(w)
+            pixels = None
+            try:
+                if self.options.media == "reprocess":
+                    sent, pixels = self._rerender(messages, sent)
+                elif messages is not None and has_media(messages):
+                    raise AdmissionError(
+                        "media payload: the request still carries image data; a requires_kv "
+                        "request carries only item hashes"
+                    )
+                adm = admit_paged(sent, w.arrays, self.engine.block_size, self.placeholder_id)
+            except AdmissionError as e:
+                yield inp.fail(f"requires_kv admission: {e}")
+                continue
+            if not w.tokens:
+                yield inp.fail("requires_kv admission: prefill sent no first token")
+                continue
+            params = carried_params(w)
+            ids = adm.handoff.prompt_token_ids
+            mm = MMContinuation(adm.handoff.mm_items, adm.block_hashes, pixels)
+            handoff = Handoff.read(w)
+            first = Sampled((w.tokens[0], w.logprobs[0] if w.logprobs else 0.0), handoff.first_top)
+            steps = self.engine.decode(first[0], *adm.kv, params, ids, inp.priority, mm=mm)
+            self.streams[inp.request_id] = steps
+            try:
+                yield from self._stream(inp, params, [first], steps, prompt_tokens=len(ids))
+            except EngineRequestError as e:
+                yield inp.fail(str(e))
+            finally:
+                self._close(inp.request_id, steps)
+
     def _rerender(
         self, messages: list[dict[str, Any]] | None, sent: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
+    ) -> tuple[dict[str, Any] | None, list[Any] | None]:
         """The full-media baseline: decode the request's images, hash them, run the image
         processor and re-tokenize, as a decode that receives media does to build its
-        input (the pixel values would ride with it, unused where the KV covers)."""
+        input (the pixel values would ride with it, unused where the KV covers); returns
+        the contract so rendered and the decoded images (vLLM processes them itself)."""
         if messages is None or sent is None:
-            return sent
+            return sent, None
         try:
             o = self.options
             pixels = load_images(
@@ -254,10 +351,10 @@ class MMDecode(_MMStage, Decode):
             )
         except RequestError as e:
             raise AdmissionError(f"media payload: {e}") from None
-        if pixels:
+        if pixels and not self.vllm:
             self.engine.pixel_values(pixels)
-        ids, spans = self.engine.encode_mm(messages, [p.shape[:2] for p in pixels])
-        return MMHandoff.rerendered(sent, ids, _items(pixels, spans))
+        ids, spans = self.render.encode_mm(messages, [p.shape[:2] for p in pixels])
+        return MMHandoff.rerendered(sent, ids, _items(pixels, spans)), pixels
 
 
 def _items(pixels: list[Any], spans: list[tuple[int, int]]) -> list[MMItem]:

@@ -85,9 +85,11 @@ class ModelStage(Stage):
             return ("torch", "transformers.models.auto.tokenization_auto")
         return cls.preload
 
-    def _engine(self, model: bool = True):  # type: ignore[no-untyped-def]
+    def _engine(self, model: bool = True, **vllm_options: Any):  # type: ignore[no-untyped-def]
         """The stage's engine; ``model``: it will load the model, on the device and in
-        the dtype of the stage's placement (else only a tokenizer, on the CPU)."""
+        the dtype of the stage's placement (else only a tokenizer, on the CPU);
+        ``vllm_options``: more options of the vLLM engine
+        (:class:`~omni_ar.engines.vllm_engine.VllmEngine`)."""
         o = self.options
         device, dtype = self._placement() if model else ("cpu", "float32")
         return load_engine(
@@ -102,6 +104,7 @@ class ModelStage(Stage):
             gpu_memory_utilization=o.gpu_memory_utilization,
             cpu_turns=o.cpu_turns,
             scheduling_policy=self.ctx.scheduler_policy,
+            **vllm_options,
         )
 
     def _placement(self) -> tuple[str, str]:
