@@ -9,7 +9,6 @@ is installed.
 """
 
 import importlib.util
-import json
 import os
 import re
 
@@ -23,7 +22,6 @@ if importlib.util.find_spec("vllm") is None:
 
 from omni_ar.engines import vllm_requires_kv as plugin  # noqa: E402
 from omni_ar.params import SamplingParams  # noqa: E402
-from omni_ar.testing import run_oracle  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process engines below
 
@@ -112,23 +110,15 @@ def test_failure_notes_are_bounded(monkeypatch):
 
 
 # -- the engines: vLLM's Llava --------------------------------------------------------------
-def _llava_imports() -> str | None:
-    try:
-        import vllm.model_executor.models.llava  # noqa: F401
-    except ImportError as e:  # transformers' Pixtral processor needs torchvision
-        return str(e)
-    return None
-
-
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
-    why = _llava_imports()
+    from omni_ar.multimodal.testing import build_tiny_llava, vllm_llava_missing
+
+    why = vllm_llava_missing()
     if why is not None:
         if os.environ.get("OMNI_VLLM_MM"):
             pytest.fail(f"vLLM's Llava does not import here: {why}", pytrace=False)
         pytest.skip(f"vLLM's Llava does not import here ({why}): hatch run vllm-mm:test")
-    from omni_ar.multimodal.testing import build_tiny_llava
-
     return str(build_tiny_llava(tmp_path_factory.mktemp("tiny-llava-vllm"), for_vllm=True))
 
 
@@ -141,41 +131,19 @@ def _image(seed):
     return np.asarray(Image.open(io.BytesIO(synthetic_image(seed))).convert("RGB"))
 
 
-ORACLE = """
-import json, sys
-import numpy as np
-from PIL import Image
-from vllm import LLM, SamplingParams
-model, args, cases = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-llm = LLM(model=model, enforce_eager=True, dtype="float32", **args)
-outs = llm.generate(
-    [{"prompt": c["prompt"], "multi_modal_data": {"image": Image.fromarray(
-        np.load(c["image"]))}} for c in cases],
-    [SamplingParams(max_tokens=c["max_tokens"], temperature=0) for c in cases],
-    use_tqdm=False,
-)
-print("ORACLE" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-"""
+@pytest.fixture(scope="module")
+def images():
+    """Three images, decoded: (pixels, seed)."""
+    return [(_image(seed), seed) for seed in range(3)]
 
 
 @pytest.fixture(scope="module")
-def images(tmp_path_factory):
-    """Three images, also saved for the oracle's process."""
-    d = tmp_path_factory.mktemp("images")
-    out = []
-    for seed in range(3):
-        px = _image(seed)
-        np.save(d / f"{seed}.npy", px)
-        out.append((px, str(d / f"{seed}.npy")))
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(llava, images):
+def reference(llava, images, tmp_path_factory):
     """vLLM's own ``LLM.generate`` given each image (in a process of its own)."""
-    cases = [{"prompt": PROMPT, "image": path, "max_tokens": 12} for _, path in images]
-    args = {**ENGINE_ARGS, "limit_mm_per_prompt": {"image": 1}}
-    out = run_oracle(ORACLE, llava, json.dumps(args), json.dumps(cases))
+    from omni_ar.multimodal.testing import vllm_generate
+
+    cases = [(PROMPT, [px], 12) for px, _ in images]
+    out = vllm_generate(llava, cases, ENGINE_ARGS, tmp_path_factory.mktemp("oracle"))
     assert len({tuple(t) for t in out}) == len(out)  # the image changes the output
     return out
 
@@ -379,47 +347,16 @@ def chats():
     ]
 
 
-CHAT_ORACLE = """
-import json, sys
-import numpy as np
-from PIL import Image
-from vllm import LLM, SamplingParams
-model, args, cases = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-llm = LLM(model=model, enforce_eager=True, dtype="float32", **args)
-inputs = []
-for c in cases:
-    one = {"prompt": c["prompt"]}
-    if c["images"]:
-        one["multi_modal_data"] = {"image": [Image.fromarray(np.load(p)) for p in c["images"]]}
-    inputs.append(one)
-params = [SamplingParams(max_tokens=c["max_tokens"], temperature=0) for c in cases]
-outs = llm.generate(inputs, params, use_tqdm=False)
-print("ORACLE" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-"""
-
-
 @pytest.fixture(scope="module")
 def chat_reference(llava, chats, tmp_path_factory):
     """vLLM's own ``LLM.generate`` given each request's images, its prompt the chat
     template's text with one image marker per image (as ar.mm_intake renders it)."""
-    from omni_ar.multimodal.media import decode_image, flatten, image_parts, source_bytes
+    from omni_ar.multimodal.testing import chat_case, vllm_generate
     from transformers import AutoProcessor
 
     proc = AutoProcessor.from_pretrained(llava)
-    d = tmp_path_factory.mktemp("chat-images")
-    cases = []
-    for i, r in enumerate(chats):
-        msgs = r["messages"]
-        text = proc.tokenizer.apply_chat_template(
-            flatten(msgs, proc.image_token), add_generation_prompt=True, tokenize=False
-        )
-        paths = []
-        for j, (_, part) in enumerate(image_parts(msgs)):
-            paths.append(str(d / f"{i}-{j}.npy"))
-            np.save(paths[-1], decode_image(source_bytes(part, "x"), "x", 10**9))
-        cases.append({"prompt": text, "images": paths, "max_tokens": r["max_tokens"]})
-    args = {**ENGINE_ARGS, "limit_mm_per_prompt": {"image": 2}}
-    out = run_oracle(CHAT_ORACLE, llava, json.dumps(args), json.dumps(cases))
+    cases = [chat_case(proc, r) for r in chats]
+    out = vllm_generate(llava, cases, ENGINE_ARGS, tmp_path_factory.mktemp("chat-oracle"))
     assert len({tuple(t) for t in out}) == len(out)
     return proc.tokenizer, out
 

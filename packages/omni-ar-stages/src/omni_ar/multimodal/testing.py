@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -123,3 +124,70 @@ def png_bomb(width: int, height: int) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (width, height)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def vllm_llava_missing() -> str | None:
+    """Why vLLM's Llava does not import here (transformers' Pixtral image processor needs
+    torchvision, see the ``vllm-mm`` environment), or None where it does."""
+    try:
+        import vllm.model_executor.models.llava  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+VLLM_ORACLE = """
+import json, sys
+import numpy as np
+from PIL import Image
+from vllm import LLM, SamplingParams
+model, args, cases = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = LLM(model=model, enforce_eager=True, dtype="float32", **args)
+inputs = []
+for c in cases:
+    one = {"prompt": c["prompt"]}
+    if c["images"]:
+        one["multi_modal_data"] = {"image": [Image.fromarray(np.load(p)) for p in c["images"]]}
+    inputs.append(one)
+params = [SamplingParams(max_tokens=c["max_tokens"], temperature=0) for c in cases]
+outs = llm.generate(inputs, params, use_tqdm=False)
+print("ORACLE" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def vllm_generate(
+    model: str,
+    cases: list[tuple[str, list[np.ndarray], int]],
+    engine_args: dict[str, Any],
+    tmp: str | Path,
+) -> list[list[int]]:
+    """vLLM's own ``LLM.generate``, greedy, of each (prompt text with one image marker per
+    image, decoded RGB images, max_tokens), in a process of its own (the images pass
+    through ``tmp`` as ``.npy`` files)."""
+    import json
+
+    from omni_ar.testing import run_oracle
+
+    rows = []
+    for i, (prompt, images, max_tokens) in enumerate(cases):
+        paths = []
+        for j, px in enumerate(images):
+            paths.append(str(Path(tmp) / f"oracle-{i}-{j}.npy"))
+            np.save(paths[-1], px)
+        rows.append({"prompt": prompt, "images": paths, "max_tokens": max_tokens})
+    most = max((len(c[1]) for c in cases), default=0)
+    args = {**engine_args, "limit_mm_per_prompt": {"image": max(most, 1)}}
+    return run_oracle(VLLM_ORACLE, model, json.dumps(args), json.dumps(rows), timeout=600)
+
+
+def chat_case(processor: Any, request: dict[str, Any]) -> tuple[str, list[np.ndarray], int]:
+    """A chat request as :func:`vllm_generate` takes it: the chat template's text with one
+    image marker per image (as ``ar.mm_intake`` renders it), its images decoded."""
+    from omni_ar.multimodal.media import decode_image, flatten, image_parts, source_bytes
+
+    msgs = request["messages"]
+    text = processor.tokenizer.apply_chat_template(
+        flatten(msgs, processor.image_token), add_generation_prompt=True, tokenize=False
+    )
+    images = [decode_image(source_bytes(p, "x"), "x", 10**9) for _, p in image_parts(msgs)]
+    return text, images, request["max_tokens"]
