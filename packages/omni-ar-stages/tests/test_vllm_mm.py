@@ -214,7 +214,7 @@ def test_decode_builds_no_vision_tower(engines):
 
 
 def _fails(decode, done, params, ids, mm, keys=None, values=None):
-    from omni_ar.engines.vllm_engine import EngineRequestError
+    from omni_ar.errors import EngineRequestError
 
     assert decode.llm.reset_prefix_cache()  # else its own cache may serve the blocks
     keys = done.keys if keys is None else keys
@@ -287,7 +287,8 @@ def test_a_preempted_request_fails_instead_of_recomputing_without_its_media(
     and without its media it cannot recompute the placeholders. (With prefix caching,
     off here, a preempted request whose freed blocks are still cached resumes from
     them: those are valid KV of the same tokens and image.)"""
-    from omni_ar.engines.vllm_engine import EngineRequestError, VllmEngine
+    from omni_ar.engines.vllm_engine import VllmEngine
+    from omni_ar.errors import EngineRequestError
 
     small = VllmEngine(
         llava,
@@ -425,3 +426,85 @@ def test_stages_on_vllm_equal_llm_generate_and_decode_never_gets_the_media(
             assert has_media(sent.request["messages"]) == (
                 media == "reprocess" and bool(handoff["mm_items"])
             )
+
+
+# -- the stages driven directly: a handoff altered on its way to decode ----------------------
+@pytest.fixture(scope="module")
+def mm_stages(llava):
+    from omni_ar.multimodal.stages import MMDecode, MMIntake, MMPrefill
+    from omni_core.stage import StageContext
+
+    engine = {"model": llava, "engine": "vllm", "engine_args": ENGINE_ARGS}
+    out = []
+    for cls, kind, options in (
+        (MMIntake, "ar.mm_intake", {"model": llava}),
+        (MMPrefill, "ar.mm_prefill", engine),
+        (MMDecode, "ar.mm_decode", engine),
+    ):
+        stage = cls(StageContext("s", kind, options))
+        stage.load()
+        out.append(stage)
+    return out
+
+
+def _feed(stage, request, ev=None):
+    """One stage on one request and its upstream stage's event: (events, the request as
+    the stage forwards it)."""
+    import copy
+
+    from omni_core import StageInput
+    from omni_core.dataplane.windows import Piece, Window
+
+    request = copy.deepcopy(request)
+    windows = {}
+    if ev is not None:
+        piece = Piece(0, ev.tokens, getattr(ev, "arrays", {}), ev.payload, logprobs=ev.logprobs)
+        windows["up"] = Window("up", 0, 0, 0, [piece], True)
+    return list(stage.process([StageInput("r", request, windows, True, True)])), request
+
+
+def test_decode_stage_fails_an_altered_handoff_alone(mm_stages, chats, chat_reference):
+    import copy
+
+    intake, prefill, decode = mm_stages
+    _, expected = chat_reference
+    (ev,), _ = _feed(intake, chats[0])
+    (sent,), forwarded = _feed(prefill, chats[0], ev)
+    assert sent.event_type == "segment" and sent.tokens == expected[0][:1]
+
+    def decoded(change=None, arrays=None):
+        ev = copy.copy(sent)
+        ev.payload = copy.deepcopy(sent.payload)
+        if change:
+            ev.payload["handoff"].update(change)
+        ev.arrays = dict(sent.arrays) if arrays is None else arrays
+        evs, _ = _feed(decode, forwarded, ev)
+        tokens = [t for e in evs if e.event_type == "segment" for t in e.tokens]
+        return tokens, [e.message for e in evs if e.event_type == "error"]
+
+    assert decoded() == (expected[0], [])
+    names = list(sent.payload["handoff"]["kv_block_hashes"])
+    # checked by the stage, before the engine sees the request
+    cases = {
+        "no KV arrived": decoded(arrays={}),
+        "block size: prefill named blocks of 16 tokens": decoded({"block_size": 16}),
+        "the KV is named by 1 block hashes but holds": decoded({"kv_block_hashes": names[:1]}),
+    }
+    for needle, (tokens, errors) in cases.items():
+        assert tokens == [] and len(errors) == 1 and needle in errors[0], (needle, errors)
+        assert errors[0].startswith("requires_kv admission: ")
+    # checked by the engine (the connector's names, omni's plugin): the image lies in
+    # block 0; a wrong name there loads nothing, and after prefill's first token the
+    # request ends, with nothing computed from the wrong KV
+    (it,) = sent.payload["handoff"]["mm_items"]
+    assert it["offset"] + it["length"] <= BLOCK < len(sent.payload["handoff"]["prompt_token_ids"])
+    wrong = "f" * len(names[0])
+    assert decode.engine.llm.reset_prefix_cache()  # else its own cache serves the blocks
+    tokens, errors = decoded({"kv_block_hashes": [wrong, *names[1:]]})
+    assert tokens == expected[0][:1] and len(errors) == 1, errors
+    assert "KV block 0 (positions [0, 32)) was computed for other tokens or media" in errors[0]
+    # a wrong name past the image: that block and the rest are computed again (text
+    # only), never loaded, and the tokens are the same
+    assert decode.engine.llm.reset_prefix_cache()
+    assert decoded({"kv_block_hashes": [names[0], wrong, *names[2:]]}) == (expected[0], [])
+    assert decoded() == (expected[0], [])  # the engine goes on

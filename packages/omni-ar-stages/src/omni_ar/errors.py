@@ -1,4 +1,4 @@
-"""The AR family's error for a request the client got wrong."""
+"""The AR family's errors: a request the client got wrong, one an engine ended."""
 
 from __future__ import annotations
 
@@ -8,3 +8,9 @@ from omni_core.errors import UserInputError
 class RequestError(UserInputError):
     """A request field is missing, of the wrong type, or out of range: the client's
     fault, its message shown to the client (see ``UserInputError``)."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine ended this one request with an error (vLLM's ``finish_reason``
+    ``"error"``); the message says why where omni knows (a ``requires_kv`` request whose
+    KV does not cover its placeholders), and the engine goes on with the others."""

@@ -52,6 +52,7 @@ from omni_hf import quiet_offline
 from omni_ar.engines.cpu_turns import cpu_turn
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.engines.vllm_requires_kv import failure, forget_failure
+from omni_ar.errors import EngineRequestError
 from omni_ar.handoff import MMItem
 from omni_ar.params import RequestError, Sampled, SamplingParams
 from omni_ar.structured import ConstraintError, Grammars
@@ -102,12 +103,6 @@ def engine_settings(device: str, dtype: str, gpu_memory_utilization: float = 0.9
     if not device.startswith("cuda"):
         raise ValueError(f"vLLM engine: device {device!r}: expected 'cpu' or 'cuda:N'")
     return {"dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization}
-
-
-class EngineRequestError(RuntimeError):
-    """vLLM ended this request with an error (``finish_reason`` ``"error"``); the message
-    says why where omni knows (a ``requires_kv`` request the KV does not cover), and the
-    engine goes on with the others."""
 
 
 @dataclass

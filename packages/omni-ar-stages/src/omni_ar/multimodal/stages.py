@@ -27,7 +27,6 @@ from typing import Any, Literal
 
 from omni_core import StageEvent, StageInput
 
-from omni_ar.engines.vllm_engine import EngineRequestError
 from omni_ar.handoff import Handoff, MMHandoff, MMItem
 from omni_ar.models import resolve_model
 from omni_ar.multimodal.engine import VLMEngine, check_model_dir
@@ -328,10 +327,8 @@ class MMDecode(_MMStage, Decode):
             first = Sampled((w.tokens[0], w.logprobs[0] if w.logprobs else 0.0), handoff.first_top)
             steps = self.engine.decode(first[0], *adm.kv, params, ids, inp.priority, mm=mm)
             self.streams[inp.request_id] = steps
-            try:
+            try:  # a request vLLM ends (its KV short of a placeholder) fails alone
                 yield from self._stream(inp, params, [first], steps, prompt_tokens=len(ids))
-            except EngineRequestError as e:
-                yield inp.fail(str(e))
             finally:
                 self._close(inp.request_id, steps)
 

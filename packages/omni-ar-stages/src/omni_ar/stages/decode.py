@@ -11,6 +11,7 @@ import msgspec
 from omni_core import StageContext, StageEvent, StageInput
 
 from omni_ar.detokenizer import IncrementalDetokenizer
+from omni_ar.errors import EngineRequestError
 from omni_ar.handoff import Handoff, kv_of_arrays
 from omni_ar.params import (
     RequestError,
@@ -20,6 +21,8 @@ from omni_ar.params import (
 )
 from omni_ar.stages.base import ModelOptions, ModelStage
 from omni_ar.stages.logprobs import TOP_IDS, token_texts, top_ids, top_payload
+
+_END = object()  # the steps ran out
 
 
 class DecodeOptions(ModelOptions, kw_only=True):
@@ -153,7 +156,8 @@ class Decode(ModelStage):
         carries ``prompt_tokens`` (the prompt's length, for usage counts downstream) and
         the request's params (for the stages downstream); the last, ``finish_reason``.
         A ``None`` step (the request waits inside vLLM) yields None: the stage's other
-        requests go on meanwhile, and the tokens it holds go out once they are due.
+        requests go on meanwhile, and the tokens it holds go out once they are due. A
+        request the engine ends with an error (:class:`EngineRequestError`) fails alone.
         With ``top_logprobs`` each segment's payload carries its tokens' alternatives
         (``top_ids``, made text by :func:`top_payload`)."""
         counted = {**params_payload(params), "prompt_tokens": prompt_tokens}
@@ -178,7 +182,15 @@ class Decode(ModelStage):
             tokens, logprobs, tops = [], [], []
         else:
             last_flush = 0.0  # the first step's token flushes as soon as it comes
-        for s in steps:
+        steps = iter(steps)
+        while True:
+            try:
+                s = next(steps, _END)
+            except EngineRequestError as e:  # this request alone; the engine goes on
+                yield inp.fail(str(e))
+                return
+            if s is _END:
+                break
             if inp.cancelled:
                 return
             if s is not None:
