@@ -69,18 +69,20 @@ def test_llava_and_the_plain_llama_it_wraps_are_admitted(tmp_path):
     check_handoff_model(LlamaConfig(architectures=["LlamaForCausalLM"]))
 
 
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
 @pytest.mark.parametrize(
     ("cls", "kind"),
     [(MMIntake, "ar.mm_intake"), (MMPrefill, "ar.mm_prefill"), (MMDecode, "ar.mm_decode")],
 )
 def test_each_mm_stage_refuses_an_m_rope_checkpoint_at_load_before_reading_anything_else(
-    tmp_path, cls, kind
+    tmp_path, cls, kind, engine
 ):
     """A checkpoint directory with a Qwen2-VL config and nothing else: the stage's load
-    fails on the config, with the reason, not on the missing processor or weights."""
+    fails on the config, with the reason, not on the missing processor or weights, and
+    on vLLM before any engine starts (or vLLM is imported)."""
     _qwen2_vl().save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2_vl"
-    stage = cls(StageContext("s", kind, {"model": str(tmp_path)}))
+    stage = cls(StageContext("s", kind, {"model": str(tmp_path), "engine": engine}))
     with pytest.raises(ValueError, match="uses M-RoPE"):
         stage.load()
 

@@ -373,6 +373,7 @@ def mm_config(model, enabled=True, media="none"):
             {
                 "name": "prefill",
                 "kind": "ar.mm_prefill",
+                "max_batch_size": 4,  # prefills batched in vLLM's steps
                 "client_stream": True,  # the event decode receives, looked at below
                 "options": {**engine, "forward_media": media == "reprocess"},
             },
@@ -426,6 +427,27 @@ def test_stages_on_vllm_equal_llm_generate_and_decode_never_gets_the_media(
             assert has_media(sent.request["messages"]) == (
                 media == "reprocess" and bool(handoff["mm_items"])
             )
+
+
+def test_a_prompt_vllm_refuses_fails_alone_in_its_prefill_batch(llava, chats, chat_reference):
+    """Four requests at once, one longer than the engines' max_model_len (256): vLLM
+    refuses it when it enters, which fails the batch's engine call; prefill then runs the
+    prompts one by one, and only that one fails, with vLLM's reason."""
+    import copy
+
+    from omni_core import Pipeline
+
+    tok, expected = chat_reference
+    long = _chat("a fox " * 60, (_data_url(9, 32, 32),), " ok")
+    batch = [copy.deepcopy(chats[0]), long, copy.deepcopy(chats[1]), copy.deepcopy(chats[3])]
+    with Pipeline(mm_config(llava)) as pipe:
+        outs = pipe.generate(batch)
+    assert not outs[1].ok and "vLLM multimodal prefill" in outs[1].error, outs[1].error
+    assert "256" in outs[1].error
+    for k, exp in ((0, expected[0]), (2, expected[1]), (3, expected[3])):
+        out = outs[k]
+        assert out.ok, out.error
+        assert [t for e in out.by_stage("postprocess") for t in e.tokens] == exp
 
 
 # -- the stages driven directly: a handoff altered on its way to decode ----------------------

@@ -42,7 +42,7 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from omni_core.control.zygote import apply_thread_env
@@ -123,6 +123,14 @@ class MMContinuation:
     items: list[MMItem]  # each image's content hash and placeholder span
     block_hashes: list[str]  # prefill's names of the prompt's blocks (MMPrefilled's)
     images: list[np.ndarray] | None = None  # decoded RGB, (H, W, 3), in items' order
+
+
+class MMPrompt(NamedTuple):
+    """A multimodal prompt as ``ar.mm_intake`` made it."""
+
+    ids: list[int]  # each image's placeholders expanded
+    items: list[MMItem]  # each image's content hash and placeholder span
+    images: list[np.ndarray]  # decoded RGB, (H, W, 3), in items' order
 
 
 @dataclass(frozen=True)
@@ -531,15 +539,29 @@ class VllmEngine:
         params: SamplingParams,
         priority: int = 0,
     ) -> MMPrefilled:
-        """Prefill a multimodal prompt (``ids`` with each image's placeholders expanded,
-        as ``ar.mm_intake`` tokenized it; ``images`` decoded RGB, ``(H, W, 3)``): vLLM
-        runs the image processor, the vision encoder and the prompt forward, and its
-        connector hands out the prompt's KV. Each image goes in under its content hash
-        (``items[i]["hash"]``), the identifier vLLM names the blocks of its
-        placeholders with, so a repeated image + prefix hits vLLM's prefix cache here
-        and the decode engine names the same blocks the same way. vLLM renders the
+        """:meth:`prefill_mm_many` of one prompt; a prompt vLLM renders otherwise raises
+        :class:`EngineRequestError`."""
+        (done,) = self.prefill_mm_many([MMPrompt(ids, items, images)], [params], [priority])
+        if isinstance(done, str):
+            raise EngineRequestError(done)
+        return done
+
+    def prefill_mm_many(
+        self,
+        prompts: list[MMPrompt],
+        params: list[SamplingParams],
+        priorities: list[int] | None = None,
+    ) -> Iterator[MMPrefilled | str]:
+        """Prefill multimodal prompts in the same engine steps (``ids`` with each image's
+        placeholders expanded, as ``ar.mm_intake`` tokenized it; ``images`` decoded RGB,
+        ``(H, W, 3)``): vLLM runs the image processor, the vision encoder and the prompt
+        forward, and its connector hands out each prompt's KV. Each image goes in under
+        its content hash (``items[i]["hash"]``), the identifier vLLM names the blocks of
+        its placeholders with, so a repeated image + prefix hits vLLM's prefix cache here
+        and the decode engine names the same blocks the same way. vLLM renders each
         prompt itself (each span collapsed to its one image marker, then expanded by
-        vLLM's processor): a prompt it renders otherwise than ``ids`` raises."""
+        vLLM's processor); the result of one it renders otherwise than ``ids`` is why
+        (a ``str``), in its place."""
         from omni_ar.engines.kv_connector import RENDERED
 
         if not (self.kv_role == "kv_producer" and self.kv_connector == "shm"):
@@ -547,23 +569,24 @@ class VllmEngine:
                 "vLLM multimodal prefill hands its KV on through the 'shm' connector as the "
                 f"kv_producer (this engine: {self.kv_role}, {self.kv_connector!r})"
             )
-        order = sorted(items, key=lambda it: it["offset"])
-        steps = self._prefill([media_prompt(ids, items, images)], [params], [priority], True)
-        try:
-            first, (keys, values), key = next(steps)
+        inputs = [media_prompt(p.ids, p.items, p.images) for p in prompts]
+        steps = self._prefill(inputs, params, priorities, record=True)
+        for p, (first, (keys, values), key) in zip(prompts, steps, strict=True):
             rendered = RENDERED.get(key or "")
-        finally:
-            steps.close()
-        if rendered is None:
-            raise RuntimeError("vLLM multimodal prefill: the KV connector recorded no prompt")
-        want = [(it["hash"], it["offset"], it["length"]) for it in order]
-        if rendered.prompt_token_ids != list(ids) or rendered.items != want:
-            raise RuntimeError(
-                "vLLM rendered the prompt otherwise than ar.mm_intake: "
-                f"{len(rendered.prompt_token_ids)} tokens and items {rendered.items}, "
-                f"intake {len(ids)} tokens and items {want}"
-            )
-        return MMPrefilled(first, keys, values, rendered.block_hashes)
+            if rendered is None:
+                raise RuntimeError("vLLM multimodal prefill: the KV connector recorded no prompt")
+            want = [
+                (it["hash"], it["offset"], it["length"])
+                for it in sorted(p.items, key=lambda it: it["offset"])
+            ]
+            if rendered.prompt_token_ids != list(p.ids) or rendered.items != want:
+                yield (
+                    "vLLM rendered the prompt otherwise than ar.mm_intake: "
+                    f"{len(rendered.prompt_token_ids)} tokens and items {rendered.items}, "
+                    f"intake {len(p.ids)} tokens and items {want}"
+                )
+                continue
+            yield MMPrefilled(first, keys, values, rendered.block_hashes)
 
     @staticmethod
     def _take_kv(kv: tuple[Any, Any] | None, shm: bool) -> tuple[Any, Any]:

@@ -81,6 +81,10 @@ class _MMStage(ModelStage):
         path = resolve_model(o.model)
         check_model_dir(path)  # before the processor or a weight is read
         if o.engine == "vllm" and model:
+            if vllm_options.get("media_free"):  # omni's vLLM plugin, or why it is not there
+                from omni_ar.engines.vllm_requires_kv import require
+
+                require()
             return super()._engine(model, multimodal=True, **vllm_options)
         device, dtype = self._placement() if model else ("cpu", "float32")
         return VLMEngine(path, dtype=dtype, threads=o.threads, device=device)
@@ -177,22 +181,22 @@ class MMPrefill(_MMStage):
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         o = self.options
-        for inp in batch:
+        prefilled = self._vllm_prefill(batch) if self.vllm else None
+        for k, inp in enumerate(batch):
             w = inp.window
             ids = w.tokens
             items = w.payloads[0]["mm_items"]
-            images = [w.arrays[f"image_{i}"] for i in range(len(items))]
             params = carried_params(w)
             first: Sampled | None = None
-            if self.vllm:
-                try:
-                    done = self.engine.prefill_mm(ids, items, images, params, inp.priority)
-                except (RuntimeError, ValueError) as e:
-                    yield inp.fail(f"vLLM multimodal prefill: {e}")
+            if prefilled is not None:
+                done = prefilled[k]
+                if isinstance(done, str):
+                    yield inp.fail(f"vLLM multimodal prefill: {done}")
                     continue
                 first, kv, names = done.first, (done.keys, done.values), done.block_hashes
                 block, cached = self.engine.block_size, None
             else:
+                images = [w.arrays[f"image_{i}"] for i in range(len(items))]
                 keys, values, cached = self.engine.prefill_kv(
                     ids, items, images, o.block_size, self.cache
                 )
@@ -218,6 +222,36 @@ class MMPrefill(_MMStage):
                 handoff.top_ids = [top_ids(first)]
             yield handoff.segment(inp, [first[0]], [first[1]], kv)
 
+    def _vllm_prefill(self, batch: list[StageInput]) -> list[Any]:
+        """The batch's prompts prefilled on vLLM in the same engine steps: each one's
+        ``MMPrefilled``, or why it failed (a ``str``). A prompt vLLM refuses (it raises
+        for the whole call) is found by prefilling them one by one, so it fails alone."""
+        from omni_ar.engines.vllm_engine import MMPrompt
+
+        prompts, params = [], []
+        for inp in batch:
+            w = inp.window
+            items = w.payloads[0]["mm_items"]
+            images = [w.arrays[f"image_{i}"] for i in range(len(items))]
+            prompts.append(MMPrompt(w.tokens, items, images))
+            params.append(carried_params(w))
+        priorities = [inp.priority for inp in batch]
+        try:
+            return list(self.engine.prefill_mm_many(prompts, params, priorities))
+        except (RuntimeError, ValueError) as e:
+            if len(batch) == 1:
+                return [str(e)]
+        out: list[Any] = []
+        for one in zip(prompts, params, priorities, strict=True):
+            out += self._vllm_prefill_one(*one)
+        return out
+
+    def _vllm_prefill_one(self, prompt: Any, params: Any, priority: int) -> list[Any]:
+        try:
+            return list(self.engine.prefill_mm_many([prompt], [params], [priority]))
+        except (RuntimeError, ValueError) as e:
+            return [str(e)]
+
 
 class MMDecodeOptions(DecodeOptions, kw_only=True):
     """``ar.mm_decode``'s options."""
@@ -241,10 +275,6 @@ class MMDecode(_MMStage, Decode):
         o = self.options
         reprocess = o.media == "reprocess"
         if self.vllm:
-            if not reprocess:  # omni's vLLM plugin, or the reason it is not there
-                from omni_ar.engines.vllm_requires_kv import require
-
-                require()
             # media-free: no vision tower; reprocess: vLLM takes the images again
             self.engine = self._engine(media_free=not reprocess)
             self.engine.load_model()
