@@ -438,7 +438,7 @@ def test_a_prompt_vllm_refuses_fails_alone_in_its_prefill_batch(llava, chats, ch
     from omni_core import Pipeline
 
     tok, expected = chat_reference
-    long = _chat("a fox " * 60, (_data_url(9, 32, 32),), " ok")
+    long = _chat("0123456789 " * 40, (_data_url(9, 32, 32),), " ok")  # some 460 tokens
     batch = [copy.deepcopy(chats[0]), long, copy.deepcopy(chats[1]), copy.deepcopy(chats[3])]
     with Pipeline(mm_config(llava)) as pipe:
         outs = pipe.generate(batch)

@@ -399,9 +399,10 @@ class VllmEngine:
         params: SamplingParams | None = None,
     ) -> str:
         """The request (token ids, or an engine input such as a multimodal prompt) into
-        the engine, with ``priority`` under the priority policy (0 under fcfs); a grammar
-        vLLM's backend refuses is a RequestError naming the field of ``params`` it came
-        from (this request fails, the engine goes on)."""
+        the engine, with ``priority`` under the priority policy (0 under fcfs); a request
+        vLLM refuses (a prompt past ``max_model_len``) is a RequestError, naming the field
+        of ``params`` its grammar came from where vLLM's backend refused that (this
+        request fails, the engine goes on)."""
         from vllm.exceptions import VLLMClientError
 
         from omni_ar.engines.kv_connector import PARAM
@@ -417,8 +418,8 @@ class VllmEngine:
             self.engine.add_request(rid, prompt, sp, priority=priority)
         except (ValueError, VLLMClientError) as e:
             del self._streams[rid]
-            if sp.structured_outputs is None:
-                raise
+            if sp.structured_outputs is None:  # e.g. a prompt past max_model_len
+                raise RequestError(f"vLLM refused the request: {e}") from None
             field = params.constraint_field() if params is not None else "structured_outputs"
             raise RequestError(f"field {field!r}: vLLM refused it: {e}") from None
         return rid

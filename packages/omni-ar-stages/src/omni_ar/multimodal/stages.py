@@ -238,7 +238,7 @@ class MMPrefill(_MMStage):
         priorities = [inp.priority for inp in batch]
         try:
             return list(self.engine.prefill_mm_many(prompts, params, priorities))
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, RequestError) as e:
             if len(batch) == 1:
                 return [str(e)]
         out: list[Any] = []
@@ -249,7 +249,7 @@ class MMPrefill(_MMStage):
     def _vllm_prefill_one(self, prompt: Any, params: Any, priority: int) -> list[Any]:
         try:
             return list(self.engine.prefill_mm_many([prompt], [params], [priority]))
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, RequestError) as e:
             return [str(e)]
 
 
