@@ -166,6 +166,19 @@ def test_staged_vllm_equals_llm_generate(
             check(pipe.generate(PROMPTS[2:]), (reference[0], reference[1][2:]))
 
 
+def test_a_prompt_vllm_refuses_fails_alone_in_its_prefill_batch(vllm_model, reference):
+    """A prompt past vLLM's max_model_len (512) among three others, prefilled in one
+    batch: vLLM refuses it as it enters, prefill finds it by trying one by one, and
+    only it fails, with vLLM's reason."""
+    too_long = {"prompt": " ".join(["a red fox in the snow"] * 60), "max_tokens": 4}
+    batch = [PROMPTS[0], too_long, PROMPTS[1], PROMPTS[2]]
+    with Pipeline(vllm_config(vllm_model, max_inflight=4)) as pipe:
+        outs = pipe.generate(batch)
+    assert not outs[1].ok and "vLLM refused the request" in outs[1].error, outs[1].error
+    assert "maximum context length is 512" in outs[1].error
+    check([outs[0], outs[2], outs[3]], (reference[0], reference[1][:3]))
+
+
 def test_fused_vllm_generate_equals_llm_generate_and_cancels(vllm_model, reference):
     """ar.generate: one engine does prefill and decode, batching every request in flight."""
     opts = {"model": vllm_model, "engine": "vllm"}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from omni_core import StageEvent, StageInput
@@ -59,10 +59,24 @@ class Prefill(ModelStage):
         batch = here
         prompts = [inp.window.tokens for inp in batch]
         priorities = [inp.priority for inp in batch]
-        results = self.engine.prefill_many(prompts, params, priorities)  # vLLM: one batch
+        try:
+            results: list[Any] = list(self.engine.prefill_many(prompts, params, priorities))
+        except RequestError as e:  # vLLM refused a prompt as it entered: find it, one by one
+            one = zip(prompts, params, priorities, strict=True)
+            results = [e] if len(batch) == 1 else [self._prefill_one(*x) for x in one]
         for inp, ids, p, res in zip(batch, prompts, params, results, strict=True):
+            if isinstance(res, RequestError):
+                yield inp.fail(res)
+                continue
             tok, lp, keys, values = res
             handoff = Handoff(params=p, prompt_ids=ids, prompt_tokens=len(ids))
             if p.top_logprobs:
                 handoff.top_ids = [top_ids(res)]
             yield handoff.segment(inp, [tok], [lp], (keys, values))
+
+    def _prefill_one(self, ids: list[int], params: SamplingParams, priority: int) -> Any:
+        """One prompt's prefill, or the RequestError it raised."""
+        try:
+            return next(self.engine.prefill_many([ids], [params], [priority]))
+        except RequestError as e:
+            return e
