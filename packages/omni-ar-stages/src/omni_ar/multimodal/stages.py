@@ -355,7 +355,11 @@ class MMDecode(_MMStage, Decode):
             mm = MMContinuation(adm.handoff.mm_items, adm.block_hashes, pixels)
             handoff = Handoff.read(w)
             first = Sampled((w.tokens[0], w.logprobs[0] if w.logprobs else 0.0), handoff.first_top)
-            steps = self.engine.decode(first[0], *adm.kv, params, ids, inp.priority, mm=mm)
+            try:
+                steps = self.engine.decode(first[0], *adm.kv, params, ids, inp.priority, mm=mm)
+            except RequestError as e:  # vLLM refused it as it entered
+                yield inp.fail(e)
+                continue
             self.streams[inp.request_id] = steps
             try:  # a request vLLM ends (its KV short of a placeholder) fails alone
                 yield from self._stream(inp, params, [first], steps, prompt_tokens=len(ids))
