@@ -223,13 +223,7 @@ def check_kv_coverage(
 ) -> tuple[Any, Any]:
     """The KV arrived, fits the model, covers every placeholder (the first ``required``
     positions, never recomputed) and no more than the prompt; returns (keys, values)."""
-    kv = kv_of_arrays(arrays)
-    if kv is None:
-        raise AdmissionError(
-            f"kv coverage: no KV arrived ('keys'/'values' missing); positions [0, {required}) "
-            "hold placeholders and are never recomputed"
-        )
-    keys, values = kv
+    keys, values = kv = arrived_kv(arrays, required)
     want = (kv_shape[0], kv_shape[1], kv_shape[2])
     if (
         keys.ndim != 4
@@ -241,6 +235,17 @@ def check_kv_coverage(
             f"fit this model's (layers, kv heads, head dim) = {want}"
         )
     check_covers(h, keys.shape[2], required)
+    return kv
+
+
+def arrived_kv(arrays: dict[str, Any], required: int) -> tuple[Any, Any]:
+    """The (keys, values) that arrived; positions ``[0, required)`` need them."""
+    kv = kv_of_arrays(arrays)
+    if kv is None:
+        raise AdmissionError(
+            f"kv coverage: no KV arrived ('keys'/'values' missing); positions [0, {required}) "
+            "hold placeholders and are never recomputed"
+        )
     return kv
 
 
@@ -271,13 +276,7 @@ def admit_paged(
     check_block_size(h, block_size)
     check_no_media_arrays(arrays)
     required = check_spans(h, placeholder_id)
-    kv = kv_of_arrays(arrays)
-    if kv is None:
-        raise AdmissionError(
-            f"kv coverage: no KV arrived ('keys'/'values' missing); positions [0, {required}) "
-            "hold placeholders and are never recomputed"
-        )
-    keys, values = kv
+    keys, values = kv = arrived_kv(arrays, required)
     if keys.ndim < 3 or keys.shape != values.shape:
         raise AdmissionError(
             f"kv coverage: KV of shapes {tuple(keys.shape)} / {tuple(values.shape)} is not "
