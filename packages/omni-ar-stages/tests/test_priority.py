@@ -4,6 +4,8 @@ serves the requests waiting at a busy decode by (priority, arrival) under
 ``scheduler_policy: priority``, by arrival under ``fcfs``, with the tokens each gives
 alone (greedy)."""
 
+import time
+
 import pytest
 from omni_ar.engines.vllm_engine import VllmEngine
 from omni_ar.params import parse_request
@@ -91,20 +93,48 @@ def test_a_busy_decode_serves_the_waiting_requests_by_priority_then_arrival(
         assert ended == names
 
 
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """The tiny Llama with room for 4096 positions: a request that cannot end before the
+    test has seen what it waits for."""
+    from omni_ar.testing import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-4k"), max_positions=4096))
+
+
 def test_a_better_request_preempts_a_decoding_one_which_resumes_with_its_own_tokens(
-    tiny_model,
+    long_model,
 ):
-    # decode on the transformers engine is preemptible: the worse request leaves the
-    # decode batch (its KV kept) while the better one decodes, then goes on
-    low = {"prompt": "the quick brown fox", "max_tokens": 300, "ignore_eos": True, "priority": 3}
+    """Decode on the transformers engine is preemptible: the worse request leaves the
+    decode batch (its KV kept) while the better one decodes, then goes on. The worse one
+    asks for 4000 tokens, far more than it makes while the better one crosses the
+    pipeline however loaded the machine, and is cancelled once it has streamed 16
+    tokens after it resumed: its tokens up to then equal its own greedy run's."""
+    low = {"prompt": "the quick brown fox", "max_tokens": 4000, "ignore_eos": True, "priority": 3}
     high = REQUESTS["d"]  # priority -1
-    with Pipeline(split_config(tiny_model, "priority")) as pipe:
+    cfg = split_config(long_model, "priority")
+    cfg["edges"][-1]["window"] = {"size": 1}  # postprocess streams each decode segment
+    with Pipeline(cfg) as pipe:
         slow = pipe.submit(low)
         wait_for(lambda: decode(pipe)["dequeued"] >= 1, 20, "decode took the worse request")
         fast = collect(pipe.submit(high))
         assert not slow.done  # the better one ended while the worse one was paused
-        late = collect(slow)
+        wait_for(
+            lambda: decode(pipe)["preemptions"] == 1 and decode(pipe)["paused"] == 0,
+            20,
+            "the worse request was preempted and resumed",
+        )
+        resumed = time.time()
+        got: list[int] = []
+        after = 0  # tokens of postprocess events made after the resume
+        for ev in slow:
+            if ev.event_type == "segment" and ev.stage == "postprocess":
+                got += ev.tokens
+                after += len(ev.tokens) if ev.ts > resumed else 0
+            if after >= 16:
+                break
+        assert pipe.cancel(slow.request_id)
         stats = decode(pipe)
-        alone = [tokens(pipe.generate([r])[0]) for r in (low, high)]
-    assert [tokens(late), tokens(fast)] == alone
-    assert stats["preemptions"] == 1 and stats["paused"] == 0
+        alone = [tokens(pipe.generate([r])[0]) for r in ({**low, "max_tokens": len(got)}, high)]
+    assert [got, tokens(fast)] == alone
+    assert stats["preemptions"] == 1
