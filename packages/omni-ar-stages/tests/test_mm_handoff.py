@@ -259,6 +259,9 @@ def _bad_cases(ev, forwarded, images):
         p["handoff"].update(kw)
         return _with(ev, p)
 
+    def outer(**kw):  # prefill's handoff beside the contract (params, first token's top)
+        return _with(ev, {**copy.deepcopy(ev.payload), **kw})
+
     with_media = copy.deepcopy(forwarded)
     with_media["messages"][0]["content"][1] = {"type": "image", "image": images["path"]}
     stray = list(h["prompt_token_ids"])
@@ -288,6 +291,14 @@ def _bad_cases(ev, forwarded, images):
         f"placeholders: prompt position {n - 2} holds a placeholder token outside": (
             forwarded,
             handoff(prompt_token_ids=stray),
+        ),
+        "handoff from up: Expected `int`, got `str` - at `$.params.max_tokens`": (
+            forwarded,
+            outer(params={**ev.payload["params"], "max_tokens": "many"}),
+        ),
+        "handoff from up: Expected `array`, got `str` - at `$.top_ids`": (
+            forwarded,
+            outer(top_ids="x"),
         ),
         "kv coverage: no KV arrived": (forwarded, _with(ev, arrays={})),
         "kv coverage: KV of shapes": (

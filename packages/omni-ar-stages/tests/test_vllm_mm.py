@@ -494,11 +494,12 @@ def test_decode_stage_fails_an_altered_handoff_alone(mm_stages, chats, chat_refe
     (sent,), forwarded = _feed(prefill, chats[0], ev)
     assert sent.event_type == "segment" and sent.tokens == expected[0][:1]
 
-    def decoded(change=None, arrays=None):
+    def decoded(change=None, arrays=None, outer=None):
         ev = copy.copy(sent)
         ev.payload = copy.deepcopy(sent.payload)
         if change:
             ev.payload["handoff"].update(change)
+        ev.payload.update(outer or {})  # beside the contract: params, the first token's top
         ev.arrays = dict(sent.arrays) if arrays is None else arrays
         evs, _ = _feed(decode, forwarded, ev)
         tokens = [t for e in evs if e.event_type == "segment" for t in e.tokens]
@@ -511,6 +512,12 @@ def test_decode_stage_fails_an_altered_handoff_alone(mm_stages, chats, chat_refe
         "no KV arrived": decoded(arrays={}),
         "block size: prefill named blocks of 16 tokens": decoded({"block_size": 16}),
         "the KV is named by 1 block hashes but holds": decoded({"kv_block_hashes": names[:1]}),
+        "handoff from up: Expected `int`, got `str` - at `$.params.max_tokens`": decoded(
+            outer={"params": {**sent.payload["params"], "max_tokens": "many"}}
+        ),
+        "handoff from up: Expected `array`, got `str` - at `$.top_ids`": decoded(
+            outer={"top_ids": "x"}
+        ),
     }
     for needle, (tokens, errors) in cases.items():
         assert tokens == [] and len(errors) == 1 and needle in errors[0], (needle, errors)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Literal
 
+import msgspec
 from omni_core import StageEvent, StageInput
 
 from omni_ar.handoff import Handoff, MMHandoff, MMItem
@@ -314,7 +315,7 @@ class MMDecode(_MMStage, Decode):
                     self.engine.kv_shape,
                     self.engine.placeholder_id,
                 )
-                params = carried_params(w)  # as the intake parsed and checked them
+                params = _read_handoff(w).params  # as the intake parsed and checked them
                 keys, values = adm.kv
                 ids = adm.handoff.prompt_token_ids
                 steps = self.engine.resume(ids, keys, values, adm.kv_tokens, params)
@@ -344,16 +345,15 @@ class MMDecode(_MMStage, Decode):
                         "request carries only item hashes"
                     )
                 adm = admit_paged(sent, w.arrays, self.engine.block_size, self.placeholder_id)
+                if not w.tokens:
+                    raise AdmissionError("prefill sent no first token")
+                handoff = _read_handoff(w)
+                params = handoff.params
             except AdmissionError as e:
                 yield inp.fail(f"requires_kv admission: {e}")
                 continue
-            if not w.tokens:
-                yield inp.fail("requires_kv admission: prefill sent no first token")
-                continue
-            params = carried_params(w)
             ids = adm.handoff.prompt_token_ids
             mm = MMContinuation(adm.handoff.mm_items, adm.block_hashes, pixels)
-            handoff = Handoff.read(w)
             first = Sampled((w.tokens[0], w.logprobs[0] if w.logprobs else 0.0), handoff.first_top)
             try:
                 steps = self.engine.decode(first[0], *adm.kv, params, ids, inp.priority, mm=mm)
@@ -386,6 +386,14 @@ class MMDecode(_MMStage, Decode):
             self.engine.pixel_values(pixels)
         ids, spans = self.render.encode_mm(messages, [p.shape[:2] for p in pixels])
         return MMHandoff.rerendered(sent, ids, _items(pixels, spans)), pixels
+
+
+def _read_handoff(w: Any) -> Handoff:
+    """Prefill's handoff in ``w``; a malformed one is this request's error."""
+    try:
+        return Handoff.read(w)
+    except msgspec.ValidationError as e:
+        raise AdmissionError(f"handoff from {w.edge}: {e}") from None
 
 
 def _items(pixels: list[Any], spans: list[tuple[int, int]]) -> list[MMItem]:
