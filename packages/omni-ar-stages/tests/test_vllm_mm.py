@@ -537,3 +537,60 @@ def test_decode_stage_fails_an_altered_handoff_alone(mm_stages, chats, chat_refe
     assert decode.engine.llm.reset_prefix_cache()
     assert decoded({"kv_block_hashes": [names[0], wrong, *names[2:]]}) == (expected[0], [])
     assert decoded() == (expected[0], [])  # the engine goes on
+
+
+# -- a worker on engine: vllm stopped or killed with a request in its hands -----------------
+def test_a_stopped_or_killed_vllm_worker_fails_its_request_and_restarts(
+    llava, chats, chat_reference
+):
+    """Decode SIGSTOPped before a request reaches it: health says so within heartbeats,
+    the request ends ``stage_hung`` and the worker restarts. Prefill SIGSTOPped, given a
+    request, then SIGKILLed: that request ends ``stage_died``. Each restarted worker loads
+    its vLLM engine again and serves the next request as ``LLM.generate`` does. (No
+    timing race: the stop comes before the request, so it is in the worker's hands.)"""
+    import copy
+    import signal
+
+    from omni_core import Pipeline
+    from omni_testing.faults import kill_stage, wait_for, wait_ready
+
+    _, expected = chat_reference
+    cfg = mm_config(llava)
+    for stage in cfg["stages"][1:3]:
+        stage.update({"restart_backoff_s": 0.1, "stall_timeout_s": 5.0})
+
+    def served(pipe):
+        (out,) = pipe.generate([copy.deepcopy(chats[1])])
+        assert out.ok, out.error
+        assert [t for e in out.by_stage("postprocess") for t in e.tokens] == expected[1]
+
+    with Pipeline(cfg) as pipe:
+        served(pipe)
+        pid = kill_stage(pipe, "decode", signal.SIGSTOP)
+        try:
+            h = pipe.submit(copy.deepcopy(chats[0]))
+            wait_for(lambda: not pipe.healthy, 5.0, "health to notice the stopped decode")
+            assert pipe.health()["decode"]["state"] == "unresponsive"
+            events = list(h)
+            assert events[-1].event_type == "error", events[-1]
+            assert events[-1].code == "stage_hung" and "stage 'decode'" in events[-1].message
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert wait_ready(pipe, "decode", 300)
+        assert pipe.health()["decode"]["restarts"] == 1
+        served(pipe)
+
+        kill_stage(pipe, "prefill", signal.SIGSTOP)
+        h = pipe.submit(copy.deepcopy(chats[0]))
+        wait_for(lambda: pipe.health()["prefill"]["state"] == "unresponsive", 5.0, "health")
+        kill_stage(pipe, "prefill")  # SIGKILL ends a stopped process too
+        events = list(h)
+        assert events[-1].event_type == "error", events[-1]
+        assert events[-1].code in ("stage_died", "stage_hung"), events[-1]
+        assert "stage 'prefill'" in events[-1].message
+        assert wait_ready(pipe, "prefill", 300)
+        assert pipe.healthy and all(s["state"] == "ready" for s in pipe.health().values())
+        served(pipe)
