@@ -16,7 +16,7 @@ from omni_core import Pipeline
 from omni_core.dataplane.serial import encode_frame
 from omni_core.events import Segment
 from omni_testing.configs import chain
-from omni_testing.faults import wait_for, wait_ready
+from omni_testing.faults import stopped, wait_for, wait_ready
 
 FAST = {"heartbeat_interval_s": 0.05}
 
@@ -168,9 +168,7 @@ def test_an_idempotent_replicas_requests_are_replayed_on_the_other_replica(no_le
 def test_a_sigstopped_replica_is_declared_hung_and_only_its_requests_fail(no_leaked_segments):
     cfg = kill_replica_under_load("synthetic.map", stage_opts={"stall_timeout_s": 2.0})
     with Pipeline(cfg) as pipe:
-        pid = pipe.health()["map#0"]["pid"]
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(pipe.health()["map#0"]["pid"]):
             hs = [pipe.submit({"n": 20}) for _ in range(4)]
             wait_for(lambda: pipe.health()["map#0"]["state"] == "unresponsive", 3, "late")
             # a late replica gets no new request while the other serves
@@ -183,11 +181,6 @@ def test_a_sigstopped_replica_is_declared_hung_and_only_its_requests_fail(no_lea
                 else:
                     assert ev.event_type == "completed"
             assert all(terminal(h).event_type == "completed" for h in more)
-        finally:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
         assert wait_ready(pipe, "map#0", 30)
         assert all(o.ok for o in pipe.generate([{"n": 4}] * 4))
 

@@ -5,8 +5,6 @@ dead control loop, a closed caller loop, a flood) and checks what callers and he
 """
 
 import asyncio
-import os
-import signal
 import time
 
 import pytest
@@ -16,7 +14,7 @@ from omni_core.dataplane.serial import encode_frame
 from omni_core.errors import OverloadedError, RuntimeFailedError
 from omni_core.events import Completed, Segment, SegmentRun
 from omni_testing.configs import chain
-from omni_testing.faults import Gate, kill_stage, wait_for, wait_ready
+from omni_testing.faults import Gate, stopped, wait_for, wait_ready
 
 FAST = {"heartbeat_interval_s": 0.05}
 
@@ -136,8 +134,7 @@ def test_a_sigstopped_stage_is_declared_hung_killed_and_restarted(no_leaked_segm
     )
     with Pipeline(cfg) as pipe:
         assert pipe.generate([{"n": 4}])[0].ok
-        pid = kill_stage(pipe, "f", signal.SIGSTOP)
-        try:
+        with stopped(pipe.pids()["f"]):
             t0 = time.monotonic()
             h = pipe.submit({"n": 4})
             # health stops saying healthy within a few heartbeats, long before the timeout
@@ -148,11 +145,6 @@ def test_a_sigstopped_stage_is_declared_hung_killed_and_restarted(no_leaked_segm
             assert err.code == "stage_hung"
             assert "stage 'f'" in err.message and "no heartbeat" in err.message
             assert took < 6.0
-        finally:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
         assert wait_ready(pipe, "f", 30)
         assert pipe.health()["f"]["restarts"] == 1
         assert all(o.ok for o in pipe.generate([{"n": 4}] * 3))

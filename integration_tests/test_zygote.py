@@ -5,7 +5,6 @@ caller."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ from omni_core import Pipeline
 from omni_core.config import parse_config
 from omni_core.errors import StageStartError
 from omni_testing.configs import chain
+from omni_testing.faults import stopped
 
 
 def config(start: str = "zygote", **top):
@@ -202,9 +202,8 @@ def test_a_stopped_zygote_is_replaced_and_the_restart_spawned():
     cfg = parse_config(config())
     stages = [msgspec.structs.replace(s, restart_backoff_s=0.0) for s in cfg.stages]
     with Pipeline(msgspec.structs.replace(cfg, stages=stages)) as pipe:
-        stopped = pipe.zygote()["pid"]
-        os.kill(stopped, signal.SIGSTOP)
-        try:
+        zygote = pipe.zygote()["pid"]
+        with stopped(zygote):
             old = pipe.pids()["double"]
             os.kill(old, signal.SIGKILL)
             t0 = time.monotonic()
@@ -216,9 +215,6 @@ def test_a_stopped_zygote_is_replaced_and_the_restart_spawned():
             assert pipe.health()["double"]["started"] == "spawned"
             assert len(tokens(pipe)) == 4
             z = wait_for(lambda: (z := pipe.zygote())["state"] == "ready" and z)
-            assert z["pid"] != stopped and z["restarts"] == 1
+            assert z["pid"] != zygote and z["restarts"] == 1
             assert "did not answer a fork" in z["note"]
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGCONT)
-        assert not psutil.pid_exists(stopped)  # killed and reaped, not left stopped
+        assert not psutil.pid_exists(zygote)  # killed and reaped, not left stopped

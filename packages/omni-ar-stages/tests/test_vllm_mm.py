@@ -552,7 +552,7 @@ def test_a_stopped_or_killed_vllm_worker_fails_its_request_and_restarts(
     import signal
 
     from omni_core import Pipeline
-    from omni_testing.faults import kill_stage, wait_for, wait_ready
+    from omni_testing.faults import kill_stage, stopped, wait_for, wait_ready
 
     _, expected = chat_reference
     cfg = mm_config(llava)
@@ -566,19 +566,13 @@ def test_a_stopped_or_killed_vllm_worker_fails_its_request_and_restarts(
 
     with Pipeline(cfg) as pipe:
         served(pipe)
-        pid = kill_stage(pipe, "decode", signal.SIGSTOP)
-        try:
+        with stopped(pipe.pids()["decode"]):
             h = pipe.submit(copy.deepcopy(chats[0]))
             wait_for(lambda: not pipe.healthy, 5.0, "health to notice the stopped decode")
             assert pipe.health()["decode"]["state"] == "unresponsive"
             events = list(h)
             assert events[-1].event_type == "error", events[-1]
             assert events[-1].code == "stage_hung" and "stage 'decode'" in events[-1].message
-        finally:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
         assert wait_ready(pipe, "decode", 300)
         assert pipe.health()["decode"]["restarts"] == 1
         served(pipe)

@@ -1,15 +1,16 @@
 """Fault injection for tests: kill a stage's worker, wait for its restart, wait for a
 condition, hold a stage's requests until the test lets them go, start a child process
-that holds something until told."""
+that holds something until told, stop a process for a while."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -18,6 +19,18 @@ def kill_stage(pipe: Any, stage: str, sig: int = signal.SIGKILL) -> int:
     pid = pipe.backend.pids()[stage]
     os.kill(pid, sig)
     return pid
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[int]:
+    """``pid`` SIGSTOPped for the block (alive, answering nothing), then SIGCONTinued if
+    it still lives: the runtime may have killed it meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def wait_ready(pipe: Any, stage: str, timeout_s: float = 60.0) -> bool:
