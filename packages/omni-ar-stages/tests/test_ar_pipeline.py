@@ -336,3 +336,34 @@ def test_examples_need_chat():
         parse_config(config(examples=example))
     with pytest.raises(ConfigError, match=r"options\.examples\[0\]"):
         parse_config(config(chat=True, examples=[{"user": "u"}]))
+
+
+def test_decode_fails_a_malformed_handoff_alone_naming_the_edge_and_field(tiny_model):
+    """A handoff from prefill that does not parse ends that request, as the stage's
+    failure (not the client's), with the edge and the field; the next request is served."""
+    from omni_ar.stages.decode import Decode
+    from omni_core import StageInput
+    from omni_core.dataplane.windows import Piece, Window
+    from omni_core.stage import StageContext
+
+    stage = Decode(StageContext("decode", "ar.decode", {"model": tiny_model}))
+    stage.load()
+
+    def run(payload):
+        window = Window("prefill", 0, 0, 0, [Piece(0, [1], {}, payload)], True)
+        return list(stage.process([StageInput("r", {}, {"prefill": window}, True, True)]))
+
+    for payload, field in (
+        (
+            {"params": {"max_tokens": "many"}},
+            "Expected `int`, got `str` - at `$.params.max_tokens`",
+        ),
+        ({"params": {}, "top_ids": "x"}, "Expected `array`, got `str` - at `$.top_ids`"),
+        ({}, "Object missing required field `params`"),
+    ):
+        (ev,) = run(payload)
+        assert ev.event_type == "error" and ev.code == "stage_error", ev
+        assert ev.message == f"handoff from prefill: {field}", ev.message
+    # a well-formed one that prefilled nothing: decode prefills it itself and goes on
+    events = run({"params": {"max_tokens": 3}, "prompt_ids": [1, 2, 3], "local_prefill": True})
+    assert [t for e in events if e is not None and e.event_type == "segment" for t in e.tokens]

@@ -1,4 +1,5 @@
-"""The AR family's errors: a request the client got wrong, one an engine ended."""
+"""The AR family's errors: a request the client got wrong, one an engine ended, a
+handoff that arrived malformed."""
 
 from __future__ import annotations
 
@@ -14,3 +15,8 @@ class EngineRequestError(RuntimeError):
     """The engine ended this one request with an error (vLLM's ``finish_reason``
     ``"error"``); the message says why where omni knows (a ``requires_kv`` request whose
     KV does not cover its placeholders), and the engine goes on with the others."""
+
+
+class HandoffError(Exception):
+    """Prefill's handoff arrived malformed: the message names the edge and the field. It
+    fails that request alone, as the stage's failure (not the client's)."""

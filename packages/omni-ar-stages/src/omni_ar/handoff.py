@@ -20,6 +20,7 @@ from omni_core import StageInput
 from omni_core.dataplane.windows import Window
 from omni_core.events import Segment
 
+from omni_ar.errors import HandoffError
 from omni_ar.params import SamplingParams
 
 KEYS, VALUES = "keys", "values"  # the segment's arrays: the prompt's KV
@@ -96,8 +97,12 @@ class Handoff(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @classmethod
     def read(cls, window: Window) -> Handoff:
-        """The handoff of prefill's segment in ``window``."""
-        return msgspec.convert(window.payloads[0], cls)
+        """The handoff of prefill's segment in ``window``; :class:`HandoffError` where it
+        is malformed."""
+        try:
+            return msgspec.convert(window.payloads[0], cls)
+        except msgspec.ValidationError as e:
+            raise HandoffError(f"handoff from {window.edge}: {e}") from None
 
     @property
     def first_top(self) -> list[tuple[int, float]]:

@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Literal
 
-import msgspec
 from omni_core import StageEvent, StageInput
 
+from omni_ar.errors import HandoffError
 from omni_ar.handoff import Handoff, MMHandoff, MMItem
 from omni_ar.models import resolve_model
 from omni_ar.multimodal.engine import VLMEngine, check_model_dir
@@ -315,12 +315,12 @@ class MMDecode(_MMStage, Decode):
                     self.engine.kv_shape,
                     self.engine.placeholder_id,
                 )
-                params = _read_handoff(w).params  # as the intake parsed and checked them
+                params = Handoff.read(w).params  # as the intake parsed and checked them
                 keys, values = adm.kv
                 ids = adm.handoff.prompt_token_ids
                 steps = self.engine.resume(ids, keys, values, adm.kv_tokens, params)
                 first = next(steps)
-            except AdmissionError as e:
+            except (AdmissionError, HandoffError) as e:
                 yield inp.fail(f"requires_kv admission: {e}")
                 continue
             yield from self._stream(inp, params, [first], steps, prompt_tokens=len(ids))
@@ -347,11 +347,11 @@ class MMDecode(_MMStage, Decode):
                 adm = admit_paged(sent, w.arrays, self.engine.block_size, self.placeholder_id)
                 if not w.tokens:
                     raise AdmissionError("prefill sent no first token")
-                handoff = _read_handoff(w)
-                params = handoff.params
-            except AdmissionError as e:
+                handoff = Handoff.read(w)
+            except (AdmissionError, HandoffError) as e:
                 yield inp.fail(f"requires_kv admission: {e}")
                 continue
+            params = handoff.params
             ids = adm.handoff.prompt_token_ids
             mm = MMContinuation(adm.handoff.mm_items, adm.block_hashes, pixels)
             first = Sampled((w.tokens[0], w.logprobs[0] if w.logprobs else 0.0), handoff.first_top)
@@ -386,14 +386,6 @@ class MMDecode(_MMStage, Decode):
             self.engine.pixel_values(pixels)
         ids, spans = self.render.encode_mm(messages, [p.shape[:2] for p in pixels])
         return MMHandoff.rerendered(sent, ids, _items(pixels, spans)), pixels
-
-
-def _read_handoff(w: Any) -> Handoff:
-    """Prefill's handoff in ``w``; a malformed one is this request's error."""
-    try:
-        return Handoff.read(w)
-    except msgspec.ValidationError as e:
-        raise AdmissionError(f"handoff from {w.edge}: {e}") from None
 
 
 def _items(pixels: list[Any], spans: list[tuple[int, int]]) -> list[MMItem]:

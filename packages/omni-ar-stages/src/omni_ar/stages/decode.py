@@ -7,11 +7,10 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import msgspec
 from omni_core import StageContext, StageEvent, StageInput
 
 from omni_ar.detokenizer import IncrementalDetokenizer
-from omni_ar.errors import EngineRequestError
+from omni_ar.errors import EngineRequestError, HandoffError
 from omni_ar.handoff import Handoff, kv_of_arrays
 from omni_ar.params import (
     RequestError,
@@ -80,8 +79,8 @@ class Decode(ModelStage):
             try:
                 handoff = Handoff.read(w)
                 params = self._check_sampling(handoff.params)
-            except msgspec.ValidationError as e:  # a broken upstream: this request only
-                yield inp.fail(f"handoff from {w.edge}: {e}")
+            except HandoffError as e:  # a broken upstream: this request only
+                yield inp.fail(str(e))
                 continue
             except RequestError as e:
                 yield inp.fail(e)
