@@ -546,9 +546,9 @@ def test_a_stopped_or_killed_vllm_worker_fails_its_request_and_restarts(
     """Decode SIGSTOPped before a request reaches it: health says so within heartbeats,
     the request ends ``stage_hung`` and the worker restarts. Prefill SIGSTOPped, given a
     request, then SIGKILLed: that request ends naming ``stage 'prefill'`` (``stage_died``;
-``stage_hung`` if the stall timeout fires first). Each restarted worker loads
-    its vLLM engine again and serves the next request as ``LLM.generate`` does. (No
-    timing race: the stop comes before the request, so it is in the worker's hands.)"""
+    ``stage_hung`` if the stall timeout fires first). Each restarted worker loads its vLLM
+    engine again and serves the next request as ``LLM.generate`` does. (No timing race:
+    the stop comes before the request, so it is in the worker's hands.)"""
     import copy
     import signal
 
