@@ -9,8 +9,10 @@ windows, KV and per-request state stay in that replica. Cancel and deadlines go 
 replica (a replica that does not know the request ignores them).
 
 The choice is load-aware: the serving replica with the fewest outstanding requests (bound
-to it and not yet past it), ties taken in turn; never one that is dead, restarting, hung,
-late with its heartbeats or being scaled down while another can take the request.
+to it and not yet past it), ties taken in turn; never one that is dead, hung or being
+scaled down. One that is late with its heartbeats, then one starting or restarting, is
+taken only when no serving one has room; a full one (its outstanding requests reach its
+``queue_capacity``) only when every replica that can take the request is full.
 
 :class:`Autoscaler` sizes a stage with ``replicas: {min, max, target}``: it adds a replica
 once the stage's outstanding requests stayed above ``target`` per replica for
@@ -69,7 +71,7 @@ class Router:
                 continue
             load = self.collector.outstanding.get((stage, p.replica), 0)
             full = load >= self.capacity[stage]
-            key = (rank + full, load, (p.replica - turn) % n)
+            key = (full, rank, load, (p.replica - turn) % n)
             if best is None or key < best:
                 best, chosen = key, p.replica
         if best is None:
@@ -86,14 +88,14 @@ class Router:
         return chosen
 
     def rank(self, p: StageProc) -> int | None:
-        """0: serving; 2: late with its heartbeats; 4: starting or restarting (requests
-        wait for it); None: never (dead, hung, being scaled down). A full replica ranks
-        one worse."""
+        """0: serving; 1: late with its heartbeats; 2: starting or restarting (requests
+        wait for it); None: never (dead, hung, being scaled down). Ranked within the
+        replicas with room: a full one is taken only when every other is full too."""
         if p.state in GONE or p.state == "hung" or p.retiring:
             return None
         if p.state == "ready" and not p.dead:
-            return 2 if self.sup.late(p, self.sup.clock()) else 0
-        return 4
+            return 1 if self.sup.late(p, self.sup.clock()) else 0
+        return 2
 
 
 class Autoscaler:

@@ -45,7 +45,8 @@ class StageProc:
     ready: bool = False
     dead: bool = False  # this process has exited
     # starting | ready | hung | restarting | dead (for good); a replica scaled down is
-    # draining (no new requests), then stopping (told to shut down), then gone
+    # draining (no new requests), then stopping (told to shut down), then gone; only a
+    # starting worker becomes ready (a late ready leaves a stopping or hung one as it is)
     state: str = "starting"
     scaled: bool = False  # started by the autoscaler (not with the pipeline)
     retiring: bool = False  # being scaled down (or never came up): never restarted
@@ -105,9 +106,14 @@ class Supervisor:
             p.last_heartbeat = now
             p.stats = msg.stats
         elif isinstance(msg, Ready):
+            p.load_s = msg.load_s
+            if p.retiring or p.state != "starting":  # scaled down, hung or ended: it stays so
+                log.info(
+                    "stage %s: ready too late, already %s", p.name, p.state, extra={"stage": p.name}
+                )
+                return
             p.ready = True
             p.state = "ready"
-            p.load_s = msg.load_s
             p.last_heartbeat = now
             report(f"{p.name}: ready, loaded in {msg.load_s:.1f} s")
         elif isinstance(msg, LoadFailed):
