@@ -36,6 +36,18 @@ class MMItem(TypedDict):
     length: int
 
 
+class MRope(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a decode without the media needs to go on placing tokens on an M-RoPE model
+    (Qwen2-VL and its kin), whose positions are (time, height, width) and advance over
+    an image by its grid, not its length (see :mod:`omni_ar.multimodal.mrope`)."""
+
+    # the position of the token after the prompt minus the prompt's length (transformers'
+    # ``rope_deltas``): every text token after the last image sits at its index + this
+    position_delta: int
+    # each media item's (t, h, w) patch grid (``image_grid_thw``), in ``mm_items`` order
+    grids: list[list[int]]
+
+
 class MMHandoff(msgspec.Struct, kw_only=True):
     """The ``requires_kv`` contract: the prompt, its media items, and the names of the KV
     blocks prefill computed (see :mod:`omni_ar.multimodal.handoff`)."""
@@ -45,6 +57,7 @@ class MMHandoff(msgspec.Struct, kw_only=True):
     block_size: int  # tokens per KV block
     mm_items: list[MMItem]
     kv_block_hashes: list[str]  # the chained hash of each KV block, in order
+    mrope: MRope | None = None  # M-RoPE models' position fields; None on the others
 
     @staticmethod
     def as_sent(window: Window) -> dict[str, Any] | None:

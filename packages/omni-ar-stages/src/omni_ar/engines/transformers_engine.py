@@ -246,10 +246,14 @@ class TransformersEngine:
             return a.to(device=self.device, dtype=dtype, copy=True)
         return torch.tensor(a, device=self.device, dtype=dtype)
 
-    def steps(self, first: int, cache: Any, params: SamplingParams) -> Iterator[tuple[int, float]]:
+    def steps(
+        self, first: int, cache: Any, params: SamplingParams, position_offset: int | None = None
+    ) -> Iterator[tuple[int, float]]:
         """The tokens after ``first`` (the cache holds everything before it), one per
         step, until EOS or ``max_tokens`` in all: one request alone, in its own cache
-        (the multimodal engine's resume; ``decode`` batches)."""
+        (the multimodal engine's resume; ``decode`` batches). ``position_offset``: each
+        token's position is given, its index plus this (an M-RoPE model's delta), instead
+        of left to the model."""
         import torch
 
         gen = self.generator(params, offset=1)
@@ -258,8 +262,11 @@ class TransformersEngine:
         for _ in range(params.max_tokens - 1):
             if tok in self.eos_ids and not params.ignore_eos:
                 return
+            kwargs = {self.cache_kw: cache}
+            if position_offset is not None:
+                kwargs["position_ids"] = self.tensor([[cache.get_seq_length() + position_offset]])
             with torch.inference_mode():
-                out = self.model(self.tensor([[tok]]), use_cache=True, **{self.cache_kw: cache})
+                out = self.model(self.tensor([[tok]]), use_cache=True, **kwargs)
             cache = _cache_of(out)
             s = self._pick(out.logits[0, -1], params, gen, matcher)
             tok = s[0]

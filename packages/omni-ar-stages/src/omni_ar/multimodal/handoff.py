@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from omni_ar.handoff import MMHandoff, MMItem, kv_of_arrays, media_arrays
+from omni_ar.multimodal.mrope import MROPE_MODEL_TYPES, grid_tokens, position_delta, uses_mrope
 
 
 class AdmissionError(Exception):
@@ -47,25 +48,22 @@ def check_handoff_model(config: Any) -> None:
     """:class:`ValueError` naming why a model cannot hand a multimodal prompt's KV on
     without its media, from its ``transformers`` config (``AutoConfig``):
 
-    * M-RoPE (Qwen2-VL and its kin): the positions of a prompt come from its images'
-      grids, which decode does not receive, so it could not place the tokens after them;
+    * M-RoPE of a model type other than Qwen2-VL's and Qwen2.5-VL's
+      (:data:`~omni_ar.multimodal.mrope.MROPE_MODEL_TYPES`): decode places the tokens
+      after the media from prefill's position fields, by a rule it must know;
     * encoder-decoder models, and decoders that cross-attend to the image (Mllama):
       decode would need the encoder's states, not only the decoder's KV;
     * a model that pools (a classification, reward or embedding head) instead of generating.
     """
     text = config.get_text_config()
     name = getattr(config, "model_type", "?")
+    if uses_mrope(config) and name not in MROPE_MODEL_TYPES:
+        raise ValueError(
+            f"model type {name!r} uses M-RoPE with a position rule the handoff does not "
+            f"know (it knows {', '.join(MROPE_MODEL_TYPES)}'s): a requires_kv decode, "
+            "which never sees the media, could not place the tokens after them"
+        )
     for c in (config,) if text is config else (config, text):
-        for field in ("rope_scaling", "rope_parameters"):
-            rope = getattr(c, field, None)
-            if isinstance(rope, dict) and (
-                "mrope_section" in rope or "mrope" in (rope.get("rope_type"), rope.get("type"))
-            ):
-                raise ValueError(
-                    f"model type {name!r} uses M-RoPE ({field} has mrope_section): its "
-                    "positions derive from the media, which a requires_kv decode does not "
-                    "receive"
-                )
         if getattr(c, "is_encoder_decoder", False):
             raise ValueError(
                 f"model type {name!r} is an encoder-decoder model: its decode needs the "
@@ -118,15 +116,18 @@ def admit(
     block_size: int,
     kv_shape: tuple[int, int, int],
     placeholder_id: int,
+    mrope_merge: int | None = None,
 ) -> Admission:
     """Every check of the contract ``sent`` (as it arrived), in order;
     :class:`AdmissionError` names the first that fails. ``kv_shape`` is the model's
-    (layers, kv heads, head dim)."""
+    (layers, kv heads, head dim); ``mrope_merge``, an M-RoPE model's spatial merge
+    (None: the model has no M-RoPE)."""
     h = read_contract(sent)
     check_requires_kv(h)
     check_block_size(h, block_size)
     check_no_media_arrays(arrays)
     required = check_spans(h, placeholder_id)
+    check_mrope(h, mrope_merge)
     kv = check_kv_coverage(h, arrays, kv_shape, required)
     t = kv[0].shape[2]
     names = check_block_hashes(h, t)
@@ -218,6 +219,45 @@ def check_spans(h: MMHandoff, placeholder_id: int) -> int:
     return required
 
 
+def check_mrope(h: MMHandoff, merge: int | None) -> None:
+    """An M-RoPE model's position fields (``merge``: its spatial merge; None, a model
+    without M-RoPE, which must get none): one grid per item, each an image's
+    ``(1, h, w)`` that makes exactly its span's placeholders, and the position delta
+    those grids give (:mod:`omni_ar.multimodal.mrope`)."""
+    m = h.mrope
+    if merge is None:
+        if m is not None:
+            raise AdmissionError(
+                "mrope: prefill sent M-RoPE position fields, and this decode's model has no M-RoPE"
+            )
+        return
+    if m is None:
+        raise AdmissionError(
+            "mrope: missing; this model's positions (M-RoPE) after the media need the "
+            "position delta and each item's grid from prefill"
+        )
+    items = h.mm_items
+    if len(m.grids) != len(items):
+        raise AdmissionError(f"mrope.grids: {len(m.grids)} grids for {len(items)} mm items")
+    for i, (grid, it) in enumerate(zip(m.grids, items, strict=True)):
+        if len(grid) != 3 or grid[0] != 1 or min(grid) < 1 or grid[1] % merge or grid[2] % merge:
+            raise AdmissionError(
+                f"mrope.grids[{i}]: {grid!r} is not an image's (1, h, w) patch grid "
+                f"(h and w multiples of the spatial merge {merge})"
+            )
+        if grid_tokens(grid, merge) != it["length"]:
+            raise AdmissionError(
+                f"mrope.grids[{i}]: grid {tuple(grid)} makes {grid_tokens(grid, merge)} "
+                f"placeholders; mm item {i}'s span has {it['length']}"
+            )
+    spans = [(it["offset"], it["length"]) for it in items]
+    want = position_delta(spans, m.grids, merge)
+    if m.position_delta != want:
+        raise AdmissionError(
+            f"mrope.position_delta: prefill sent {m.position_delta}; the items' grids give {want}"
+        )
+
+
 def check_kv_coverage(
     h: MMHandoff, arrays: dict[str, Any], kv_shape: tuple[int, int, int], required: int
 ) -> tuple[Any, Any]:
@@ -265,7 +305,11 @@ def check_covers(h: MMHandoff, t: int, required: int) -> None:
 
 
 def admit_paged(
-    sent: dict[str, Any] | None, arrays: dict[str, Any], block_size: int, placeholder_id: int
+    sent: dict[str, Any] | None,
+    arrays: dict[str, Any],
+    block_size: int,
+    placeholder_id: int,
+    mrope_merge: int | None = None,
 ) -> Admission:
     """:func:`admit` for KV in a paged engine's blocks (vLLM: ``(layers, blocks, ...)``,
     each block named by the engine's own hashing): every check but the names' values,
@@ -276,6 +320,7 @@ def admit_paged(
     check_block_size(h, block_size)
     check_no_media_arrays(arrays)
     required = check_spans(h, placeholder_id)
+    check_mrope(h, mrope_merge)
     keys, values = kv = arrived_kv(arrays, required)
     if keys.ndim < 3 or keys.shape != values.shape:
         raise AdmissionError(

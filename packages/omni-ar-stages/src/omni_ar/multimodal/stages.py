@@ -195,10 +195,10 @@ class MMPrefill(_MMStage):
                     yield inp.fail(f"vLLM multimodal prefill: {done}")
                     continue
                 first, kv, names = done.first, (done.keys, done.values), done.block_hashes
-                block, cached = self.engine.block_size, None
+                block, cached, mrope = self.engine.block_size, None, getattr(done, "mrope", None)
             else:
                 images = [w.arrays[f"image_{i}"] for i in range(len(items))]
-                keys, values, cached = self.engine.prefill_kv(
+                keys, values, cached, mrope = self.engine.prefill_kv(
                     ids, items, images, o.block_size, self.cache
                 )
                 kv, block = (keys, values), o.block_size
@@ -214,6 +214,7 @@ class MMPrefill(_MMStage):
                 block_size=block,
                 mm_items=items,
                 kv_block_hashes=names,
+                mrope=mrope,
             )
             handoff = Handoff(params=params, mm=contract, cached_tokens=cached)
             if first is None:  # transformers: decode computes the final prompt token
@@ -314,11 +315,14 @@ class MMDecode(_MMStage, Decode):
                     self.options.block_size,
                     self.engine.kv_shape,
                     self.engine.placeholder_id,
+                    self.engine.merge,
                 )
                 params = Handoff.read(w).params  # as the intake parsed and checked them
                 keys, values = adm.kv
                 ids = adm.handoff.prompt_token_ids
-                steps = self.engine.resume(ids, keys, values, adm.kv_tokens, params)
+                steps = self.engine.resume(
+                    ids, keys, values, adm.kv_tokens, params, adm.handoff.mrope
+                )
                 first = next(steps)
             except (AdmissionError, HandoffError) as e:
                 yield inp.fail(f"requires_kv admission: {e}")

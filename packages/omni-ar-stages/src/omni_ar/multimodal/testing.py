@@ -76,6 +76,115 @@ def build_tiny_llava(path: str | Path, seed: int = 0, for_vllm: bool = False) ->
     return path
 
 
+QWEN_PATCH = 8  # Qwen2-VL's tiny vision patches (merged 2x2 into one placeholder each)
+QWEN_SPECIAL = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def build_tiny_qwen2_vl(
+    path: str | Path, seed: int = 0, version: str = "2.5", for_vllm: bool = False
+) -> Path:
+    """Write a tiny random Qwen2-VL (``version="2"``) or Qwen2.5-VL (``"2.5"``) checkpoint,
+    its tokenizer and its image processor into ``path``; returns it. M-RoPE over
+    (time, height, width), dynamic resolution: an image of H x W pixels becomes
+    about ``H * W / 16**2`` placeholders (patches of 8, merged 2 x 2), between 1 and 64.
+    ``for_vllm``: attention heads of 32, which vLLM's CPU kernels need. Where torchvision
+    is installed the model's processor (with its video processor) is saved too, as
+    vLLM loads it; transformers' image processor alone needs no torchvision."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2VLConfig
+
+    try:  # transformers >= 5.20 names the PIL backend apart (the default needs torchvision)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as ImageProcessor,
+        )
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as ImageProcessor
+
+    if version not in ("2", "2.5"):
+        raise ValueError(f"version: expected '2' or '2.5', got {version!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(extra_special=QWEN_SPECIAL)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    head_dim = 32 if for_vllm else 16
+    text = {
+        "vocab_size": len(tok),
+        "hidden_size": 4 * head_dim,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "initializer_range": 0.2,
+        # the rotary frequencies (head_dim / 2) split over (time, height, width), as
+        # Qwen2-VL's 128-dim heads split theirs 16 / 24 / 24
+        "rope_scaling": {
+            "type": "mrope",
+            "mrope_section": [head_dim // 8, *[3 * head_dim // 16] * 2],
+        },
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    vision: dict[str, Any] = {
+        "depth": 2,
+        "hidden_size": 4 * head_dim,
+        "num_heads": 2,
+        "patch_size": QWEN_PATCH,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": 0.2,
+    }
+    if version == "2":
+        vision |= {"embed_dim": 32, "mlp_ratio": 2}
+        config_cls: Any = Qwen2VLConfig
+    else:
+        vision |= {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 4 * head_dim,
+            "window_size": 2 * QWEN_PATCH * 2,
+            "fullatt_block_indexes": [1],
+        }
+        config_cls = Qwen2_5_VLConfig
+    cfg = config_cls(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(cfg).eval().save_pretrained(path)
+    images = ImageProcessor(
+        min_pixels=(QWEN_PATCH * 2) ** 2,
+        max_pixels=64 * (QWEN_PATCH * 2) ** 2,
+        patch_size=QWEN_PATCH,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+    tok.save_pretrained(path)
+    images.save_pretrained(path)
+    _save_qwen_processor(path, images, tok, version)
+    return path
+
+
+def _save_qwen_processor(path: Path, images: Any, tok: Any, version: str) -> None:
+    """The model's processor config beside its parts, where torchvision is there to build
+    its video processor (vLLM's Qwen2-VL loads the processor whole)."""
+    try:
+        from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        video = Qwen2VLVideoProcessor(patch_size=QWEN_PATCH, merge_size=2, temporal_patch_size=2)
+    except (ImportError, ValueError, AttributeError):
+        return
+    cls = Qwen2VLProcessor if version == "2" else Qwen2_5_VLProcessor
+    cls(image_processor=images, tokenizer=tok, video_processor=video).save_pretrained(path)
+
+
 def _vision_model_keys(file: Path) -> None:
     """Rename the vision tower's tensors ``vision_tower.X`` -> ``vision_tower.vision_model.X``
     (transformers 5 saves CLIP's tower without its ``vision_model`` level)."""
