@@ -279,8 +279,9 @@ class ProcessLauncher(Launcher):
     MAX_ZYGOTE_RESTARTS = 3  # within ZYGOTE_RESTART_WINDOW_S, then workers are spawned
     ZYGOTE_RESTART_WINDOW_S = 60.0
 
-    def __init__(self, cfg: PipelineConfig) -> None:
+    def __init__(self, cfg: PipelineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
+        self.clock = clock  # the zygote's restart window
         # both sweep what SIGKILLed predecessors left (their owner locks are free), then
         # hold this pipeline's owner locks until close() or this process's death
         self.socket_dir = make_socket_dir()
@@ -370,7 +371,7 @@ class ProcessLauncher(Launcher):
         preloads), unless it ended too often lately."""
         assert self.zygote is not None
         self._close_zygote()
-        now = time.monotonic()
+        now = self.clock()
         while self.zygote_restarts and now - self.zygote_restarts[0] > self.ZYGOTE_RESTART_WINDOW_S:
             self.zygote_restarts.popleft()
         if len(self.zygote_restarts) >= self.MAX_ZYGOTE_RESTARTS:
