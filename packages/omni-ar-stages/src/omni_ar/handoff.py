@@ -73,9 +73,15 @@ class MMHandoff(msgspec.Struct, kw_only=True):
         return [(i, extra) for i, extra in enumerate(extras) if extra]
 
     @staticmethod
-    def rerendered(sent: dict[str, Any], ids: list[int], items: list[MMItem]) -> dict[str, Any]:
-        """``sent`` with the prompt and items a decode rendered from the media itself."""
-        return {**sent, "prompt_token_ids": ids, "mm_items": items}
+    def rerendered(
+        sent: dict[str, Any], ids: list[int], items: list[MMItem], mrope: MRope | None = None
+    ) -> dict[str, Any]:
+        """``sent`` with the prompt, items and (M-RoPE) positions a decode rendered from
+        the media itself."""
+        out = {**sent, "prompt_token_ids": ids, "mm_items": items}
+        if mrope is not None:
+            out["mrope"] = msgspec.to_builtins(mrope)
+        return out
 
 
 class Handoff(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -234,6 +234,7 @@ def check_response_format(fmt: dict[str, Any]) -> None:
         )
 
 
+VIDEO_PARTS = ("video", "video_url")  # vLLM's and Qwen's names of a video part
 _PART_FORMS = (
     "expected {'type': 'text', 'text': str}, {'type': 'image', 'image': path | bytes | "
     "data URL} or {'type': 'image_url', 'image_url': {'url': str}}"
@@ -260,4 +261,10 @@ def check_content_parts(parts: list[Any], where: str) -> None:
         url = part.get("image_url") if kind == "image_url" and keys == {"image_url"} else None
         if isinstance(url, dict) and isinstance(url.get("url"), str):
             continue
+        if kind in VIDEO_PARTS:
+            raise RequestError(
+                f"field {at!r}: video parts are not supported (images only): the media-free "
+                "handoff carries each image's (1, h, w) grid, not a video's frames and "
+                "their timing"
+            )
         raise RequestError(f"field {at!r}: {_PART_FORMS}")

@@ -254,7 +254,8 @@ def check_mrope(h: MMHandoff, merge: int | None) -> None:
     want = position_delta(spans, m.grids, merge)
     if m.position_delta != want:
         raise AdmissionError(
-            f"mrope.position_delta: prefill sent {m.position_delta}; the items' grids give {want}"
+            f"mrope.position_delta: prefill sent {m.position_delta}; mrope.grids "
+            f"{m.grids} give {want}"
         )
 
 

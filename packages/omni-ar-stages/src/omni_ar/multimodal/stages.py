@@ -28,7 +28,7 @@ from typing import Any, Literal
 from omni_core import StageEvent, StageInput
 
 from omni_ar.errors import HandoffError
-from omni_ar.handoff import Handoff, MMHandoff, MMItem
+from omni_ar.handoff import Handoff, MMHandoff, MMItem, MRope
 from omni_ar.models import resolve_model
 from omni_ar.multimodal.engine import VLMEngine, check_model_dir
 from omni_ar.multimodal.handoff import (
@@ -45,6 +45,7 @@ from omni_ar.multimodal.media import (
     load_images,
     strip_media,
 )
+from omni_ar.multimodal.mrope import position_delta
 from omni_ar.params import (
     RequestError,
     Sampled,
@@ -375,8 +376,9 @@ class MMDecode(_MMStage, Decode):
     ) -> tuple[dict[str, Any] | None, list[Any] | None]:
         """The full-media baseline: decode the request's images, hash them, run the image
         processor and re-tokenize, as a decode that receives media does to build its
-        input (the pixel values would ride with it, unused where the KV covers); returns
-        the contract so rendered and the decoded images (vLLM processes them itself)."""
+        input (the pixel values would ride with it, unused where the KV covers), and on an
+        M-RoPE model place the prompt's positions from the images' grids; returns the
+        contract so rendered and the decoded images (vLLM processes them itself)."""
         if messages is None or sent is None:
             return sent, None
         try:
@@ -389,7 +391,13 @@ class MMDecode(_MMStage, Decode):
         if pixels and not self.vllm:
             self.engine.pixel_values(pixels)
         ids, spans = self.render.encode_mm(messages, [p.shape[:2] for p in pixels])
-        return MMHandoff.rerendered(sent, ids, _items(pixels, spans)), pixels
+        mrope = None
+        if self.render.merge is not None:
+            grids = [self.render.grid(p.shape[:2]) for p in pixels]
+            mrope = MRope(
+                position_delta=position_delta(spans, grids, self.render.merge), grids=grids
+            )
+        return MMHandoff.rerendered(sent, ids, _items(pixels, spans), mrope), pixels
 
 
 def _items(pixels: list[Any], spans: list[tuple[int, int]]) -> list[MMItem]:
