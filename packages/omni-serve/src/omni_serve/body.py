@@ -43,6 +43,8 @@ INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1  # what every stage's integers hold
 # an upper bound of the JSON values in a body: its commas and opening brackets (those
 # in strings too); a chat of 25,000 messages has fewer
 MAX_VALUES = 100_000
+# a Content-Length of more digits (leading zeros too) is a 400: 2**64 has 20
+MAX_LENGTH_DIGITS = 20
 INLINE_BYTES = 64 << 10  # smaller bodies are parsed on the event loop (well under 1 ms)
 RETRY_AFTER_S = 1  # what a client is told to wait when the body budget is full
 T = TypeVar("T")
@@ -122,6 +124,23 @@ def check_content_type(value: str | None) -> None:
         )
 
 
+def declared_length(request: Request) -> int | None:
+    """The request's ``Content-Length`` (None: not given): 1 to :data:`MAX_LENGTH_DIGITS`
+    ASCII digits, else a 400 naming the header (never ``int()`` of thousands of digits,
+    past Python's integer digit limit: a 500)."""
+    text = request.headers.get("content-length")
+    if text is None:
+        return None
+    if not (0 < len(text) <= MAX_LENGTH_DIGITS and text.isascii() and text.isdigit()):
+        raise APIError(
+            400,
+            f"the Content-Length header is not a length of 1 to {MAX_LENGTH_DIGITS} digits",
+            param="Content-Length",
+            code="invalid_header",
+        )
+    return int(text)
+
+
 async def read_body(request: Request, limit: int, lease: _Lease | None = None) -> bytearray:
     """The raw body, at most ``limit`` bytes (else 413, read no further); not copied
     into ``bytes`` (20 MiB: a few ms of the event loop). With a ``lease`` its bytes are
@@ -131,12 +150,12 @@ async def read_body(request: Request, limit: int, lease: _Lease | None = None) -
         f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)",
         code="body_too_large",
     )
-    length = request.headers.get("content-length", "")
-    if length.isascii() and length.isdigit():
-        if int(length[:20]) > limit:
+    length = declared_length(request)
+    if length is not None:
+        if length > limit:
             raise too_big
         if lease is not None:
-            lease.cover(int(length))
+            lease.cover(length)
     body = bytearray()
     try:
         async for chunk in request.stream():
