@@ -349,3 +349,29 @@ def test_the_full_media_baseline_places_positions_from_the_media_itself(qwen, re
     with Pipeline(cfg) as pipe:
         outs = pipe.generate(copy.deepcopy(REQUESTS[:3]))
     assert [tokens_of(o) for o in outs] == reference[:3]
+
+
+def test_a_prefix_cache_hit_never_splits_an_image_next_to_another(stages):
+    """Two images a few tokens apart: the cache hit ends inside the second, whose block
+    starts inside the first, so the start moves back before both (it moved back only
+    before the second, leaving the first's last placeholders without their pixels)."""
+    from omni_ar.multimodal.handoff import PrefixCache
+    from omni_ar.multimodal.stages import _items
+
+    engine = stages[1].engine
+    pad = engine.placeholder_id
+    a = decode_image(source_bytes({"type": "image", "image": IMAGES[1]}, "x"), "x", 10**9)
+    b = decode_image(source_bytes({"type": "image", "image": IMAGES[0]}, "x"), "x", 10**9)
+    la, lb = (grid_tokens(engine.grid(p.shape[:2]), 2) for p in (a, b))  # 8 and 12
+    # image a at [12, 20), image b at [22, 34): the tail after b shares block [32, 48)
+    head = [60] * 12 + [pad] * la + [61, 62] + [pad] * lb
+    spans = [(12, la), (12 + la + 2, lb)]
+    items = _items([a, b], spans)
+    cache = PrefixCache(64)
+    engine.prefill_kv([*head, 63, 64, 65, 66], items, [a, b], 16, cache)
+    ids = [*head, 67, 68, 69]  # another tail: blocks [0, 16) and [16, 32) hit
+    keys, values, cached, _ = engine.prefill_kv(ids, items, [a, b], 16, cache)
+    # the hit [0, 32) ends inside b, whose first block [16, 32) a overlaps: from 0
+    assert cached == 0
+    cold_keys, _, _, _ = engine.prefill_kv(ids, items, [a, b], 16, None)
+    assert np.allclose(keys, cold_keys, atol=1e-5)

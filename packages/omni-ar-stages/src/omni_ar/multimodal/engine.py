@@ -198,7 +198,9 @@ class VLMEngine(TransformersEngine):
         n = len(ids)
         hashes = block_hashes(ids, items, block_size)
         start = cache.match(hashes[: (n - 1) // block_size]) * block_size if cache else 0
-        for it in sorted(items, key=lambda it: it["offset"]):  # never split an image
+        # never split an image: from the last one back, as moving the start to an image's
+        # block may land it inside the image before
+        for it in sorted(items, key=lambda it: it["offset"], reverse=True):
             if it["offset"] < start < it["offset"] + it["length"]:
                 start = it["offset"] // block_size * block_size
         kwargs: dict[str, Any] = {}
