@@ -111,3 +111,38 @@ def test_image_chat_logprobs_and_top_logprobs(client):
         assert len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
         assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-4)
         assert c.top_logprobs[1].logprob <= c.top_logprobs[0].logprob
+
+
+@pytest.fixture(scope="module")
+def qwen_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """``omni serve configs/mm_chat_qwen.yaml``: the same stages on the tiny Qwen2.5-VL."""
+    config = CONFIG.with_name("mm_chat_qwen.yaml")
+    server = start_server(config, tmp_path_factory.mktemp("mm-qwen-server"))
+    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    stop_server(server)
+
+
+def test_an_m_rope_model_answers_about_images_of_two_sizes(qwen_client):
+    """Two images of other sizes and aspect ratios in one chat (dynamic resolution): the
+    answer streams, equals the whole one, and changes with the image."""
+    from omni_ar.multimodal.testing import synthetic_image
+
+    def url(seed: int, w: int, h: int) -> str:
+        return "data:image/png;base64," + base64.b64encode(synthetic_image(seed, w, h)).decode()
+
+    def two(a: str) -> list[dict]:
+        msgs = ask(a)
+        msgs[0]["content"].append({"type": "image_url", "image_url": {"url": url(9, 40, 90)}})
+        return msgs
+
+    kw = {"model": "mm_chat_qwen", "max_tokens": 10, "temperature": 0}
+    kw["extra_body"] = {"ignore_eos": True}
+    chunks = client_chunks = list(
+        qwen_client.chat.completions.create(messages=two(url(0, 96, 64)), stream=True, **kw)
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in client_chunks if c.choices)
+    whole = qwen_client.chat.completions.create(messages=two(url(0, 96, 64)), **kw)
+    assert len(chunks) > 2 and text == whole.choices[0].message.content
+    assert whole.usage.completion_tokens == 10
+    other = qwen_client.chat.completions.create(messages=two(url(4, 96, 64)), **kw)
+    assert other.choices[0].message.content != whole.choices[0].message.content

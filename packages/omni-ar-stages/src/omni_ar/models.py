@@ -42,6 +42,8 @@ CONVERTED = "{name}-float32"
 # the tiny Llava of the multimodal tests (random weights, built from configs): for
 # configs/mm_chat.yaml, a multimodal pipeline that runs anywhere, offline
 TINY_LLAVA = "tiny-llava"
+# the tiny Qwen2.5-VL (M-RoPE, dynamic resolution) of the same tests: configs/mm_chat_qwen.yaml
+TINY_QWEN_VL = "tiny-qwen2.5-vl"
 
 
 def resolve_model(model: str, report: Reporter | None = None) -> str:
@@ -49,10 +51,10 @@ def resolve_model(model: str, report: Reporter | None = None) -> str:
     conversion's progress goes to ``report`` when given, as ``omni models pull`` does)."""
     if os.path.isdir(model):
         return model
-    if model == TINY_LLAVA:
-        return str(build_once(model, _build_tiny_llava, "config.json"))
+    if model in TINY_BUILDERS:
+        return str(build_once(model, TINY_BUILDERS[model], "config.json"))
     if model not in NAMED:
-        names = ", ".join(sorted([*NAMED, TINY_LLAVA]))
+        names = ", ".join(sorted([*NAMED, *TINY_BUILDERS]))
         raise RuntimeError(f"model {model!r}: not a directory and not a named model ({names})")
     dist, _, module, filename = NAMED[model]
 
@@ -119,6 +121,14 @@ def named_models() -> list[NamedModel]:
             built(TINY_LLAVA),
             "build offline",
         ),
+        NamedModel(
+            TINY_QWEN_VL,
+            "omni-ar-stages",
+            "a tiny Qwen2.5-VL (M-RoPE) with random weights, for configs/mm_chat_qwen.yaml",
+            lambda: cached(TINY_QWEN_VL, "config.json"),
+            built(TINY_QWEN_VL),
+            "build offline",
+        ),
     ]
 
 
@@ -181,3 +191,17 @@ def _build_tiny_llava(target: Path) -> None:
     from omni_ar.multimodal.testing import build_tiny_llava
 
     build_tiny_llava(target)
+
+
+def _build_tiny_qwen_vl(target: Path) -> None:
+    quiet_offline()
+    from omni_ar.multimodal.testing import build_tiny_qwen2_vl
+
+    build_tiny_qwen2_vl(target, version="2.5")
+
+
+# the named models built from configs with seeded random weights
+TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
+    TINY_LLAVA: _build_tiny_llava,
+    TINY_QWEN_VL: _build_tiny_qwen_vl,
+}
