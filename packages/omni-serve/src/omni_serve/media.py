@@ -8,9 +8,10 @@ touches the network: one redirect hop at a time (at most :data:`MAX_REDIRECTS`),
 host resolved and every address checked at connect time by :class:`GuardedBackend`, which
 connects to the very address it checked (the TLS name and ``Host`` stay the URL's), so a
 DNS answer cannot change between the check and the connection. Loopback, private,
-link-local, shared, multicast, unspecified and reserved addresses (IPv4-mapped, NAT64 and
-6to4 IPv6 forms unwrapped) are refused unless ``--remote-images-allow`` names their
-network. Each fetch has one total deadline (``--remote-image-timeout``), at most
+link-local, site-local, shared, multicast, unspecified, reserved and documentation
+addresses, Teredo and the other ranges of :data:`NOT_GLOBAL` (IPv4-mapped, NAT64 and 6to4
+IPv6 forms unwrapped) are refused unless ``--remote-images-allow`` names their network.
+Each fetch has one total deadline (``--remote-image-timeout``), at most
 ``--remote-image-concurrency`` run at once in the whole server, and a request's fetches
 end with it (a client that goes away cancels them); the wait for a free fetch is inside
 that deadline, and host names are resolved in a small executor of their own, so lookups
@@ -52,8 +53,23 @@ log = logging.getLogger("omni.serve")
 MAX_REDIRECTS = 3
 REDIRECTS = {301, 302, 303, 307, 308}
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-_SHARED = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT: not private, not public
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Not globally reachable, yet ``is_global`` (on some Python version) calls them global:
+# refused besides what the address's own flags say, before and after unwrapping.
+NOT_GLOBAL: tuple[IPNetwork, ...] = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "100.64.0.0/10",  # shared address space (carrier-grade NAT)
+        "192.88.99.0/24",  # 6to4 relay anycast (deprecated, RFC 7526): a local relay
+        "::/96",  # IPv4-compatible (deprecated, RFC 4291), :: and ::1 included
+        "::ffff:0:0:0/96",  # IPv4-translated (SIIT)
+        "64:ff9b:1::/48",  # local-use NAT64 (RFC 8215)
+        "2001::/32",  # Teredo: the host behind it is not the address checked
+        "2001:db8::/32",  # documentation
+        "3fff::/20",  # documentation (RFC 9637)
+        "fec0::/10",  # site-local (deprecated, RFC 3879): routed inside a site alone
+    )
+)
 
 
 class RefusedAddress(Exception):
@@ -77,20 +93,22 @@ def _unwrap(ip: IPAddress) -> IPAddress:
 
 
 def address_allowed(ip: IPAddress, allow: Sequence[IPNetwork] = ()) -> bool:
-    """Whether a remote image may be fetched from ``ip``: a public unicast address, or
-    one inside a network of ``allow`` (``--remote-images-allow``)."""
+    """Whether a remote image may be fetched from ``ip``: a public unicast address (none
+    of :data:`NOT_GLOBAL`, an IPv6 form of an IPv4 address judged by that address), or one
+    inside a network of ``allow`` (``--remote-images-allow``)."""
     if any(a.version == n.version and a in n for a in (ip, _unwrap(ip)) for n in allow):
         return True
-    ip = _unwrap(ip)
+    inner = _unwrap(ip)
+    if any(a.version == n.version and a in n for a in (ip, inner) for n in NOT_GLOBAL):
+        return False
     internal = (
-        ip.is_private
-        or ip.is_loopback
-        or ip.is_link_local
-        or ip.is_multicast
-        or ip.is_unspecified
-        or ip.is_reserved
-        or ip in _SHARED
-        or not ip.is_global
+        inner.is_private
+        or inner.is_loopback
+        or inner.is_link_local
+        or inner.is_multicast
+        or inner.is_unspecified
+        or inner.is_reserved
+        or not inner.is_global
     )
     return not internal
 
