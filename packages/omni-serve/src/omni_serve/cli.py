@@ -34,6 +34,9 @@ from omni_serve.settings import (
 
 log = logging.getLogger("omni.serve")
 KEY_ENV = "OMNI_API_KEY"
+# after the re-execution without $OMNI_API_KEY: the number of the memfd holding the key
+KEY_FD_ENV = "OMNI_SERVE_KEY_FD"
+KEY_MEMFD = "omni-api-key"  # the memfd's name (/proc/self/fd/N -> /memfd:omni-api-key)
 MAX_CONNECTIONS = 1024
 
 
@@ -235,12 +238,60 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def reexec_without_key(argv: list[str]) -> None:
+    """When ``$OMNI_API_KEY`` is set and this process is ``omni serve ARGV``, execute the
+    same command again (same pid) with the key out of its environment: the key goes in an
+    anonymous memfd, inherited, whose number is in ``$OMNI_SERVE_KEY_FD``. Taking it out
+    of ``os.environ`` is not enough: ``/proc/PID/environ`` shows the environment the
+    process was started with. Returns (the key stays in the environment, said on stderr)
+    where the command cannot be executed again."""
+    key = os.environb.get(KEY_ENV.encode())
+    if key is None or sys.argv[1:] != ["serve", *argv]:  # not the command (called in-process)
+        return
+    fd = os.memfd_create(KEY_MEMFD)
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(key)
+        os.set_inheritable(fd, True)
+        env = {k: v for k, v in os.environb.items() if k != KEY_ENV.encode()}
+        env[KEY_FD_ENV.encode()] = str(fd).encode()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError as e:
+        os.close(fd)
+        print(
+            f"omni serve: cannot start again without ${KEY_ENV} in the environment ({e}); "
+            f"/proc/{os.getpid()}/environ keeps it: prefer --api-key-file",
+            file=sys.stderr,
+        )
+
+
+def key_from_environment() -> str | None:
+    """The key ``$OMNI_API_KEY`` gave, taken out of ``os.environ`` so that no worker
+    (spawned, or forked from the zygote) inherits it: after :func:`reexec_without_key`,
+    read from the memfd ``$OMNI_SERVE_KEY_FD`` names, which is then closed; else the
+    variable itself. SettingsError when that fd is not the key's memfd."""
+    from_env = os.environ.pop(KEY_ENV, None)
+    number = os.environ.pop(KEY_FD_ENV, None)
+    if number is None:
+        return from_env
+    try:
+        fd = int(number)
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{KEY_MEMFD} "):
+            raise OSError("not the key's memfd")
+        with open(fd, "rb") as f:  # closes it
+            f.seek(0)  # the writer's offset is shared: at the end
+            return os.fsdecode(f.read())
+    except (ValueError, OSError) as e:
+        raise SettingsError(f"${KEY_FD_ENV}={number!r}: {e}") from None
+
+
 def api_key_of(args: argparse.Namespace) -> str | None:
     """The API key: ``--api-key``, else ``--api-key-file``'s first line, else
-    ``$OMNI_API_KEY``, which is then taken out of this process's environment, so that no
-    worker (spawned, or forked from the zygote) inherits it. SettingsError when the file
-    cannot be read."""
-    from_env = os.environ.pop(KEY_ENV, None)
+    ``$OMNI_API_KEY`` (:func:`key_from_environment`). SettingsError when the file cannot
+    be read."""
+    from_env = key_from_environment()
     if args.api_key is not None:
         return str(args.api_key)
     if args.api_key_file is not None:
@@ -303,6 +354,7 @@ def main(argv: list[str]) -> int:
     the pipeline, bind the socket, serve until interrupted; the exit status (2: a config,
     setting or address that cannot work, said on stderr)."""
     args = parser().parse_args(argv)
+    reexec_without_key(argv)
     configure_logging(args.log_level or os.environ.get("OMNI_LOG_LEVEL") or "INFO", args.log_format)
     # the workers inherit the format (they configure logging from the environment)
     if args.log_format:
