@@ -31,9 +31,9 @@ Devices: saved blocks are copied to the CPU (the data plane carries host memory)
 blocks are copied to the paged cache's device and dtype (a GPU's, or the CPU's).
 
 Multimodal prompts (``ar.mm_*`` on ``engine: vllm``): the producer also records what vLLM
-rendered of a prompt flagged :data:`RECORD` (:data:`RENDERED`: prompt ids, each item's identifier
-and placeholder span, and the name of every block of the prompt,
-:func:`prompt_block_hashes`), and a consumer handed those names loads only the leading
+rendered of a prompt flagged :data:`RECORD` (:data:`RENDERED`: prompt ids, each item's identifier,
+placeholder span and, on M-RoPE models, patch grid, and the name of every block of the
+prompt, :func:`prompt_block_hashes`), and a consumer handed those names loads only the leading
 blocks whose names its own request gives too: KV computed for other tokens or other
 media is never loaded, and the ``requires_kv`` plugin
 (:mod:`omni_ar.engines.vllm_requires_kv`) ends the request when what loads stops short
@@ -87,6 +87,7 @@ class Rendered(NamedTuple):
     prompt_token_ids: list[int]
     items: list[tuple[str, int, int]]  # per media item: identifier, offset, length
     block_hashes: list[str]  # every block of the prompt, the last one possibly partial
+    grids: list[list[int] | None]  # per media item: its (t, h, w) patch grid (M-RoPE), or None
 
 
 # handoff key -> (keys, values), each (layers, blocks, ...) in vLLM's layout, host memory
@@ -150,6 +151,13 @@ def kv_views(kv_layer: torch.Tensor, block_size: int) -> tuple[torch.Tensor, tor
         f"data-plane KV connector: unknown paged KV layout {tuple(kv_layer.shape)} "
         f"(block size {block_size}); use kv_connector: file"
     )
+
+
+def _grid(feature: Any) -> list[int] | None:
+    """A media item's patch grid as vLLM's processor made it (``image_grid_thw``, which
+    M-RoPE models place the item by), or None."""
+    elem = (feature.data or {}).get(f"{feature.modality}_grid_thw")
+    return None if elem is None else [int(x) for x in elem.data.tolist()]
 
 
 class DataPlaneConnector(KVConnectorBase_V1):
@@ -218,6 +226,7 @@ class DataPlaneConnector(KVConnectorBase_V1):
                     for f in request.mm_features
                 ],
                 prompt_block_hashes(request, len(ids), self.block_size, self._hash_fn),
+                [_grid(f) for f in request.mm_features],
             )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -53,7 +53,8 @@ from omni_ar.engines.cpu_turns import cpu_turn
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.engines.vllm_requires_kv import failure, forget_failure
 from omni_ar.errors import EngineRequestError
-from omni_ar.handoff import MMItem
+from omni_ar.handoff import MMItem, MRope
+from omni_ar.multimodal.mrope import grid_tokens
 from omni_ar.params import RequestError, Sampled, SamplingParams
 from omni_ar.structured import ConstraintError, Grammars
 
@@ -123,6 +124,7 @@ class MMContinuation:
     items: list[MMItem]  # each image's content hash and placeholder span
     block_hashes: list[str]  # prefill's names of the prompt's blocks (MMPrefilled's)
     images: list[np.ndarray] | None = None  # decoded RGB, (H, W, 3), in items' order
+    mrope: MRope | None = None  # an M-RoPE model's position delta and grids (MMPrefilled's)
 
 
 class MMPrompt(NamedTuple):
@@ -136,12 +138,14 @@ class MMPrompt(NamedTuple):
 @dataclass(frozen=True)
 class MMPrefilled:
     """A multimodal prompt's prefill on vLLM: the first token, the KV of the prompt in
-    vLLM's blocks, and the name vLLM gives each block of the prompt."""
+    vLLM's blocks, the name vLLM gives each block of the prompt, and on an M-RoPE model
+    the position delta and each item's grid, as vLLM computed them."""
 
     first: Sampled
     keys: Any
     values: Any
     block_hashes: list[str]  # one per block of the prompt, the last one possibly partial
+    mrope: MRope | None = None  # M-RoPE models only
 
 
 class _Steps:
@@ -246,6 +250,7 @@ class VllmEngine:
         self.multimodal = multimodal
         self.media_free = multimodal and media_free and kv_role == "kv_consumer"
         self.max_images = max_images
+        self.merge: int | None = None  # an M-RoPE model's spatial merge, once loaded
         self.tokenizer: Any = None
         self.llm: Any = None
         self._streams: dict[str, _Stream] = {}
@@ -270,15 +275,19 @@ class VllmEngine:
         }
         if self.kv_role == "kv_consumer":  # decode continues constrained requests
             args["logits_processors"] = ["omni_ar.engines.vllm_grammar:GrammarLogitsProcessor"]
+        # images only: no video (Qwen2-VL's one tower serves both, and vLLM builds a
+        # tower unless every modality it serves has a limit of 0)
         if self.media_free:
             # no vision tower (no image a prompt; a kv_consumer still admits an item
-            # without data), and no receiver cache to look items up in
-            args["limit_mm_per_prompt"] = {"image": 0}
+            # without pixels), and no receiver cache to look items up in
+            args["limit_mm_per_prompt"] = {"image": 0, "video": 0}
             args["mm_processor_cache_gb"] = 0
         elif self.multimodal:
-            args["limit_mm_per_prompt"] = {"image": self.max_images}
+            args["limit_mm_per_prompt"] = {"image": self.max_images, "video": 0}
         self.llm = LLM(model=self.model_dir, **{**args, **self.engine_args})
         self.engine = self.llm.llm_engine
+        if self.multimodal and self.engine.model_config.uses_mrope:
+            self.merge = self._mrope_merge()
         from transformers import AutoConfig, GenerationConfig
 
         try:
@@ -310,6 +319,48 @@ class VllmEngine:
     def block_size(self) -> int:
         """Tokens per KV block of the loaded engine (both sides of a handoff need the same)."""
         return int(self.engine.vllm_config.cache_config.block_size)
+
+    def _mrope_merge(self) -> int:
+        """The loaded M-RoPE model's spatial merge; a media-free engine first checks that
+        vLLM's model places a prompt's tokens from its items' grids alone (the data a
+        media-free item carries, :func:`grid_item`)."""
+        config = self.engine.model_config.hf_config
+        merge = int(getattr(getattr(config, "vision_config", None), "spatial_merge_size", 0))
+        try:
+            if not merge:
+                raise ValueError("its config has no vision_config.spatial_merge_size")
+            if self.media_free:  # one image of one placeholder between two text tokens
+                self._mrope_positions([0, 0, 0], [(1, 1)], [[1, merge, merge]])
+        except Exception as e:  # whatever vLLM's model code raises on it
+            arch = ", ".join(config.architectures or [config.model_type])
+            raise RuntimeError(
+                f"engine 'vllm' cannot serve a media-free decode of {arch}: its M-RoPE "
+                f"positions do not follow from each image's grid alone ({e!r})"
+            ) from None
+        return merge
+
+    def _mrope_positions(
+        self, ids: list[int], spans: list[tuple[int, int]], grids: list[list[int]]
+    ) -> tuple[int, int]:
+        """(positions, position delta) of ``ids`` whose images lie at ``spans`` ((offset,
+        length), by offset) with patch ``grids`` ``(t, h, w)``, by vLLM's own M-RoPE code
+        (the model's ``get_mrope_input_positions``, as its model runner calls it for
+        every request it adds)."""
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+        features = [
+            MultiModalFeatureSpec(
+                data=grid_item(grid),
+                modality="image",
+                identifier=str(k),
+                mm_position=PlaceholderRange(offset=off, length=n),
+            )
+            for k, ((off, n), grid) in enumerate(zip(spans, grids, strict=True))
+        ]
+        ((positions, delta),) = self.llm.apply_model(
+            lambda model: model.get_mrope_input_positions(ids, features)
+        )
+        return int(positions.shape[-1]), int(delta)
 
     @property
     def placeholder_id(self) -> int:
@@ -587,7 +638,26 @@ class VllmEngine:
                     f"intake {len(p.ids)} tokens and items {want}"
                 )
                 continue
-            yield MMPrefilled(first, keys, values, rendered.block_hashes)
+            mrope = None if self.merge is None else self._rendered_mrope(p.items, rendered)
+            if isinstance(mrope, str):
+                yield mrope
+                continue
+            yield MMPrefilled(first, keys, values, rendered.block_hashes, mrope)
+
+    def _rendered_mrope(self, items: list[MMItem], rendered: Any) -> MRope | str:
+        """An M-RoPE prompt's position fields as vLLM computed them: each item's grid
+        (``items``' order) from vLLM's processor, and the delta from its M-RoPE code; or
+        why there are none (a ``str``)."""
+        grids = rendered.grids  # by offset, as rendered.items
+        if any(g is None for g in grids):
+            return f"vLLM's processor gave no image grid for items {rendered.items}"
+        spans = [(off, n) for _, off, n in rendered.items]
+        _, delta = self._mrope_positions(rendered.prompt_token_ids, spans, grids)
+        by_offset = sorted(range(len(items)), key=lambda i: items[i]["offset"])
+        ordered: list[list[int]] = [[] for _ in items]
+        for k, i in enumerate(by_offset):
+            ordered[i] = grids[k]
+        return MRope(position_delta=delta, grids=ordered)
 
     @staticmethod
     def _take_kv(kv: tuple[Any, Any] | None, shm: bool) -> tuple[Any, Any]:
@@ -677,19 +747,74 @@ class VllmEngine:
                 "a media-free multimodal decode runs on a media-free multimodal kv_consumer "
                 f"engine (this one: {self.kv_role}, multimodal={self.multimodal})"
             )
+        order = sorted(mm.items, key=lambda it: it["offset"])
+        data: list[Any] = [None] * len(order)
+        if self.merge is not None:  # M-RoPE: each item's grid, from which vLLM places it
+            data = [grid_item(grid) for grid in self._checked_grids(ids, mm)]
+        elif mm.mrope is not None:
+            raise RequestError("mrope: position fields for a model without M-RoPE")
         if not has_kv:
             remember(CONNECTOR_NOTES, str(key), "no KV arrived with it")
-        order = sorted(mm.items, key=lambda it: it["offset"])
         return mm_input(
             ids,
-            {"image": [None] * len(order)},
+            {"image": data},
             {"image": [it["hash"] for it in order]},
             {"image": [PlaceholderRange(offset=it["offset"], length=it["length"]) for it in order]},
         )
 
+    def _checked_grids(self, ids: list[int], mm: MMContinuation) -> list[list[int]]:
+        """The items' grids by offset, once vLLM's M-RoPE code, given them, places exactly
+        ``ids`` and at prefill's position delta; else :class:`RequestError` (that request
+        fails, before it enters the engine)."""
+        m = mm.mrope
+        if m is None:
+            raise RequestError(
+                "mrope: missing; an M-RoPE model's media-free decode places its tokens from "
+                "prefill's position delta and each item's grid"
+            )
+        if len(m.grids) != len(mm.items):
+            raise RequestError(f"mrope.grids: {len(m.grids)} grids for {len(mm.items)} mm items")
+        for i, (it, grid) in enumerate(zip(mm.items, m.grids, strict=True)):
+            n = grid_tokens(grid, self.merge or 1) if len(grid) == 3 else None
+            if n != it["length"]:
+                raise RequestError(
+                    f"mrope.grids[{i}]: grid {grid} makes {n} placeholders; mm item {i}'s "
+                    f"span has {it['length']}"
+                )
+        pairs = sorted(zip(mm.items, m.grids, strict=True), key=lambda p: p[0]["offset"])
+        spans = [(it["offset"], it["length"]) for it, _ in pairs]
+        grids = [list(grid) for _, grid in pairs]
+        try:
+            n, delta = self._mrope_positions(ids, spans, grids)
+        except Exception as e:  # vLLM's model code refusing a grid (e.g. t != 1)
+            raise RequestError(f"mrope.grids: vLLM cannot place {grids}: {e!r}") from None
+        if n != len(ids):
+            raise RequestError(
+                f"mrope.grids: {grids} place {n} positions for a prompt of {len(ids)} tokens "
+                "(a grid does not make its item's placeholders)"
+            )
+        if delta != m.position_delta:
+            raise RequestError(
+                f"mrope.position_delta: prefill sent {m.position_delta}; vLLM's M-RoPE gives "
+                f"{delta} for the items' grids"
+            )
+        return grids
+
     def generate(self, source: str | list[dict[str, str]], params: SamplingParams) -> list[int]:
         """The whole request in one engine (the one-process run)."""
         return [s[0] for s in self.stream(self.encode(source), params) if s is not None]
+
+
+def grid_item(grid: list[int]) -> Any:
+    """vLLM's data of an image item that carries only its patch grid ``(t, h, w)``
+    (``image_grid_thw``, batched as Qwen2-VL's processor gives it): what vLLM's M-RoPE
+    reads, and nothing a vision encoder could run on."""
+    import torch
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItem
+
+    field = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+    (elem,) = field.build_elems("image_grid_thw", torch.tensor([grid], dtype=torch.int64))
+    return MultiModalKwargsItem({"image_grid_thw": elem})
 
 
 def media_prompt(ids: list[int], items: list[MMItem], images: list[np.ndarray]) -> dict[str, Any]:
