@@ -8,6 +8,11 @@
 * :class:`Arena` (producer worker) maps its stage's segment and sub-allocates slots in it.
   A slot is rented for a set of readers and returns to the free list when the last reader
   has released it (readers send :class:`~omni_core.events.Release` messages back).
+  Segments are made sparse (their pages cost memory only once used); the arena gives a
+  slot its pages (``posix_fallocate``) before the slot is written, so a full ``/dev/shm``
+  fails the request that needed the room (:class:`ShmSpaceExhausted`, naming the segment,
+  its size and the free space), never the producer (a write to a page tmpfs cannot give
+  is a SIGBUS).
 * :class:`SegmentReader` (any reader) maps segments read-only on first use and hands out
   read-only views; it never copies, and a reader cannot write into a slot its fan-out
   peers share (a write through the mapping raises, a view is not writeable).
@@ -27,6 +32,7 @@ segment behind the owner's back.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import logging
@@ -54,6 +60,7 @@ SEGMENT_NAME = re.compile(r"(omni-\d+-[0-9A-Za-z]+-)(" + LABEL.pattern + r")-(\d
 STALE_NAME = re.compile(r"omni-(\d+)-([0-9A-Za-z]+)-(.+)-(\d+)(?:-[0-9a-f]{16})?")
 NAME_MAX = 255
 CREATE_TRIES = 100
+BACK_CHUNK = 1 << 20  # an arena gives its segment pages this much at a time
 
 log = logging.getLogger("omni.shm")
 
@@ -83,6 +90,17 @@ EXTERNAL_WRITERS: dict[str, ExternalWriter] = {}
 
 class ShmPoolExhausted(RuntimeError):
     """A payload could not get a slot before its deadline."""
+
+
+class ShmSpaceExhausted(ShmPoolExhausted):
+    """The filesystem of a segment (``/dev/shm``) has no room left for the pages a slot
+    needs: the request fails, the producer goes on."""
+
+
+def free_bytes(directory: str = SHM_DIR) -> int:
+    """Bytes an unprivileged user may still take in ``directory``'s filesystem."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
 
 class BadSegment(ValueError):
@@ -241,7 +259,9 @@ class SegmentOwner:
         return f"{PREFIX}{os.getpid()}-{self.token}-"
 
     def create(self, label: str, size: int) -> str:
-        """Create a sparse segment of ``size`` bytes; pages cost memory only once written.
+        """Create a sparse segment of ``size`` bytes; its pages cost memory only once its
+        arena gives them to a slot (:meth:`Arena.rent`). A size over the free space of the
+        directory's filesystem is warned about: the requests that need more will fail.
 
         A name found taken (a file another process or user made under it) is logged and
         retried under a fresh name: never fatal unless every try fails."""
@@ -266,10 +286,20 @@ class SegmentOwner:
             )
         try:
             os.ftruncate(fd, size)
+            free = free_bytes(self.directory)
         except BaseException:
             os.unlink(path)
             os.close(fd)
             raise
+        if free < size:
+            log.warning(
+                "shared-memory segment %s is %d bytes, more than the %d free in %s: a "
+                "request whose arrays do not fit fails (lower shm_pool_bytes or free space)",
+                path,
+                size,
+                free,
+                self.directory,
+            )
         self._locks[name] = fd
         self._names.append(name)
         return name
@@ -296,11 +326,20 @@ class SegmentOwner:
 
 def map_segment(name: str, directory: str = SHM_DIR, readonly: bool = False) -> mmap.mmap:
     """Map a whole segment: read-write for its producer, read-only (``PROT_READ``) for a
-    reader, so a reader's write through the mapping raises instead of reaching the slot.
+    reader, so a reader's write through the mapping raises instead of reaching the slot
+    (checked by :func:`open_segment`)."""
+    fd = open_segment(name, directory, readonly)
+    try:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
+    finally:
+        os.close(fd)
 
-    Only a name this runtime makes, opened without following a link or blocking, that is a
-    private non-empty regular file of this user: else :class:`BadSegment` (a segment that
-    is gone stays a ``FileNotFoundError``: its producer died)."""
+
+def open_segment(name: str, directory: str = SHM_DIR, readonly: bool = False) -> int:
+    """An fd of a segment (the caller closes it). Only a name this runtime makes, opened
+    without following a link or blocking, that is a private non-empty regular file of this
+    user: else :class:`BadSegment` (a segment that is gone stays a ``FileNotFoundError``:
+    its producer died)."""
     check_segment_name(name)
     path = os.path.join(directory, name)
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -320,9 +359,10 @@ def map_segment(name: str, directory: str = SHM_DIR, readonly: bool = False) -> 
             raise BadSegment(name, f"mode {stat.S_IMODE(st.st_mode):o} is not private (0600)")
         if st.st_size == 0:
             raise BadSegment(name, "empty")
-        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 @dataclass
@@ -340,8 +380,15 @@ class Arena:
 
     def __init__(self, name: str, directory: str = SHM_DIR) -> None:
         self.name = name
-        self.buf = map_segment(name, directory)
+        self.directory = directory
+        self._fd = open_segment(name, directory)  # kept: slots are given pages through it
+        try:
+            self.buf = mmap.mmap(self._fd, 0, access=mmap.ACCESS_WRITE)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.size = len(self.buf)
+        self._backed = 0  # [0, _backed) has its pages: a write there is never a SIGBUS
         self._free: list[tuple[int, int]] = [(0, self.size)]  # sorted (offset, length)
         self._slots: dict[int, _Slot] = {}
         self._cond = threading.Condition()
@@ -408,11 +455,37 @@ class Arena:
                     self._cond.wait(left)
                     off = self._take(length)
                 self.blocked_s += time.monotonic() - t0
+            try:
+                self._back(off + length)
+            except ShmSpaceExhausted:
+                self._give(off, length)
+                raise
             rental = next(self._rentals)
             self._slots[off] = _Slot(length, rental, {r: n for r, n in readers.items() if n > 0})
             if not self._slots[off].readers:  # nobody will read it: free at once
                 self._drop(off)
             return off, rental
+
+    def _back(self, end: int) -> None:
+        """Give the segment its pages up to ``end`` (by :data:`BACK_CHUNK`):
+        :class:`ShmSpaceExhausted` when its filesystem has no room for them."""
+        if end <= self._backed:
+            return
+        new = min(self.size, -(-end // BACK_CHUNK) * BACK_CHUNK)
+        try:
+            os.posix_fallocate(self._fd, self._backed, new - self._backed)
+        except OSError as e:
+            try:
+                free = f"{free_bytes(self.directory)} bytes free"
+            except OSError:
+                free = "free space unknown"
+            raise ShmSpaceExhausted(
+                f"shared-memory segment {self.name!r} ({self.size} bytes) cannot have "
+                f"{new - self._backed} more bytes at offset {self._backed}: "
+                f"{e.strerror or errno.errorcode.get(e.errno or 0, e)} ({free} in "
+                f"{self.directory})"
+            ) from None
+        self._backed = new
 
     def _drop(self, off: int) -> None:
         slot = self._slots.pop(off)
@@ -465,6 +538,9 @@ class Arena:
             self.buf.close()
         except BufferError:  # views still alive; the mapping goes with the process
             pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class SegmentReader:
