@@ -117,3 +117,38 @@ def test_a_segment_that_cannot_be_backed_is_an_error_naming_it(tmp_path, monkeyp
     finally:
         arena.close()
         owner.unlink_all()
+
+
+# a pipeline whose /dev/shm (a private mount namespace's) is 8 MiB, its pool 64 MiB
+PIPELINE = """
+import json
+from omni_core import Pipeline
+from omni_testing.configs import chain
+cfg = chain(("src", "synthetic.array_source", {}), ("sink", "synthetic.array_sink", {}),
+            name="tight", shm_pool_bytes=64 << 20, heartbeat_interval_s=0.1)
+with Pipeline(cfg) as pipe:
+    pids = pipe.pids()
+    outs = pipe.generate([{"nbytes": 1 << 20}, {"nbytes": 16 << 20}, {"nbytes": 1 << 20}],
+                         timeout_s=60)
+    print(json.dumps({"ok": [o.ok for o in outs], "errors": [o.error for o in outs],
+                      "same_pids": pipe.pids() == pids, "healthy": pipe.healthy}))
+"""
+
+
+def test_a_pipeline_on_a_full_dev_shm_fails_only_the_request_that_needed_room():
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs over /dev/shm takes root")
+    script = f'mount -t tmpfs -o size={2 * TINY},mode=1777 tmpfs /dev/shm && exec "$0" -c "$1"'
+    r = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, sys.executable, PIPELINE],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    if r.returncode != 0 and "unshare" in r.stderr and "Operation not permitted" in r.stderr:
+        pytest.skip(f"no mount namespace here: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["ok"] == [True, False, True], got
+    assert "ShmSpaceExhausted" in got["errors"][1] and "bytes free in /dev/shm" in got["errors"][1]
+    assert got["same_pids"] and got["healthy"], got  # no producer died
