@@ -296,8 +296,9 @@ def test_a_kv_short_of_the_images_still_fails_closed(engines, prefilled):
 
 
 # -- the stages -------------------------------------------------------------------------------
-def _config(model):
+def _config(model, media="none"):
     engine = {"model": model, "engine": "vllm", "engine_args": ENGINE_ARGS}
+    reprocess = media == "reprocess"
     return {
         "mrs": {"enabled": False},
         "stages": [
@@ -307,9 +308,14 @@ def _config(model):
                 "kind": "ar.mm_prefill",
                 "max_batch_size": 5,
                 "client_stream": True,
-                "options": engine,
+                "options": {**engine, "forward_media": reprocess},
             },
-            {"name": "decode", "kind": "ar.mm_decode", "max_inflight": 5, "options": engine},
+            {
+                "name": "decode",
+                "kind": "ar.mm_decode",
+                "max_inflight": 5,
+                "options": {**engine, "media": media},
+            },
             {"name": "postprocess", "kind": "ar.mm_postprocess", "options": {"model": model}},
         ],
         "edges": [
@@ -320,11 +326,14 @@ def _config(model):
     }
 
 
-def test_stages_inline_equal_llm_generate_and_decode_gets_no_image_data(qwen, reference):
+@pytest.mark.parametrize("media", ["none", "reprocess"], ids=["handoff", "full-media-baseline"])
+def test_stages_inline_equal_llm_generate_and_decode_gets_no_image_data(qwen, reference, media):
+    """Inline (one process); the full-media baseline (``media: reprocess``) too, whose
+    decode renders the prompt from the images again and gives them to its vLLM."""
     from omni_ar.multimodal.media import has_media
     from omni_core import Pipeline
 
-    with Pipeline(_config(qwen)) as pipe:
+    with Pipeline(_config(qwen, media)) as pipe:
         outs = pipe.generate(copy.deepcopy(REQUESTS))
     for out, expected in zip(outs, reference, strict=True):
         assert out.ok, out.error
@@ -335,7 +344,7 @@ def test_stages_inline_equal_llm_generate_and_decode_gets_no_image_data(qwen, re
         assert all(sorted(it) == ["hash", "length", "offset"] for it in h["mm_items"])
         assert sorted(h["mrope"]) == ["grids", "position_delta"]
         assert len(h["mrope"]["grids"]) == len(h["mm_items"])
-        assert not has_media(sent.request["messages"])
+        assert has_media(sent.request["messages"]) == (media == "reprocess" and bool(h["mm_items"]))
 
 
 @pytest.fixture(scope="module")
