@@ -349,7 +349,9 @@ class MMDecode(_MMStage, Decode):
                         "media payload: the request still carries image data; a requires_kv "
                         "request carries only item hashes"
                     )
-                adm = admit_paged(sent, w.arrays, self.engine.block_size, self.placeholder_id)
+                adm = admit_paged(
+                    sent, w.arrays, self.engine.block_size, self.placeholder_id, self.engine.merge
+                )
                 if not w.tokens:
                     raise AdmissionError("prefill sent no first token")
                 handoff = Handoff.read(w)
@@ -358,7 +360,9 @@ class MMDecode(_MMStage, Decode):
                 continue
             params = handoff.params
             ids = adm.handoff.prompt_token_ids
-            mm = MMContinuation(adm.handoff.mm_items, adm.block_hashes, pixels)
+            mm = MMContinuation(
+                adm.handoff.mm_items, adm.block_hashes, pixels, adm.handoff.mrope
+            )
             first = Sampled((w.tokens[0], w.logprobs[0] if w.logprobs else 0.0), handoff.first_top)
             try:
                 steps = self.engine.decode(first[0], *adm.kv, params, ids, inp.priority, mm=mm)
