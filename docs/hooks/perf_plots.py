@@ -285,7 +285,7 @@ PLOTS: dict[str, Plot] = {
             ("tok/s at 8, staged / direct", 0.9),
             ("tok/s at 8, inline detok / direct", None),
             ("TTFT at 1, staged / direct (lower is better)", None),
-            ("second model's first output, window 16 / full", 0.1),
+            ("second stage's first output, window 16 / full (lower is better)", 0.1),
         ),
         _ar,
         log=True,
@@ -442,6 +442,17 @@ def values(name: str, plot: Plot) -> Series:
     return series
 
 
+def label(v: float) -> str:
+    """A value as the bar shows it: 3 decimals (0.1 to 10), 3 digits under 0.1, fewer above."""
+    if v >= 100:
+        return f"{v:.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    if v >= 0.1 or v == 0:
+        return f"{v:.3f}".rstrip("0").rstrip(".")
+    return f"{v:.3g}"
+
+
 def _ratio(v: float, _pos: object = None) -> str:
     return f"{v:g}x"
 
@@ -470,15 +481,15 @@ def draw(plot: Plot, series: Series) -> str:
                 xs.append(v)
         drawn += xs
         bars = ax.barh(ys, xs, height=height * 0.9, label=run or None, color=f"C{i}")
-        ax.bar_label(bars, labels=[f" {v:.3g}" for v in xs], fontsize=8, padding=1)
+        ax.bar_label(bars, labels=[f" {label(v)}" for v in xs], fontsize=9, padding=1)
     targets = [(row, t) for row, (_, t) in enumerate(plot.rows) if t is not None]
     for k, (row, t) in enumerate(targets):
-        label = "target" if k == 0 else None
-        ax.plot([t, t], [row - 0.45, row + 0.45], color="crimson", lw=2, label=label)
+        name = "target" if k == 0 else None
+        ax.plot([t, t], [row - 0.45, row + 0.45], color="crimson", lw=2, label=name)
         drawn.append(t)
     if plot.baseline:
         ax.axvline(1.0, color="black", lw=1, ls="--", label=plot.baseline)
-    ax.set_yticks(range(n_rows), [label for label, _ in plot.rows])
+    ax.set_yticks(range(n_rows), [figure for figure, _ in plot.rows])
     ax.set_ylim(n_rows - 0.5, -0.5)  # the first row on top
     positive = [v for v in drawn if v > 0]
     if plot.log:
@@ -490,13 +501,13 @@ def draw(plot: Plot, series: Series) -> str:
         ax.set_xlim(0, max(positive) * 1.18)
     ax.xaxis.set_major_formatter(FuncFormatter(_ratio if plot.baseline else _plain))
     ax.set_xlabel(plot.xlabel)
-    ax.set_title(plot.title, fontsize=11, loc="left")
+    fig.suptitle(plot.title, x=0.01, ha="left", fontsize=11)
     ax.grid(axis="x", color="#dddddd", lw=0.6)
     ax.set_axisbelow(True)
     if n_runs > 1 or targets or plot.baseline:
-        fig.legend(loc="outside lower center", ncols=5, fontsize=8, frameon=False)
+        fig.legend(loc="outside lower center", ncols=5, fontsize=9, frameon=False)
     buf = io.StringIO()
-    with matplotlib.rc_context({"svg.hashsalt": "omni-perf", "svg.fonttype": "none"}):
+    with matplotlib.rc_context({"svg.hashsalt": "omni-perf", "svg.fonttype": "path"}):
         fig.savefig(buf, format="svg", metadata={"Date": None}, facecolor="white")
     return buf.getvalue()
 
