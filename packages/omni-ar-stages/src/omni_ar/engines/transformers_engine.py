@@ -29,8 +29,13 @@ from omni_core.worker.devices import default_dtype
 from omni_hf import quiet_offline
 
 from omni_ar.engines.cpu_turns import cpu_turn
+from omni_ar.multimodal.mrope import uses_mrope
 from omni_ar.params import Sampled, SamplingParams
 from omni_ar.structured import Grammars, Matcher
+
+# the default of TransformersEngine.prefill_batch_tokens: a burst of 8 prompts of 1,024
+# tokens in one forward; longer bursts split (the attention scores grow with the square)
+PREFILL_BATCH_TOKENS = 8192
 
 
 class TransformersEngine:
@@ -57,6 +62,9 @@ class TransformersEngine:
         self.batch = _Batch(self)
         self.turn = cpu_turn(cpu_turns, device)
         self.grammars: Grammars | None = None  # built at the first constrained request
+        # the padded tokens (prompts x the longest) one batched prefill forward may hold
+        self.prefill_batch_tokens = PREFILL_BATCH_TOKENS
+        self.prefill_forwards = 0  # batched prefill forwards run (for tests and stats)
 
     def load_tokenizer(self) -> Any:
         """The model's tokenizer (and its chat template), kept as ``self.tokenizer``."""
@@ -183,10 +191,22 @@ class TransformersEngine:
         params: list[SamplingParams],
         priorities: list[int] | None = None,
     ) -> Iterator[tuple[int, float, np.ndarray, np.ndarray]]:
-        """``prefill`` for each prompt, in order (one forward pass each). ``priorities``
-        are not read: the worker already ordered the batch (see :meth:`decode`)."""
-        for ids, p in zip(prompts, params, strict=True):
-            yield self.prefill(ids, p)
+        """``prefill`` for each prompt, in order, the prompts that arrived together in
+        one forward (:meth:`_prefill_batch`, in chunks of at most
+        ``prefill_batch_tokens`` padded tokens) where the model allows it
+        (:meth:`_batches_prefill`), else one forward each. ``priorities`` are not read:
+        the worker already ordered the batch (see :meth:`decode`)."""
+        if len(prompts) < 2 or not self._batches_prefill():
+            for ids, p in zip(prompts, params, strict=True):
+                yield self.prefill(ids, p)
+            return
+        for chunk in _chunks([len(ids) for ids in prompts], self.prefill_batch_tokens):
+            if len(chunk) == 1:
+                yield self.prefill(prompts[chunk[0]], params[chunk[0]])
+            else:
+                yield from self._prefill_batch(
+                    [prompts[i] for i in chunk], [params[i] for i in chunk]
+                )
 
     def prefill(
         self, ids: list[int], params: SamplingParams
@@ -196,10 +216,60 @@ class TransformersEngine:
         import torch
 
         with self.turn, torch.inference_mode():
-            out = self.model(self.tensor([ids]), use_cache=True)
+            out = self.model(self.tensor([ids]), use_cache=True, **self._last_logits())
         first = self._pick(out.logits[0, -1], params, self.generator(params), self.matcher(params))
         keys, values = kv_arrays(_cache_of(out))
         return Sampled((*first, keys, values), first.top)
+
+    def _prefill_batch(
+        self, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> Iterator[tuple[int, float, np.ndarray, np.ndarray]]:
+        """``prefill`` of several prompts in one forward, as the decode :class:`_Batch`
+        steps: left-padded to the longest, an attention mask hiding the padding, and each
+        row's own positions (0 for the padding), so a row computes what it would alone
+        (up to float rounding: the sums run over a padded width). Each prompt's first
+        token is picked from its row with its own generator and grammar, and its KV is
+        its row with the padding cut off: ``prefill``'s arrays."""
+        import torch
+
+        lengths = [len(ids) for ids in prompts]
+        width = max(lengths)
+        pads = [width - n for n in lengths]
+        ids = [[0] * pad + list(p) for p, pad in zip(prompts, pads, strict=True)]
+        mask = [[0] * pad + [1] * n for pad, n in zip(pads, lengths, strict=True)]
+        positions = [[0] * pad + list(range(n)) for pad, n in zip(pads, lengths, strict=True)]
+        with self.turn, torch.inference_mode():
+            out = self.model(
+                self.tensor(ids),
+                attention_mask=self.tensor(mask),
+                position_ids=self.tensor(positions),
+                use_cache=True,
+                **self._last_logits(),
+            )
+        self.prefill_forwards += 1
+        cache = _cache_of(out)
+        for row, (p, pad) in enumerate(zip(params, pads, strict=True)):
+            first = self._pick(out.logits[row, -1], p, self.generator(p), self.matcher(p))
+            keys, values = kv_arrays(cache, row, pad)
+            yield Sampled((*first, keys, values), first.top)
+
+    def _last_logits(self) -> dict[str, Any]:
+        """The forward's argument that computes the logits of the last position only
+        (the one prefill samples from; also what ``generate`` asks for), where the model
+        takes it."""
+        params = inspect.signature(self.model.forward).parameters
+        return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    def _batches_prefill(self) -> bool:
+        """Whether prompts that arrive together may share a forward. Not on an M-RoPE
+        model (its positions are 3-D and come from the images: one prompt at a time),
+        nor on one whose cache is not attention KV alone (a recurrent or hybrid layer
+        would run over the padding: no mask stops it); there prefill stays one by one."""
+        config = self.model.config
+        if uses_mrope(config):
+            return False
+        kinds = set(getattr(config.get_text_config(), "layer_types", None) or ["full_attention"])
+        return kinds <= {"full_attention", "sliding_attention"}
 
     def decode(
         self,
@@ -460,14 +530,29 @@ class _Steps:
         self.batch.unpark(self.rid)
 
 
-def kv_arrays(cache: Any) -> tuple[Any, Any]:
-    """A batch-of-one cache as stacked ``(layers, kv_heads, tokens, head_dim)`` arrays on
-    the CPU (see :func:`to_host`)."""
+def kv_arrays(cache: Any, row: int = 0, start: int = 0) -> tuple[Any, Any]:
+    """One row of a cache as stacked ``(layers, kv_heads, tokens, head_dim)`` arrays on
+    the CPU (see :func:`to_host`), its positions from ``start`` on (past a left padding)."""
     import torch
 
-    keys = torch.stack([layer.keys[0] for layer in cache.layers])
-    values = torch.stack([layer.values[0] for layer in cache.layers])
+    keys = torch.stack([layer.keys[row, :, start:] for layer in cache.layers])
+    values = torch.stack([layer.values[row, :, start:] for layer in cache.layers])
     return to_host(keys), to_host(values)
+
+
+def _chunks(lengths: list[int], budget: int) -> list[list[int]]:
+    """The indices of ``lengths``, in order, cut into runs whose padded size (the run's
+    count times its longest) stays within ``budget``; a longer prompt runs alone."""
+    runs: list[list[int]] = []
+    width = 0
+    for i, n in enumerate(lengths):
+        if runs and (len(runs[-1]) + 1) * max(width, n) <= budget:
+            runs[-1].append(i)
+            width = max(width, n)
+        else:
+            runs.append([i])
+            width = n
+    return runs
 
 
 def to_host(t: Any) -> Any:

@@ -21,6 +21,12 @@ class PrefillOptions(ModelOptions, kw_only=True):
     # here but passed on, and the decode engine prefills it in its own steps, beside the
     # requests it is decoding (no KV crosses); 0: every prompt is prefilled here
     local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # the prompts of one batch (max_batch_size) in one forward where the engine can
+    # (transformers: left-padded; vLLM: its scheduler's steps); false: one prompt after
+    # another, each alone, for outputs bit for bit those of a lone prompt (a padded
+    # batch's sums round differently: ~1e-6 in float32, in bfloat16 enough to flip a
+    # near tie between two tokens)
+    batch_prefill: bool = True
 
 
 class Prefill(ModelStage):
@@ -59,11 +65,14 @@ class Prefill(ModelStage):
         batch = here
         prompts = [inp.window.tokens for inp in batch]
         priorities = [inp.priority for inp in batch]
-        try:
-            results: list[Any] = list(self.engine.prefill_many(prompts, params, priorities))
-        except RequestError as e:  # vLLM refused a prompt as it entered: find it, one by one
-            one = zip(prompts, params, priorities, strict=True)
-            results = [e] if len(batch) == 1 else [self._prefill_one(*x) for x in one]
+        one = zip(prompts, params, priorities, strict=True)
+        if not self.options.batch_prefill:
+            results: list[Any] = [self._prefill_one(*x) for x in one]
+        else:
+            try:
+                results = list(self.engine.prefill_many(prompts, params, priorities))
+            except RequestError as e:  # vLLM refused a prompt as it entered: find it
+                results = [e] if len(batch) == 1 else [self._prefill_one(*x) for x in one]
         for inp, ids, p, res in zip(batch, prompts, params, results, strict=True):
             if isinstance(res, RequestError):
                 yield inp.fail(res)
