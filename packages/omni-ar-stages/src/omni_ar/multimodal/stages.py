@@ -360,9 +360,7 @@ class MMDecode(_MMStage, Decode):
                 continue
             params = handoff.params
             ids = adm.handoff.prompt_token_ids
-            mm = MMContinuation(
-                adm.handoff.mm_items, adm.block_hashes, pixels, adm.handoff.mrope
-            )
+            mm = MMContinuation(adm.handoff.mm_items, adm.block_hashes, pixels, adm.handoff.mrope)
             first = Sampled((w.tokens[0], w.logprobs[0] if w.logprobs else 0.0), handoff.first_top)
             try:
                 steps = self.engine.decode(first[0], *adm.kv, params, ids, inp.priority, mm=mm)
