@@ -9,8 +9,8 @@ outputs of the two are checked equal (first tokens; KV within float rounding).
 processes, ``batch_prefill`` true and false, both up at once, the burst submitted to
 each in turn: submit to the last first token the caller receives (the worker hands
 prefill what is queued when it is free, so the first prompt may go alone). The prompts
-are the AR benches' 8 chat prompts through SmolLM2's chat template (``--repeat`` times
-each, for longer ones).
+are the AR benches' 8 chat prompts through SmolLM2's chat template (``--no-chat``: the
+bare text; ``--repeat``: each text that many times, for longer prompts).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def engine_arm(model: str, args: argparse.Namespace) -> dict[str, Any]:
     engine.load_tokenizer()
     engine.load_model()
     prompts = [
-        engine.encode([{"role": "user", "content": t}]) for t in texts(args.prompts, args.repeat)
+        engine.encode([{"role": "user", "content": t}] if args.chat else t)
+        for t in texts(args.prompts, args.repeat)
     ]
     params = [SamplingParams(max_tokens=1)] * len(prompts)
 
@@ -99,8 +100,8 @@ def engine_arm(model: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def pipeline_config(model: str, batch: bool, threads: int) -> dict[str, Any]:
-    opts = {"model": model, "chat": True, "threads": threads}
+def pipeline_config(model: str, batch: bool, threads: int, chat: bool) -> dict[str, Any]:
+    opts = {"model": model, "chat": chat, "threads": threads}
     env = {"OMP_NUM_THREADS": str(threads)}
     engine = {"model": model, "threads": threads}
     return {
@@ -143,8 +144,8 @@ def pipeline_arm(model: str, args: argparse.Namespace) -> dict[str, Any]:
     requests = [{"prompt": t, "max_tokens": 1} for t in texts(args.prompts, args.repeat)]
     runs: dict[str, list[float]] = {"batched": [], "one_by_one": []}
     with (
-        Pipeline(pipeline_config(model, True, args.threads)) as on,
-        Pipeline(pipeline_config(model, False, args.threads)) as off,
+        Pipeline(pipeline_config(model, True, args.threads, args.chat)) as on,
+        Pipeline(pipeline_config(model, False, args.threads, args.chat)) as off,
     ):
         pipes = [("batched", on), ("one_by_one", off)]
         for _, pipe in pipes:
@@ -166,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2", help="a named model or a model directory")
     ap.add_argument("--arms", default="engine,pipeline", help="comma-separated: engine, pipeline")
     ap.add_argument("--prompts", type=int, default=8, help="prompts in the burst")
+    ap.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prompts through the chat template (--no-chat: the bare text, fewer tokens)",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="each prompt's text this many times")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {
         "model": args.model,
         "prompts": args.prompts,
+        "chat": args.chat,
         "repeat": args.repeat,
         "rounds": args.rounds,
         "threads": args.threads,
