@@ -15,7 +15,8 @@ from omni_ar.stages.logprobs import top_ids
 
 
 class PrefillOptions(ModelOptions, kw_only=True):
-    """``ar.prefill``'s options: :class:`ModelOptions` and the local-prefill threshold."""
+    """``ar.prefill``'s options: :class:`ModelOptions`, the local-prefill threshold and
+    whether a batch's prompts share a forward."""
 
     # conditional disaggregation: a prompt of at most this many tokens is not prefilled
     # here but passed on, and the decode engine prefills it in its own steps, beside the
