@@ -9,7 +9,9 @@ Decode is batched across requests (:class:`_Batch`): each request's iterator, wh
 no token queued, runs one forward of every request in flight, so a decode stage driving N
 request generators (``max_inflight: N``) costs one forward per step, not N. Requests of
 different lengths share one cache, left-padded, with an attention mask and explicit
-position ids; it is rebuilt only when a request joins or leaves.
+position ids; it is rebuilt only when a request joins or leaves. Prompts that arrive
+together prefill the same way, in one left-padded forward (``prefill_many``), each cut
+out of it with what it would have alone.
 
 The model lives on the engine's ``device`` (``"cpu"``, or ``"cuda:0"``: the first GPU
 the worker sees) in its ``dtype``; the inputs it builds go there, and what it hands out
