@@ -30,8 +30,9 @@ class FakePipe:
     def __init__(self, request_timeout_s: float | None = None, intake: str = "ar.intake") -> None:
         stages = [SimpleNamespace(name="intake", kind=intake, options={"model": "m"})]
         stages.append(SimpleNamespace(name="decode", kind="ar.decode", options={"model": "m"}))
+        edges = [SimpleNamespace(source="intake", target="decode")]
         self.config = SimpleNamespace(
-            name="fake", stages=stages, request_timeout_s=request_timeout_s
+            name="fake", stages=stages, edges=edges, request_timeout_s=request_timeout_s
         )
         self.failure: dict[str, str] | None = None
         self.healthy = {"intake": True, "decode": True}

@@ -32,8 +32,16 @@ def body_of_size(n: int, filler: str = "x") -> bytes:
     return head + filler.encode() * (n - len(head) - len(tail)) + tail
 
 
+def roomy() -> FakePipe:
+    """A pipeline whose intake takes prompts long enough for any body here (these tests
+    fill bodies with a prompt; its own character limit is test_limits_before_work's)."""
+    pipe = FakePipe()
+    pipe.config.stages[0].options["max_prompt_tokens"] = 1 << 20
+    return pipe
+
+
 def post_raw(raw: bytes, headers: dict[str, str] | None = None, **settings: Any) -> Any:
-    return client_of(FakePipe(), **settings).post(
+    return client_of(roomy(), **settings).post(
         "/v1/completions", content=raw, headers=JSON if headers is None else headers
     )
 
@@ -69,7 +77,7 @@ async def post_streamed(app: Any, raw: bytes, *sizes: int) -> httpx.Response:
 
 
 def app_of(**settings: Any) -> Any:
-    return create_app(FakePipe(), ServeSettings(model_name="fake", **settings))  # type: ignore[arg-type]
+    return create_app(roomy(), ServeSettings(model_name="fake", **settings))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("streamed", [False, True])

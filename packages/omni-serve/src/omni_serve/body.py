@@ -229,13 +229,16 @@ async def json_body(request: Request, limit: int) -> AsyncIterator[bytearray]:
         lease.release()
 
 
-async def off_loop(request: Request, size: int, work: Callable[[], T]) -> T:
+async def off_loop(
+    request: Request, size: int, work: Callable[[], T], slot: asyncio.Semaphore | None = None
+) -> T:
     """``work()`` (parsing and checking a body of ``size`` bytes) where it cannot stall
-    the server: inline when small, else in a worker thread, one at a time (their GIL
-    holds then add up to no more than one parse's)."""
+    the server: inline when small, else in a worker thread, one at a time per ``slot``
+    (default: the server's body parsing slot; their GIL holds then add up to no more than
+    one parse's)."""
     if size <= INLINE_BYTES:
         return work()
-    async with request.app.state.server.parsing:
+    async with slot or request.app.state.server.parsing:
         return await asyncio.to_thread(work)
 
 

@@ -14,13 +14,18 @@ IPv6 forms unwrapped) are refused unless ``--remote-images-allow`` names their n
 Each fetch has one total deadline (``--remote-image-timeout``), at most
 ``--remote-image-concurrency`` run at once in the whole server, and a request's fetches
 end with it (a client that goes away cancels them); the wait for a free fetch is inside
-that deadline, and host names are resolved in a small executor of their own, so lookups
-that hang cannot starve the event loop's default thread pool. Every hop's URL is checked
-before it is requested. Errors say which part and what kind of failure, never what a host
-answered. Last, each image's format (PNG, JPEG, WebP, GIF or BMP only,
-:data:`~omni_core.media.IMAGE_INPUT_FORMATS`: Pillow never runs a decoder such as EPS's
-Ghostscript) and size are read from its header (off the event loop), and its size held
-to ``--max-chat-image-pixels``.
+that deadline, and host names are resolved by a :class:`Resolver` of their own (daemon
+threads, a bounded number of lookups outstanding), so lookups that hang can neither
+starve the event loop's default thread pool nor hold the later fetches' lookups. Every
+hop's URL is checked before it is requested. Errors say which part and what kind of
+failure, never what a host answered. The request's body is no longer held against the
+server's body budget while its images are fetched. Last, each image's format (PNG, JPEG,
+WebP, GIF or BMP only, :data:`~omni_core.media.IMAGE_INPUT_FORMATS`: Pillow never runs a
+decoder such as EPS's Ghostscript) and size are read from its header, off the event loop
+in a slot of their own (never the body parsers'), within a budget of reads
+(:data:`MAX_HEADER_READS`: a PNG of a million empty chunks is parsed chunk by chunk in
+Python) and of time (:data:`HEADER_BUDGET_S`), and its size held to
+``--max-chat-image-pixels``.
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import functools
 import io
 import ipaddress
 import logging
 import socket
+import threading
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -42,7 +49,7 @@ from urllib.parse import urljoin, urlsplit
 from fastapi import Request
 from omni_core.media import IMAGE_INPUT_FORMATS
 
-from omni_serve.body import off_loop
+from omni_serve.body import RETRY_AFTER_S, off_loop
 from omni_serve.errors import APIError, bad_field
 from omni_serve.openai_api import REMOTE
 from omni_serve.settings import IPNetwork, ServeSettings
@@ -51,6 +58,11 @@ from omni_serve.streams import until_disconnect
 log = logging.getLogger("omni.serve")
 
 MAX_REDIRECTS = 3
+# reads Pillow may make of one image while it reads the header (a PNG chunk takes two or
+# three, a JPEG marker one or two; a common image takes 4 to 40); past it, a 400
+MAX_HEADER_READS = 2048
+HEADER_BUDGET_S = 1.0  # the wall time one image's header may take to read
+DNS_LOOKUPS_PER_SLOT = 8  # host name lookups outstanding at once, per fetch slot
 REDIRECTS = {301, 302, 303, 307, 308}
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
@@ -78,6 +90,76 @@ class RefusedAddress(Exception):
 
 class TooBig(Exception):
     """The request's images are over ``--max-image-bytes`` together."""
+
+
+class ResolverBusy(Exception):
+    """The :class:`Resolver` has its limit of lookups outstanding."""
+
+
+class OverBudget(Exception):
+    """An image's header took more reads or time than its budget; says which."""
+
+
+class Resolver:
+    """Host names resolved (``socket.getaddrinfo``) in daemon threads of its own: a
+    lookup cannot be cancelled, so one that hangs holds its own thread (never a pool's, nor
+    the interpreter's exit) until its name server answers; lookups of the same host and
+    port in flight share one thread; with ``limit`` outstanding a new one is refused at
+    once (:class:`ResolverBusy`) rather than queued behind those that hang."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.pending: dict[tuple[str, int], asyncio.Future[Any]] = {}
+        self.started = 0
+
+    async def resolve(self, host: str, port: int) -> list[Any]:
+        """``getaddrinfo(host, port)`` for a stream socket; its OSError or UnicodeError
+        as raised; a cancelled wait leaves the lookup to finish on its own."""
+        loop = asyncio.get_running_loop()
+        key = (host, port)
+        with self.lock:
+            future = self.pending.get(key)
+            if future is None or future.get_loop() is not loop:
+                if len(self.pending) >= self.limit:
+                    raise ResolverBusy
+                future = loop.create_future()
+                future.add_done_callback(_retrieve)
+                self.pending[key] = future
+                self.started += 1
+                name = f"omni-dns-{self.started}"
+                threading.Thread(
+                    target=self._lookup, args=(key, future), name=name, daemon=True
+                ).start()
+        return await asyncio.shield(future)  # type: ignore[no-any-return]
+
+    def _lookup(self, key: tuple[str, int], future: asyncio.Future[Any]) -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = socket.getaddrinfo(*key, type=socket.SOCK_STREAM)
+        except BaseException as e:  # handed to the waiters
+            error = e
+        with self.lock:
+            if self.pending.get(key) is future:
+                del self.pending[key]
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a lookup's error as seen (every waiter may have gone at its deadline)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _unwrap(ip: IPAddress) -> IPAddress:
@@ -119,7 +201,7 @@ class GuardedBackend:
     the address connected to. A name that cannot be resolved (or encoded: a label over
     63 characters) is an ``httpcore.ConnectError``."""
 
-    def __init__(self, allow: Sequence[IPNetwork], dns: ThreadPoolExecutor) -> None:
+    def __init__(self, allow: Sequence[IPNetwork], dns: Resolver) -> None:
         import httpcore
 
         self.allow = tuple(allow)
@@ -136,9 +218,8 @@ class GuardedBackend:
     ) -> Any:
         import httpcore
 
-        resolve = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
         try:
-            infos = await asyncio.get_running_loop().run_in_executor(self.dns, resolve)
+            infos = await self.dns.resolve(host, port)
         except (OSError, UnicodeError) as e:
             raise httpcore.ConnectError(f"cannot resolve {host!r}: {e}") from None
         ips = dict.fromkeys(ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos)
@@ -165,19 +246,19 @@ class GuardedBackend:
 @dataclass
 class RemoteImages:
     """The server's fetching of remote images: its limits, the semaphore that bounds
-    the fetches running at once across all requests, and the executor their host names
-    are resolved in (one thread a fetch slot; a lookup cannot be cancelled, so one that
-    hangs holds a thread of its own pool, never one of the event loop's default pool)."""
+    the fetches running at once across all requests, and the :class:`Resolver` their
+    host names are resolved by (:data:`DNS_LOOKUPS_PER_SLOT` lookups outstanding per
+    fetch slot)."""
 
     allow: tuple[IPNetwork, ...]
     timeout_s: float
     concurrency: int
     slots: asyncio.Semaphore = field(init=False)
-    dns: ThreadPoolExecutor = field(init=False)
+    dns: Resolver = field(init=False)
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.concurrency)
-        self.dns = ThreadPoolExecutor(self.concurrency, thread_name_prefix="omni-dns")
+        self.dns = Resolver(DNS_LOOKUPS_PER_SLOT * self.concurrency)
 
 
 def remote_images(request: Request, settings: ServeSettings) -> RemoteImages:
@@ -238,7 +319,39 @@ async def check_images(request: Request, preq: dict[str, Any], settings: ServeSe
         await until_disconnect(request, fetch_remote(preq, fetcher, budget))
     size = sum(len(p["url"]) for _, p in parts)
     check = functools.partial(check_pixels, parts, settings.max_chat_image_pixels, fetched)
-    await off_loop(request, size, check)
+    await off_loop(request, size, check, request.app.state.server.image_headers)
+
+
+class _Budgeted(io.BytesIO):
+    """An image's bytes for Pillow to read its header from, refused (:class:`OverBudget`)
+    past :data:`MAX_HEADER_READS` reads or its ``deadline`` (``time.monotonic()``)."""
+
+    def __init__(self, data: bytes, deadline: float) -> None:
+        super().__init__(data)
+        self.reads = 0
+        self.deadline = deadline
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.reads += 1
+        if self.reads > MAX_HEADER_READS:
+            raise OverBudget(
+                f"its header is over this server's budget of {MAX_HEADER_READS} reads "
+                "(chunks or markers before the pixels)"
+            )
+        if time.monotonic() > self.deadline:
+            raise OverBudget(f"its header took over {HEADER_BUDGET_S:g} s to read")
+        return super().read(size)
+
+
+def image_size(raw: bytes) -> tuple[int, int]:
+    """(width, height) of an image of :data:`~omni_core.media.IMAGE_INPUT_FORMATS` from
+    its header, within :data:`MAX_HEADER_READS` reads and :data:`HEADER_BUDGET_S`
+    (:class:`OverBudget` past them); Pillow's error where it is not such an image."""
+    from PIL import Image
+
+    stream = _Budgeted(raw, time.monotonic() + HEADER_BUDGET_S)
+    with Image.open(stream, formats=IMAGE_INPUT_FORMATS) as img:
+        return img.size
 
 
 def check_pixels(
@@ -248,7 +361,7 @@ def check_pixels(
     (``--max-chat-image-pixels``); nothing is decoded, and only the formats of
     :data:`~omni_core.media.IMAGE_INPUT_FORMATS` are opened. A ``fetched`` part that is
     none of them is refused here; an inline one is left to the intake, which names what
-    is wrong with it."""
+    is wrong with it. A header over its budget (:func:`image_size`) is a 400."""
     from PIL import Image
 
     for where, part in parts:
@@ -260,8 +373,9 @@ def check_pixels(
         except (binascii.Error, ValueError):
             continue
         try:
-            with Image.open(io.BytesIO(raw), formats=IMAGE_INPUT_FORMATS) as img:
-                w, h = img.size
+            w, h = image_size(raw)
+        except OverBudget as e:
+            raise bad_field(where, f"image refused: {e}") from None
         except Image.DecompressionBombError:
             w, h = max_pixels + 1, 1
         except Exception:  # not an image
@@ -346,6 +460,15 @@ async def _fetch(pool: Any, fetcher: RemoteImages, where: str, url: str, budget:
     except TimeoutError:
         raise _failed(
             where, f"no complete answer within {fetcher.timeout_s:g} s (--remote-image-timeout)"
+        ) from None
+    except ResolverBusy:
+        raise APIError(
+            503,
+            f"could not fetch the image at {where}: the server's host name lookups are all "
+            f"busy; retry in {RETRY_AFTER_S} s",
+            type="server_error",
+            code="server_busy",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
         ) from None
     except RefusedAddress:
         raise _failed(

@@ -27,7 +27,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from omni_serve.body import INT_MAX, INT_MIN
 from omni_serve.errors import APIError, bad_field
-from omni_serve.limits import TokenLimit, check_max_tokens
+from omni_serve.limits import NO_PROMPT_LIMITS, PromptLimits, TokenLimit, check_max_tokens
 from omni_serve.settings import MAX_TIMEOUT_S
 
 # every integer a stage gets fits in 64 bits (a float such as 1e30 is refused too)
@@ -306,15 +306,35 @@ def _image(where: str, part: ImagePart, role: str, images: bool, remote: bool) -
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def check_chat_chars(req: ChatRequest, chars: PromptLimits) -> None:
+    """A 400 naming ``messages[i].content`` (its text, all text parts together) or
+    ``messages`` (the whole chat's text) where it is over the prompt's character limit."""
+    total = 0
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            n = len(m.content)
+        else:
+            n = sum(len(p.text) for p in m.content if isinstance(p, TextPart))
+        chars.check(f"messages[{i}].content", n)
+        total += n
+    chars.check("messages", total)
+
+
 def chat_request(
-    req: ChatRequest, limit: TokenLimit | None, images: bool = False, remote: bool = False
+    req: ChatRequest,
+    limit: TokenLimit | None,
+    images: bool = False,
+    remote: bool = False,
+    chars: PromptLimits = NO_PROMPT_LIMITS,
 ) -> dict[str, Any]:
     """The pipeline request of a chat completion; ``limit``: the pipeline's largest
     ``max_tokens`` (None: unknown, the pipeline checks it); ``images``: the pipeline reads image
     parts; ``remote``: http(s) image URLs are allowed (:func:`omni_serve.media.fetch_remote`
-    inlines them before the request is submitted)."""
+    inlines them before the request is submitted); ``chars``: the texts' character limits
+    (:func:`check_chat_chars`)."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_field("top_logprobs", "requires 'logprobs': true")
+    check_chat_chars(req, chars)
     messages = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
@@ -340,13 +360,17 @@ def chat_request(
     return out
 
 
-def completion_request(req: CompletionRequest, limit: TokenLimit | None) -> dict[str, Any]:
-    """The pipeline request of a (legacy) completion; ``limit`` as :func:`chat_request`'s."""
+def completion_request(
+    req: CompletionRequest, limit: TokenLimit | None, chars: PromptLimits = NO_PROMPT_LIMITS
+) -> dict[str, Any]:
+    """The pipeline request of a (legacy) completion; ``limit`` and ``chars`` as
+    :func:`chat_request`'s."""
     prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
             raise bad_field("prompt", "only one prompt per request is supported")
         prompt = prompt[0]
+    chars.check("prompt", len(prompt))
     if req.echo:
         raise bad_field("echo", "not supported")
     if req.suffix:
@@ -361,11 +385,19 @@ def completion_request(req: CompletionRequest, limit: TokenLimit | None) -> dict
 
 
 def image_requests(
-    req: ImageRequest, max_pixels: int, max_images: int, limit: TokenLimit | None
+    req: ImageRequest,
+    max_pixels: int,
+    max_images: int,
+    limit: TokenLimit | None,
+    chars: PromptLimits = NO_PROMPT_LIMITS,
 ) -> list[dict[str, Any]]:
     """One pipeline request per image asked for (``n``); with ``n > 1`` image ``i`` gets
     seed ``seed + i`` (``seed`` defaults to 0), so the images differ and are reproducible;
-    ``limit``: the largest ``max_tokens`` of a mixed pipeline's AR stages."""
+    ``limit``: the largest ``max_tokens`` of a mixed pipeline's AR stages; ``chars``: the
+    character limits of ``prompt`` and ``negative_prompt``."""
+    chars.check("prompt", len(req.prompt))
+    if req.negative_prompt is not None:
+        chars.check("negative_prompt", len(req.negative_prompt), negative=True)
     if not 1 <= req.n <= max_images:
         raise bad_field("n", f"expected 1..{max_images}, got {req.n}")
     if req.response_format == "url":

@@ -16,7 +16,7 @@ from omni_core.scheduling import PRIORITY_KEY, check_priority
 
 from omni_serve.body import BodyBudget
 from omni_serve.errors import APIError, user_input
-from omni_serve.limits import TokenLimit, token_limit
+from omni_serve.limits import PromptLimits, TokenLimit, prompt_limits, token_limit
 from omni_serve.metrics import ServerMetrics
 from omni_serve.settings import ServeSettings
 
@@ -47,16 +47,21 @@ class Server:
     images: bool = field(init=False)  # chat requests may carry images
     # the largest max_tokens, as the pipeline's stages declare it (None: none declares it)
     max_tokens_limit: TokenLimit | None = field(init=False)
+    # the characters of a prompt, a chat and a negative prompt, from the stages' limits
+    prompt_limits: PromptLimits = field(init=False)
     bodies: BodyBudget = field(init=False)  # request bodies held at once, server-wide
     created: int = field(default_factory=lambda: int(time.time()))
     # big bodies are parsed off the event loop one at a time (omni_serve.body.off_loop)
     parsing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    # chat images' headers are read in a slot of their own (omni_serve.media.check_images)
+    image_headers: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.pipe)
         self.served = endpoints(self.pipe)
         self.images = bool({s.kind for s in self.pipe.config.stages} & MM_SOURCES)
         self.max_tokens_limit = token_limit(self.pipe.config.stages)
+        self.prompt_limits = prompt_limits(self.pipe.config.stages, self.pipe.config.edges)
         assert self.settings.max_body_bytes_in_flight is not None  # set by ServeSettings
         self.bodies = BodyBudget(self.settings.max_body_bytes_in_flight)
         self.metrics.body_bytes.set_function(lambda: self.bodies.used)

@@ -61,7 +61,9 @@ def prepare(server: Server, raw: bytearray) -> tuple[ImageRequest, list[dict[str
     server.check_model(req.model, IMAGES)
     server.check_priority(req.priority)
     s = server.settings
-    preqs = image_requests(req, s.max_image_pixels, s.max_images, server.max_tokens_limit)
+    preqs = image_requests(
+        req, s.max_image_pixels, s.max_images, server.max_tokens_limit, server.prompt_limits
+    )
     for preq in preqs:
         check_values(preq, IMAGE_PARAMS)
     return req, preqs

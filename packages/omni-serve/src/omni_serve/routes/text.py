@@ -3,6 +3,7 @@ answer, read with ``Pipeline.astream``; ``stream: true`` answers with SSE chunks
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -128,15 +129,17 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
 async def received(
     request: Request, server: Server, chat: bool
 ) -> tuple[ChatRequest | CompletionRequest, dict[str, Any]]:
-    """The body read, parsed and checked, a chat's images counted, fetched (the client
-    going away cancels) and their sizes checked; the body's bytes are held against the
-    server's body budget meanwhile, and dropped after."""
+    """The body read, parsed and checked (its bytes held against the server's body
+    budget meanwhile, and dropped after), then a chat's images counted, fetched (the
+    client going away cancels) and their sizes checked."""
     async with json_body(request, server.settings.max_body_bytes) as raw:
-        req, preq = await off_loop(request, len(raw), lambda: prepare(server, raw, chat))
-        if chat:
-            await check_images(request, preq, server.settings)
-        if chat and server.settings.allow_remote_images:
-            await off_loop(request, len(raw), lambda: check_values(preq))
+        size = len(raw)
+        req, preq = await off_loop(request, size, functools.partial(prepare, server, raw, chat))
+    del raw  # neither held nor counted while images are fetched
+    if chat:
+        await check_images(request, preq, server.settings)
+    if chat and server.settings.allow_remote_images:
+        await off_loop(request, size, lambda: check_values(preq))
     return req, preq
 
 
@@ -152,12 +155,13 @@ def prepare(
         server.check_model(req.model, CHAT)
         server.check_priority(req.priority)
         remote = server.settings.allow_remote_images
-        preq = chat_request(req, server.max_tokens_limit, server.images, remote)
+        limits = server.prompt_limits
+        preq = chat_request(req, server.max_tokens_limit, server.images, remote, limits)
     else:
         req = parse(CompletionRequest, body)
         server.check_model(req.model, COMPLETIONS)
         server.check_priority(req.priority)
-        preq = completion_request(req, server.max_tokens_limit)
+        preq = completion_request(req, server.max_tokens_limit, server.prompt_limits)
     check_values(preq)
     return req, preq
 
