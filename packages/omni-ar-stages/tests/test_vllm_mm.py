@@ -352,14 +352,15 @@ def chats():
 def chat_reference(llava, chats, tmp_path_factory):
     """vLLM's own ``LLM.generate`` given each request's images, its prompt the chat
     template's text with one image marker per image (as ar.mm_intake renders it)."""
+    from omni_ar.multimodal.engine import VLMEngine
     from omni_ar.multimodal.testing import chat_case, vllm_generate
-    from transformers import AutoProcessor
 
-    proc = AutoProcessor.from_pretrained(llava)
-    cases = [chat_case(proc, r) for r in chats]
+    render = VLMEngine(llava)
+    render.load_tokenizer()
+    cases = [chat_case(render, r) for r in chats]
     out = vllm_generate(llava, cases, ENGINE_ARGS, tmp_path_factory.mktemp("chat-oracle"))
     assert len({tuple(t) for t in out}) == len(out)
-    return proc.tokenizer, out
+    return render.tokenizer, out
 
 
 def mm_config(model, enabled=True, media="none"):

@@ -12,7 +12,6 @@ processed tensor and no vision tower is there. Runs where vLLM's Qwen2-VL import
 import copy
 import importlib.util
 import os
-from types import SimpleNamespace
 
 import pytest
 
@@ -95,8 +94,7 @@ def reference(qwen, intake, tmp_path_factory):
     template's text with one image marker per image, as ar.mm_intake renders it."""
     from omni_ar.multimodal.testing import chat_case, vllm_generate
 
-    renders = SimpleNamespace(tokenizer=intake.engine.tokenizer, image_token=intake.engine.marker)
-    cases = [chat_case(renders, r) for r in REQUESTS]
+    cases = [chat_case(intake.engine, r) for r in REQUESTS]
     out = vllm_generate(qwen, cases, ENGINE_ARGS, tmp_path_factory.mktemp("oracle"))
     assert len({tuple(t) for t in out}) == len(out)  # the images change the output
     return out

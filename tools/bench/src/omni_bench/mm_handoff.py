@@ -437,11 +437,12 @@ def _rate(hits: float, queries: int) -> float | None:
 def llm_generate(model: str, reqs: list[dict[str, Any]], tmp: Path) -> list[list[int]]:
     """vLLM's own ``LLM.generate`` of the requests given their images, in a process of
     its own."""
+    from omni_ar.multimodal.engine import VLMEngine
     from omni_ar.multimodal.testing import chat_case, vllm_generate
-    from transformers import AutoProcessor
 
-    proc = AutoProcessor.from_pretrained(model)
-    return vllm_generate(model, [chat_case(proc, r) for r in reqs], VLLM_ARGS, tmp)
+    render = VLMEngine(model)  # its tokenizer and image marker, as ar.mm_intake's
+    render.load_tokenizer()
+    return vllm_generate(model, [chat_case(render, r) for r in reqs], VLLM_ARGS, tmp)
 
 
 def build_model(name: str, tmp: str, engine: str) -> str:

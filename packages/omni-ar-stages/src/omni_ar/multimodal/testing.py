@@ -289,14 +289,17 @@ def vllm_generate(
     return run_oracle(VLLM_ORACLE, model, json.dumps(args), json.dumps(rows), timeout=600)
 
 
-def chat_case(processor: Any, request: dict[str, Any]) -> tuple[str, list[np.ndarray], int]:
+def chat_case(render: Any, request: dict[str, Any]) -> tuple[str, list[np.ndarray], int]:
     """A chat request as :func:`vllm_generate` takes it: the chat template's text with one
-    image marker per image (as ``ar.mm_intake`` renders it), its images decoded."""
+    image marker per image, as ``ar.mm_intake`` renders it (``render``: a
+    :class:`~omni_ar.multimodal.engine.VLMEngine` with its tokenizer loaded, whose
+    ``marker`` is the model's: Llava's ``<image>``, Qwen2-VL's
+    ``<|vision_start|><|image_pad|><|vision_end|>``), its images decoded."""
     from omni_ar.multimodal.media import decode_image, flatten, image_parts, source_bytes
 
     msgs = request["messages"]
-    text = processor.tokenizer.apply_chat_template(
-        flatten(msgs, processor.image_token), add_generation_prompt=True, tokenize=False
+    text = render.tokenizer.apply_chat_template(
+        flatten(msgs, render.marker), add_generation_prompt=True, tokenize=False
     )
     images = [decode_image(source_bytes(p, "x"), "x", 10**9) for _, p in image_parts(msgs)]
     return text, images, request["max_tokens"]
