@@ -5,7 +5,7 @@ over HTTP by one client while others use it.
   the 20 MiB limit are posted (``health_p99_ms_during_big_body``, target <= 50): a chat of
   one 20 MiB string and a completion of ~99,000 numbers, each parsed in full and refused
   by the server (a string ``max_tokens``), and the same chat well-typed, which the server
-  passes on to the pipeline (whose intake refuses its prompt as too long).
+  refuses too, by its characters, before the pipeline's intake would tokenize it.
 * 64 slow-loris connections, 32 sending a head and 32 a body a byte a second
   (``slowloris_closed`` of ``slowloris``, ``slowloris_max_open_s``, and
   ``slowloris_open_past_deadline``: those open 2 s past the server's deadline, target 0),
@@ -53,7 +53,7 @@ def _big_bodies() -> list[tuple[str, bytes]]:
     chat["messages"][0]["content"] = "a" * (LIMIT - len(json.dumps(chat)) - 64)
     numbers: dict[str, Any] = {"prompt": "x", "max_tokens": "10", "stop": [1.5] * 99_000}
     numbers["user"] = "u" * (LIMIT - len(json.dumps(numbers)) - 64)
-    valid = {**chat, "max_tokens": 10}  # parsed, passed to the pipeline, refused by its intake
+    valid = {**chat, "max_tokens": 10}  # parsed, refused by its characters (never tokenized)
     return [
         ("/v1/chat/completions", json.dumps(chat).encode()),
         ("/v1/completions", json.dumps(numbers).encode()),
