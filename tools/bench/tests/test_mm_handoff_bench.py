@@ -100,3 +100,24 @@ def test_vllm_hit_rate(tmp_path: Path):
         + line.format((0, 12.5, 1, "CPU", 3.0, 37.5, 60.0))
     )
     assert vllm_hit_rate(log) == 0.375
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_mm_handoff_bench_on_qwen2_5_vl(bench_json, engine):
+    """``--model qwen2_5_vl`` (M-RoPE, a tiny Qwen2.5-VL built on the spot), one small
+    run: both arms give the same tokens, and on vLLM they are ``LLM.generate``'s given the
+    images (the oracle renders the prompt with Qwen's own image marker)."""
+    if engine == "vllm":
+        from omni_ar.multimodal.testing import vllm_llava_missing
+
+        if (why := vllm_llava_missing()) is not None:
+            if os.environ.get("OMNI_VLLM_MM"):
+                pytest.fail(f"vLLM's multimodal models do not import here: {why}", pytrace=False)
+            pytest.skip(f"vLLM's multimodal models do not import here ({why})")
+    args = ["--engine", engine, "--model", "qwen2_5_vl", "--shapes", "2L", "--concurrency", "1"]
+    args += ["--requests", "1", "--max-tokens", "4", "--repeats", "2"]
+    res = bench_json("mm-handoff", args, timeout_s=900)
+    assert res["model"] == "tiny random Qwen2.5-VL" and res["same_tokens_both_arms"]
+    assert 0 < res["handoff_request_bytes"] < 0.01 * res["full_media_request_bytes"]
+    if engine == "vllm":
+        assert res["equal_to_llm_generate"] is True
