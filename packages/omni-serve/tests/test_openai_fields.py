@@ -176,17 +176,14 @@ def test_finish_reason_length_vs_stop(client):
     assert cut.choices[0].finish_reason == "stop"
 
 
-def test_tools_are_refused_by_name(client):
-    tools = [
-        {
-            "type": "function",
-            "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
-        }
-    ]
+def test_legacy_functions_are_refused_by_name(client):
+    # tools are served (test_tool_calling); the legacy functions API is not
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny_chat", messages=MESSAGES, tools=tools)
-    assert e.value.body["param"] == "tools"
-    assert "tools" in e.value.body["message"] and "not supported" in e.value.body["message"]
+        client.chat.completions.create(
+            model="tiny_chat", messages=MESSAGES, functions=[{"name": "f", "parameters": {}}]
+        )
+    assert e.value.body["param"] == "functions"
+    assert "not supported" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny_chat", messages=MESSAGES, tool_choice="auto")
     assert e.value.body["param"] == "tool_choice"

@@ -9,10 +9,12 @@ always, http(s) URLs only when the operator allows them (the server fetches them
 passes them on as data URLs: no stage ever touches the network), file paths never. Images:
 ``{"prompt", "image": {"width", "height", "steps", "seed", "guidance", "true_cfg_scale",
 "format", "quality", "preview_every", "negative_prompt"}}`` (the DiT plan's fields).
-Every body may carry ``priority`` (vLLM's extra field: an int64, default 0, lower runs
+Chat may bring ``tools``, ``tool_choice`` and ``parallel_tool_calls``, and ``tool``
+messages and assistant ``tool_calls`` (see :mod:`omni_serve.tools`). Every body may carry
+``priority`` (vLLM's extra field: an int64, default 0, lower runs
 first), passed on as the request's :data:`omni_core.scheduling.PRIORITY_KEY` when not 0.
 Unknown fields are refused, naming the field; fields the OpenAI API has that change the
-answer in ways a pipeline cannot (tools, structured output, n > 1 for text, URLs for
+answer in ways a pipeline cannot (the legacy ``functions``, n > 1 for text, URLs for
 images) are refused too rather than ignored, naming the field and saying it is not
 supported.
 """
@@ -29,6 +31,7 @@ from omni_serve.body import INT_MAX, INT_MIN
 from omni_serve.errors import APIError, bad_field
 from omni_serve.limits import NO_PROMPT_LIMITS, PromptLimits, TokenLimit, check_max_tokens
 from omni_serve.settings import MAX_TIMEOUT_S
+from omni_serve.tools import DEFAULT_PARSER, ToolPlan, render_messages
 
 # every integer a stage gets fits in 64 bits (a float such as 1e30 is refused too)
 Int64 = Annotated[int, Field(ge=INT_MIN, le=INT_MAX)]
@@ -93,6 +96,50 @@ _TEXT_UNSUPPORTED = {
 }
 
 
+# chat takes tools (omni_serve.tools); the legacy functions API stays refused
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+_LEGACY = "the legacy functions API is not supported by this server; use 'tools'"
+_CHAT_UNSUPPORTED = {
+    **{k: v for k, v in _TEXT_UNSUPPORTED.items() if k not in _TOOL_FIELDS},
+    "functions": _LEGACY,
+    "function_call": _LEGACY,
+}
+# a function's name, as OpenAI allows it
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDef(_Model):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema (omni_serve.tools.check_schema)
+    strict: bool | None = None  # accepted: required and named calls are held to the schema
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionRef(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionRef
+
+
+class CallFunction(_Model):
+    name: FunctionName
+    arguments: str
+
+
+class ToolCall(_Model):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: CallFunction
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # json_schema: {"json_schema": {...}}
     type: str
@@ -141,13 +188,21 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[ContentPart], Field(fail_fast=True)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None: only an assistant message with tool_calls (checked by chat_request)
+    content: str | Annotated[list[ContentPart], Field(fail_fast=True)] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(fail_fast=True, max_length=128)] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+    refusal: str | None = None  # accepted (an assistant's earlier answer), unused
 
 
 class ChatRequest(_TextBody):
+    unsupported: ClassVar[dict[str, str]] = _CHAT_UNSUPPORTED
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
+    tools: Annotated[list[Tool], Field(fail_fast=True)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -311,13 +366,19 @@ def check_chat_chars(req: ChatRequest, chars: PromptLimits) -> None:
     ``messages`` (the whole chat's text) where it is over the prompt's character limit."""
     total = 0
     for i, m in enumerate(req.messages):
-        if isinstance(m.content, str):
+        if m.content is None:
+            n = 0
+        elif isinstance(m.content, str):
             n = len(m.content)
         else:
             n = sum(len(p.text) for p in m.content if isinstance(p, TextPart))
         chars.check(f"messages[{i}].content", n)
-        total += n
-    chars.check("messages", total)
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in m.tool_calls or ())
+        chars.check(f"messages[{i}].tool_calls", calls)
+        total += n + calls
+    tools = sum(len(t.model_dump_json()) for t in req.tools or ())
+    chars.check("tools", tools)
+    chars.check("messages", total + tools)
 
 
 def chat_request(
@@ -326,20 +387,28 @@ def chat_request(
     images: bool = False,
     remote: bool = False,
     chars: PromptLimits = NO_PROMPT_LIMITS,
+    tools: ToolPlan | None = None,
+    parser: str = DEFAULT_PARSER,
 ) -> dict[str, Any]:
     """The pipeline request of a chat completion; ``limit``: the pipeline's largest
     ``max_tokens`` (None: unknown, the pipeline checks it); ``images``: the pipeline reads image
     parts; ``remote``: http(s) image URLs are allowed (:func:`omni_serve.media.fetch_remote`
     inlines them before the request is submitted); ``chars``: the texts' character limits
-    (:func:`check_chat_chars`)."""
+    (:func:`check_chat_chars`); ``tools``: the request's :class:`ToolPlan`
+    (``ToolPlan.of(req, parser)``): its tools described in the messages, a forced call's
+    JSON constraint; ``parser``: the pipeline's ``tool_call_parser`` (the format of earlier
+    calls and results in the messages)."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_field("top_logprobs", "requires 'logprobs': true")
     check_chat_chars(req, chars)
     messages = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
-        content: str | list[dict[str, Any]]
-        if isinstance(m.content, str):
+        _check_tool_message(i, m)
+        content: str | list[dict[str, Any]] | None
+        if m.content is None:
+            content = None
+        elif isinstance(m.content, str):
             content = m.content
         elif not any(isinstance(p, ImagePart) for p in m.content):
             content = "".join(p.text for p in m.content if isinstance(p, TextPart))
@@ -350,14 +419,48 @@ def chat_request(
                 else _image(f"messages[{i}].content[{j}]", p, m.role, images, remote)
                 for j, p in enumerate(m.content)
             ]
-        messages.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        messages.append(message)
+    messages = render_messages(messages, tools, parser)
     out: dict[str, Any] = {"messages": messages, **scheduling(req)}
     out.update(_sampling(req, req.max_completion_tokens or req.max_tokens, limit))
+    if tools is not None and tools.forced:
+        if "response_format" in out or "structured_outputs" in out:
+            what = "'required'" if tools.named is None else "a named function"
+            raise bad_field(
+                "tool_choice",
+                f"{what} holds the answer to the tool's JSON: not with 'response_format' "
+                "or 'structured_outputs'",
+            )
+        out["structured_outputs"] = tools.constraint()
     if req.logprobs:
         out["logprobs"] = True
         if req.top_logprobs:
             out["top_logprobs"] = req.top_logprobs
     return out
+
+
+def _check_tool_message(i: int, m: ChatMessage) -> None:
+    """A 400 naming the field where a message's tool fields do not fit its role: a
+    ``tool`` message answers a call (``tool_call_id``, text content), only an
+    assistant's has ``tool_calls``, and only such a one may have no content."""
+    if m.role == "tool":
+        if m.tool_call_id is None:
+            raise bad_field(f"messages[{i}].tool_call_id", "required in a 'tool' message")
+        if not isinstance(m.content, str) and not (
+            m.content and all(isinstance(p, TextPart) for p in m.content)
+        ):
+            raise bad_field(f"messages[{i}].content", "a 'tool' message's content is text")
+    elif m.tool_call_id is not None:
+        raise bad_field(f"messages[{i}].tool_call_id", "only in a 'tool' message")
+    if m.tool_calls and m.role != "assistant":
+        raise bad_field(f"messages[{i}].tool_calls", "only in an 'assistant' message")
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise bad_field(
+            f"messages[{i}].content", "required (only an assistant's tool_calls may stand alone)"
+        )
 
 
 def completion_request(

@@ -52,6 +52,9 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # response_format), as a request spells it: {"regex": ...}, {"json": ...}, ...
     # (omni_ar.structured); it applies where the request enters the family (intake)
     structured_outputs: dict[str, Any] | None = None
+    # how omni serve reads the tool calls a model writes in chat (tool_choice "auto"),
+    # and writes the tools into its prompt (omni_serve.tools; vLLM's name and parsers')
+    tool_call_parser: Literal["hermes", "llama3_json"] = "hermes"
 
     def __post_init__(self) -> None:
         if self.examples and not self.chat:

@@ -27,6 +27,7 @@ from omni_serve.openai_api import (
 from omni_serve.server import Server, ServerDep, pipeline_id
 from omni_serve.sse import SSEAnswer, merged, sse
 from omni_serve.streams import TextState, TokenLogprob, collect, first_event
+from omni_serve.tools import ToolAnswer, ToolPlan, delta_calls, parser_of
 
 log = logging.getLogger("omni.serve")
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -60,6 +61,7 @@ class TextChunks:
     state: TextState = field(default_factory=TextState)
     opening: list[bytes] = field(default_factory=list)  # chat: the role, before any text
     offset: int = 0  # completions: the text offset of the next chunk's first token
+    tools: ToolAnswer | None = None  # chat with tools: the calls read from the text
 
     def __post_init__(self) -> None:
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
@@ -80,8 +82,11 @@ class TextChunks:
     def chunks(self, _index: int, ev: AnyEvent) -> list[bytes]:
         delta = self.state.add(ev)
         new = self.state.new_logprobs if self.logprobs else []
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None and delta:
+            delta, calls = self.tools.feed(delta)
         if not delta and not new:
-            return []
+            return self._calls(calls)
         lps = None
         if self.logprobs:
             lps = (
@@ -92,12 +97,30 @@ class TextChunks:
             self.offset += sum(len(t.token) for t in new)
         delta = delta or ""
         body = {"content": delta} if self.chat else delta
-        out = [*self.opening, self.chunk(body, None, lps)]
+        out = [*self.opening, self.chunk(body, None, lps), *self._calls(calls)]
+        self.opening.clear()
+        return out
+
+    def _calls(self, calls: list[dict[str, Any]]) -> list[bytes]:
+        """A chunk of ``delta.tool_calls`` (none without ``calls``)."""
+        if not calls:
+            return []
+        assert self.tools is not None
+        first = len(self.tools.calls) - len(calls)
+        out = [*self.opening, self.chunk({"tool_calls": delta_calls(calls, first)}, None)]
         self.opening.clear()
         return out
 
     def closing(self) -> list[bytes]:
-        out = [*self.opening, self.chunk({} if self.chat else "", self.state.finish_reason)]
+        finish = self.state.finish_reason
+        out, self.opening = self.opening, []
+        if self.tools is not None:
+            text, calls = self.tools.close()
+            if text:
+                out.append(self.chunk({"content": text}, None))
+            out.extend(self._calls(calls))
+            finish = self.tools.finish_reason(finish)
+        out.append(self.chunk({} if self.chat else "", finish))
         if self.include_usage:
             usage = self.state.usage()
             out.append(sse({**self.head, "object": self.object, "choices": [], "usage": usage}))
@@ -108,7 +131,7 @@ class TextChunks:
 async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     t0 = started_at(request)
     path = CHAT if chat else COMPLETIONS
-    req, preq = await received(request, server, chat)
+    req, preq, tools = await received(request, server, chat)
     rid = request_id_of(request)
     pid = pipeline_id(request)
     oid = f"{'chatcmpl' if chat else 'cmpl'}-{pid}"
@@ -117,53 +140,63 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     head = {"id": oid, "created": int(time.time()), "model": server.settings.model_name}
     wants_logprobs = bool(preq.get("logprobs"))
     top = "top_logprobs" in preq
+    # a forced call's schema is the tools': the intake's error about it names them
+    params = {"structured_outputs.json": "tools"} if tools is not None and tools.forced else {}
+    reader = tools.answer() if tools is not None and tools.mode != "none" else None
     if not req.stream:
-        events = (await collect(request, stream, 1, rid, {}))[0]
-        return complete(server, path, t0, rid, head, events, chat, wants_logprobs, top)
-    first = await first_event(request, stream, rid, {})
+        events = (await collect(request, stream, 1, rid, params))[0]
+        return complete(server, path, t0, rid, head, events, chat, wants_logprobs, top, reader)
+    first = await first_event(request, stream, rid, params)
     usage = bool(req.stream_options and req.stream_options.include_usage)
-    writer = TextChunks(head, rid, path, chat, usage, wants_logprobs, top)
-    return SSEAnswer(server, path, t0, rid, {}).response(first, stream, writer)
+    writer = TextChunks(head, rid, path, chat, usage, wants_logprobs, top, tools=reader)
+    return SSEAnswer(server, path, t0, rid, params).response(first, stream, writer)
 
 
 async def received(
     request: Request, server: Server, chat: bool
-) -> tuple[ChatRequest | CompletionRequest, dict[str, Any]]:
+) -> tuple[ChatRequest | CompletionRequest, dict[str, Any], ToolPlan | None]:
     """The body read, parsed and checked (its bytes held against the server's body
     budget meanwhile, and dropped after), then a chat's images counted, fetched (the
     client going away cancels) and their sizes checked."""
     async with json_body(request, server.settings.max_body_bytes) as raw:
         size = len(raw)
-        req, preq = await off_loop(request, size, functools.partial(prepare, server, raw, chat))
+        req, preq, tools = await off_loop(
+            request, size, functools.partial(prepare, server, raw, chat)
+        )
     del raw  # neither held nor counted while images are fetched
     if chat:
         await check_images(request, preq, server.settings)
     if chat and server.settings.allow_remote_images:
         await off_loop(request, size, lambda: check_values(preq))
-    return req, preq
+    return req, preq, tools
 
 
 def prepare(
     server: Server, raw: bytearray, chat: bool
-) -> tuple[ChatRequest | CompletionRequest, dict[str, Any]]:
-    """The body as the OpenAI request and the pipeline request, every value checked
-    (run by :func:`off_loop`: in a worker thread for a big body)."""
+) -> tuple[ChatRequest | CompletionRequest, dict[str, Any], ToolPlan | None]:
+    """The body as the OpenAI request, the pipeline request and a chat's tool plan, every
+    value checked (run by :func:`off_loop`: in a worker thread for a big body)."""
     body = parse_json(raw)
     req: ChatRequest | CompletionRequest
+    tools = None
     if chat:
         req = parse(ChatRequest, body)
         server.check_model(req.model, CHAT)
         server.check_priority(req.priority)
         remote = server.settings.allow_remote_images
         limits = server.prompt_limits
-        preq = chat_request(req, server.max_tokens_limit, server.images, remote, limits)
+        parser = parser_of(server.pipe.config)
+        tools = ToolPlan.of(req, parser)
+        preq = chat_request(
+            req, server.max_tokens_limit, server.images, remote, limits, tools, parser
+        )
     else:
         req = parse(CompletionRequest, body)
         server.check_model(req.model, COMPLETIONS)
         server.check_priority(req.priority)
         preq = completion_request(req, server.max_tokens_limit, server.prompt_limits)
     check_values(preq)
-    return req, preq
+    return req, preq, tools
 
 
 def complete(
@@ -176,8 +209,10 @@ def complete(
     chat: bool,
     logprobs: bool = False,
     top_logprobs: bool = False,
+    tools: ToolAnswer | None = None,
 ) -> Response:
-    """The non-streaming answer: the whole text, its finish reason and usage."""
+    """The non-streaming answer: the whole text (and with ``tools`` the calls read from
+    it), its finish reason and usage."""
     state = TextState()
     for ev in events:
         state.add(ev)
@@ -186,13 +221,21 @@ def complete(
         "finish_reason": state.finish_reason,
         "logprobs": None,
     }
+    message: dict[str, Any] = {"role": "assistant", "content": state.text}
+    if tools is not None:
+        tools.feed(state.text)
+        tools.close()
+        message["content"] = tools.text
+        if tools.calls:
+            message["tool_calls"] = tools.calls
+        choice["finish_reason"] = tools.finish_reason(state.finish_reason)
     if logprobs:
         lps = state.logprobs
         choice["logprobs"] = (
             chat_logprobs(lps) if chat else completion_logprobs(lps, 0, top_logprobs)
         )
     if chat:
-        choice["message"] = {"role": "assistant", "content": state.text}
+        choice["message"] = message
     else:
         choice["text"] = state.text
     log.info("%s: request completed", path, extra={"request_id": rid})
