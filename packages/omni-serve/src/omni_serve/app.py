@@ -3,7 +3,8 @@ page, ``/health``, ``/metrics`` and the page's live stage view.
 
 This module only wires the parts together: the routes (``omni_serve.routes``), the API
 key (``auth``), request bodies (``body``), SSE (``sse``), errors (``errors``,
-``handlers``), the request id and ``Host`` check (``middleware``).
+``handlers``), the request id and ``Host`` check (``middleware``), each key's share
+(``shares``).
 
 Every request is one pipeline request per answer (``n`` images: ``n`` requests) read with
 ``Pipeline.astream``. A request ends in the pipeline however its HTTP side ends: a client
@@ -21,6 +22,7 @@ from omni_serve.middleware import RequestContext
 from omni_serve.routes import images, operations, text
 from omni_serve.server import Server, endpoints
 from omni_serve.settings import ServeSettings
+from omni_serve.shares import ClientShares
 
 __all__ = ["ServeSettings", "create_app", "endpoints"]
 
@@ -28,10 +30,12 @@ __all__ = ["ServeSettings", "create_app", "endpoints"]
 def create_app(pipe: Pipeline, settings: ServeSettings) -> FastAPI:
     """The ASGI app serving ``pipe`` (started, and closed, by the caller)."""
     app = FastAPI(title="omni serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.server = Server(pipe, settings)
+    app.state.server = server = Server(pipe, settings)
     for router in (text.router, images.router, operations.guarded, operations.public):
         app.include_router(router)
     handlers.install(app)
+    # inside CORS and the request id: a 429 over a key's share carries both
+    app.add_middleware(ClientShares, shares=server.shares)
     if settings.cors_origins:  # none: no CORS headers at all (browsers: same origin only)
         app.add_middleware(
             CORSMiddleware,

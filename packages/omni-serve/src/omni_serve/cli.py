@@ -21,6 +21,7 @@ from omni_serve.connections import (
     protocol_class,
     raise_fd_limit,
 )
+from omni_serve.keys import ApiKey, KeysFileError, load_keys_file
 from omni_serve.settings import (
     BODIES_IN_FLIGHT,
     MAX_BODY_BYTES,
@@ -38,6 +39,7 @@ KEY_ENV = "OMNI_API_KEY"
 KEY_FD_ENV = "OMNI_SERVE_KEY_FD"
 KEY_MEMFD = "omni-api-key"  # the memfd's name (/proc/self/fd/N -> /memfd:omni-api-key)
 MAX_CONNECTIONS = 1024
+PER_ADDRESS = 64  # --max-connections-per-address with a keys file, unless given
 
 
 def positive_int(text: str) -> int:
@@ -92,6 +94,22 @@ def parser() -> argparse.ArgumentParser:
         metavar="PATH",
         default=None,
         help="the API key as the first line of a file (keep it mode 0600)",
+    )
+    key.add_argument(
+        "--api-keys-file",
+        metavar="PATH",
+        default=None,
+        help="several named API keys, each with its own limits (max_connections, "
+        "max_inflight, max_queued, best_priority), as a .toml or .json file of mode "
+        "0600; see docs/security.md",
+    )
+    p.add_argument(
+        "--max-connections-per-address",
+        type=positive_int,
+        default=None,
+        help="connections one client address may hold before a request on them carries "
+        f"a valid key; one more is answered 429 and closed (default: {PER_ADDRESS} with "
+        "--api-keys-file, else none)",
     )
     p.add_argument("--served-model-name", help="the model id clients use (default: config name)")
     p.add_argument(
@@ -311,6 +329,19 @@ def api_key_of(args: argparse.Namespace) -> str | None:
     return from_env
 
 
+def api_keys_of(args: argparse.Namespace) -> tuple[ApiKey, ...]:
+    """The keys of ``--api-keys-file`` (none without it); SettingsError names what is
+    wrong with the file. ``$OMNI_API_KEY`` is then ignored (said in the log)."""
+    if args.api_keys_file is None:
+        return ()
+    if key_from_environment() is not None:
+        log.warning("$%s is ignored: --api-keys-file gives the keys", KEY_ENV)
+    try:
+        return load_keys_file(args.api_keys_file)
+    except KeysFileError as e:
+        raise SettingsError(f"--api-keys-file {e}") from None
+
+
 def settings_of(
     args: argparse.Namespace, model_name: str, fd_limit: int | None = None
 ) -> ServeSettings:
@@ -324,9 +355,14 @@ def settings_of(
             max_connections = connection_cap(args.max_connections, MAX_CONNECTIONS, fd_limit)
         except ValueError as e:
             raise SettingsError(str(e)) from None
+    keys = api_keys_of(args)
+    per_address = args.max_connections_per_address or (PER_ADDRESS if keys else None)
     return ServeSettings(
         model_name=args.served_model_name or model_name,
-        api_key=api_key_of(args),  # "" (an empty flag, file or variable) is refused
+        # "" (an empty flag, file or variable) is refused
+        api_key=None if keys else api_key_of(args),
+        api_keys=keys,
+        max_connections_per_address=per_address,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         max_body_bytes_in_flight=args.max_body_bytes_in_flight,
@@ -347,6 +383,15 @@ def settings_of(
         body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout,
     )
+
+
+def key_summary(keys: tuple[ApiKey, ...]) -> str:
+    """The keys as the start's log line says them: their names, never the keys."""
+    if not keys:
+        return "; no API key"
+    if len(keys) == 1 and keys[0].max_inflight is None:
+        return ""
+    return f"; API keys {', '.join(k.name for k in keys)}"
 
 
 def main(argv: list[str]) -> int:
@@ -407,7 +452,7 @@ def main(argv: list[str]) -> int:
             shown,
             port,
             ", ".join(endpoints(pipe)) or "no OpenAI endpoint",
-            "" if settings.api_key else "; no API key",
+            key_summary(settings.keys),
             "any" if hosts is None else ", ".join(hosts),
         )
         print(f"omni serve: listening on http://{shown}:{port}", file=sys.stderr, flush=True)
@@ -416,7 +461,7 @@ def main(argv: list[str]) -> int:
         )
         config = uvicorn.Config(
             app,
-            http=protocol_class(limits),  # type: ignore[arg-type]
+            http=protocol_class(limits, app.state.server.shares),  # type: ignore[arg-type]
             limit_concurrency=settings.max_connections,
             timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
             log_config=None,

@@ -9,7 +9,12 @@ connection past either deadline is closed (a late head gets a 408 first, a late 
 request ends as a client that went away). A head over ``max_header_bytes`` is a 431. So a
 client sending a byte at a time (slow loris) holds a connection no longer than the
 deadlines, and an answer being written (a stream) has none. An idle keep-alive connection
-is uvicorn's (``timeout_keep_alive``)."""
+is uvicorn's (``timeout_keep_alive``).
+
+With :class:`omni_serve.shares.Shares`, each connection is counted against its address
+until a request on it carries a valid key: one past ``--max-connections-per-address`` is
+answered 429 at once and closed; the request's scope carries the connection's share
+(``scope["omni.connection"]``) for the key's own count."""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from omni_serve.shares import CONNECTION, ConnectionShare, Shares, address_refusal
 
 log = logging.getLogger("omni.serve")
 
@@ -43,11 +50,13 @@ class _Guard:
     """Mixed into uvicorn's HTTP protocol class (see :func:`protocol_class`)."""
 
     limits: ClassVar[ConnectionLimits]
+    shares: ClassVar[Shares | None] = None
     # these belong to uvicorn's protocol classes
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop
     cycle: Any
     client: tuple[str, int] | None
+    scope: Any
 
     # what the connection waits for: "head" (a request's headers; deadline), "body"
     # (its body; deadline), "busy" (the app's answer), "idle" (the next request)
@@ -56,14 +65,38 @@ class _Guard:
     _head_bytes = 0  # received while the head is incomplete
     _head_parsed = 0  # the head's request line and headers as parsed
     _head_too_big = False
+    _share: ConnectionShare | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[misc]
+        if self.shares is not None:
+            address = self.client[0] if self.client else ""
+            self._share = self.shares.connect(address)
+            if self._share is None:
+                cap = self.shares.per_address
+                assert cap is not None  # connect refuses only under a cap
+                log.info(
+                    "refused a connection from %s: %d open without a known key "
+                    "(--max-connections-per-address)",
+                    _who(self.client),
+                    cap,
+                )
+                transport.write(address_refusal(address, cap))
+                transport.close()
+                return
         self._arm(self.limits.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._share is not None and self.shares is not None:
+            self.shares.disconnect(self._share)
+            self._share = None
         super().connection_lost(exc)  # type: ignore[misc]
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()  # type: ignore[misc]
+        if self._share is not None:  # for the key's own count (omni_serve.shares)
+            self.scope[CONNECTION] = self._share
 
     def data_received(self, data: bytes) -> None:
         if self._phase == "idle":  # the next request on a kept-alive connection begins
@@ -156,12 +189,15 @@ def _who(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "a client"
 
 
-def protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
-    """uvicorn's httptools HTTP protocol with ``limits`` (pass it as
-    ``uvicorn.Config(http=...)``)."""
+def protocol_class(
+    limits: ConnectionLimits, shares: Shares | None = None
+) -> type[asyncio.Protocol]:
+    """uvicorn's httptools HTTP protocol with ``limits`` and, given ``shares``, each
+    connection counted against its address or key (pass it as ``uvicorn.Config(http=...)``)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    return type("GuardedHttpProtocol", (_Guard, HttpToolsProtocol), {"limits": limits})
+    attrs = {"limits": limits, "shares": shares}
+    return type("GuardedHttpProtocol", (_Guard, HttpToolsProtocol), attrs)
 
 
 FD_RESERVE = 256  # descriptors kept for what is not a connection: the pipeline's sockets,

@@ -108,6 +108,8 @@ def from_terminal(
 
 def submit_error(e: BaseException, request_id: str = "") -> APIError:
     """The API error for a request the pipeline refused (``submit`` raised ``e``)."""
+    if isinstance(e, APIError):  # the server's own refusal (a key's max_queued)
+        return e
     rid = f"request id {request_id}"
     extra = {"request_id": request_id}
     if isinstance(e, OverloadedError):

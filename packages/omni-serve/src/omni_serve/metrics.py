@@ -3,7 +3,7 @@ and ``health()`` at scrape time, so nothing is double-booked) plus the HTTP serv
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -119,6 +119,29 @@ def _per_stage(
     return metric
 
 
+KEY_GAUGES = (
+    ("omni_http_key_connections", "connections counted against an API key, by key name"),
+    ("omni_http_key_inflight", "HTTP requests of an API key being answered, by key name"),
+    ("omni_http_key_queued", "pipeline requests of an API key open, by key name"),
+)
+Usage = Callable[[], dict[str, tuple[int, int, int]]]
+
+
+class SharesCollector(Collector):
+    """What each API key holds now (``omni_serve.shares.Shares.usage``), at each scrape."""
+
+    def __init__(self, usage: Usage) -> None:
+        self.usage = usage
+
+    def collect(self) -> Iterator[Metric]:
+        usage = self.usage()
+        for i, (name, doc) in enumerate(KEY_GAUGES):
+            family = GaugeMetricFamily(name, doc, labels=["key"])
+            for key, held in usage.items():
+                family.add_metric([key], held[i])
+            yield family
+
+
 class ServerMetrics:
     """One registry per app: the pipeline's families and the HTTP server's."""
 
@@ -148,3 +171,21 @@ class ServerMetrics:
             "requests cancelled because their client went away",
             registry=self.registry,
         )
+        self.key_requests = Counter(
+            "omni_http_key_requests",
+            "HTTP requests that carried a valid API key, by key name",
+            ["key"],
+            registry=self.registry,
+        )
+        self.refusals = Counter(
+            "omni_http_refusals",
+            "requests and connections refused over a client's share, by key name ('' "
+            "before a key is known) and reason (address_connections, connections, "
+            "inflight, queued, priority)",
+            ["key", "reason"],
+            registry=self.registry,
+        )
+
+    def track_shares(self, usage: Usage) -> None:
+        """Export what each API key holds (:class:`SharesCollector`)."""
+        self.registry.register(SharesCollector(usage))

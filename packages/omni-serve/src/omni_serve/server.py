@@ -15,10 +15,11 @@ from omni_core.errors import UserInputError
 from omni_core.scheduling import PRIORITY_KEY, check_priority
 
 from omni_serve.body import BodyBudget
-from omni_serve.errors import APIError, user_input
+from omni_serve.errors import APIError, bad_field, user_input
 from omni_serve.limits import PromptLimits, TokenLimit, prompt_limits, token_limit
 from omni_serve.metrics import ServerMetrics
 from omni_serve.settings import ServeSettings
+from omni_serve.shares import CLIENT, SharedPipeline, Shares
 
 TEXT_SOURCES = {"ar.intake", "ar.mm_intake"}
 MM_SOURCES = {"ar.mm_intake"}  # reads chat image parts
@@ -50,6 +51,7 @@ class Server:
     # the characters of a prompt, a chat and a negative prompt, from the stages' limits
     prompt_limits: PromptLimits = field(init=False)
     bodies: BodyBudget = field(init=False)  # request bodies held at once, server-wide
+    shares: Shares = field(init=False)  # what each client holds (omni_serve.shares)
     created: int = field(default_factory=lambda: int(time.time()))
     # big bodies are parsed off the event loop one at a time (omni_serve.body.off_loop)
     parsing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
@@ -65,6 +67,11 @@ class Server:
         assert self.settings.max_body_bytes_in_flight is not None  # set by ServeSettings
         self.bodies = BodyBudget(self.settings.max_body_bytes_in_flight)
         self.metrics.body_bytes.set_function(lambda: self.bodies.used)
+        s = self.settings
+        self.shares = Shares(s.keys, s.max_connections_per_address, self.metrics)
+        if s.keys:  # each pipeline request counted against its key (max_queued)
+            self.metrics.track_shares(self.shares.usage)
+            self.pipe = SharedPipeline(self.pipe, self.shares)  # type: ignore[assignment]
 
     def observe(self, endpoint: str, status: int, t0: float) -> None:
         self.metrics.http_requests.labels(endpoint, str(status)).inc()
@@ -102,9 +109,19 @@ class Server:
     def check_priority(self, priority: int) -> None:
         """A 400 naming ``priority`` where the pipeline would refuse it (not 0 while no
         stage schedules by priority, as vLLM's server refuses it without priority
-        scheduling), before any request of the body is submitted."""
+        scheduling) or the request's key may not ask for it (better than its
+        ``best_priority``, which is at most 0), before any request of the body is
+        submitted."""
         if priority == 0:
             return
+        key = CLIENT.get()
+        if key is not None and key.best_priority is not None and priority < key.best_priority:
+            self.metrics.refusals.labels(key.name, "priority").inc()
+            raise bad_field(
+                "priority",
+                f"{priority} is better than key {key.name!r} may ask for: its best_priority "
+                f"is {key.best_priority} (lower runs first)",
+            )
         try:
             check_priority({PRIORITY_KEY: priority}, self.pipe.config)
         except UserInputError as e:

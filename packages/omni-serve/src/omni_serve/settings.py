@@ -3,9 +3,12 @@ at startup: a setting that cannot work is an error there, never a quiet default.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 from dataclasses import dataclass, field
+
+from omni_serve.keys import SINGLE_KEY_NAME, ApiKey
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout past a week is a mistake, not a wish
 # room for a chat with a few images as base64 data URLs (4/3 of their encoded size)
@@ -49,7 +52,14 @@ class ServeSettings:
     """The model name the OpenAI endpoints answer to and ``/v1/models`` lists."""
     api_key: str | None = field(default=None, repr=False)
     """Every endpoint but ``/health`` (and the page) needs it as ``Authorization:
-    Bearer KEY``; None: no key."""
+    Bearer KEY``; None: no key (or ``api_keys``). It is the one key named ``default``,
+    with no limits of its own."""
+    api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
+    """Several named keys, each with its share (``--api-keys-file``; see
+    ``omni_serve.keys``); not with ``api_key``."""
+    max_connections_per_address: int | None = None
+    """Connections one address may hold before a key is known on them (past it: 429 and
+    closed, see ``omni_serve.shares``); None: no cap."""
     request_timeout_s: float | None = None
     """The cap of a request's timeout: a body's ``timeout_s`` may lower it, never raise
     it (None: the pipeline config's ``request_timeout_s``)."""
@@ -101,6 +111,10 @@ class ServeSettings:
                 "the API key is empty (an empty --api-key or OMNI_API_KEY would leave the "
                 "server open while looking guarded): set a key, or unset OMNI_API_KEY"
             )
+        if self.api_key is not None and self.api_keys:
+            raise SettingsError("one key (--api-key, --api-key-file) or a keys file, not both")
+        if self.max_connections_per_address is not None and self.max_connections_per_address < 1:
+            raise SettingsError("max_connections_per_address: expected a positive number")
         check_timeout(self.request_timeout_s, "--request-timeout")
         check_timeout(self.header_timeout_s, "--header-timeout")
         check_timeout(self.body_timeout_s, "--body-timeout")
@@ -132,3 +146,10 @@ class ServeSettings:
         ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: expected a positive number")
+
+    @functools.cached_property
+    def keys(self) -> tuple[ApiKey, ...]:
+        """The keys a request may carry (none: the server is open)."""
+        if self.api_key is not None:
+            return (ApiKey(SINGLE_KEY_NAME, self.api_key),)
+        return self.api_keys

@@ -1,0 +1,271 @@
+"""Fair shares per client: what one API key (or, before a key is known, one address) may
+hold of the server, so that no client can starve the others.
+
+- Connections: until a request on it carries a valid key, a connection counts against
+  its address (``--max-connections-per-address``); one over is answered 429 at once and
+  closed (so idle and half-sent connections from one address cannot fill
+  ``--max-connections``). From its first request with a key it counts against that key's
+  ``max_connections`` instead; a request over it is a 429 and the connection is closed.
+- Requests in flight: a key's HTTP requests being answered (streams until their end),
+  ``/health`` aside, at most its ``max_inflight``.
+- Queued requests: a key's pipeline requests open at once (``n`` images: ``n``), at most
+  its ``max_queued`` (a share of ``--max-queued-requests``).
+- Priority: a request asking a ``priority`` better (lower) than its key's
+  ``best_priority`` is a 400 naming ``priority`` (:meth:`omni_serve.server.Server.check_priority`).
+
+Each refusal is a 429 with ``Retry-After`` and an OpenAI-shaped body naming the limit,
+counted in ``omni_http_refusals_total{key, reason}``; other clients are untouched."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+from collections import Counter as Tally
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from omni_serve.errors import APIError
+from omni_serve.keys import ApiKey, identify
+from omni_serve.metrics import ServerMetrics
+
+log = logging.getLogger("omni.serve")
+
+RETRY_AFTER_S = 1
+CONNECTION = "omni.connection"  # the scope key of a request's ConnectionShare
+# the key of the request being answered (read where no Request is at hand: the priority
+# check, which may run in a worker thread, and the pipeline's submit)
+CLIENT: contextvars.ContextVar[ApiKey | None] = contextvars.ContextVar(
+    "omni_serve_client", default=None
+)
+HEALTH = "/health"  # never counted against a key: a monitor must see an overloaded key
+
+
+def over_share(message: str, key: str, reason: str, metrics: ServerMetrics) -> APIError:
+    """The 429 of a client over its share (counted as ``reason`` of ``key``)."""
+    metrics.refusals.labels(key, reason).inc()
+    return APIError(
+        429,
+        f"{message}; retry in {RETRY_AFTER_S} s",
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+@dataclass(eq=False)
+class ConnectionShare:
+    """One connection: its address, and the key it counts against (None: its address)."""
+
+    address: str
+    key: ApiKey | None = None
+
+
+@dataclass
+class KeyUse:
+    """What one key holds now."""
+
+    connections: int = 0
+    inflight: int = 0
+    queued: int = 0
+
+
+@dataclass
+class Shares:
+    """The server's clients and what each holds (all on the event loop)."""
+
+    keys: Sequence[ApiKey]
+    per_address: int | None
+    metrics: ServerMetrics
+    unkeyed: Tally[str] = field(default_factory=Tally)  # connections by address
+    use: dict[str, KeyUse] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.use = {k.name: KeyUse() for k in self.keys}
+        for k in self.keys:
+            self.metrics.key_requests.labels(k.name)
+
+    def connect(self, address: str) -> ConnectionShare | None:
+        """A new connection from ``address``; None: over the address's cap (counted)."""
+        if self.per_address is not None and self.unkeyed[address] >= self.per_address:
+            self.metrics.refusals.labels("", "address_connections").inc()
+            return None
+        self.unkeyed[address] += 1
+        return ConnectionShare(address)
+
+    def claim(self, conn: ConnectionShare, key: ApiKey) -> bool:
+        """Count ``conn`` against ``key`` from now on; False (counted): the key holds its
+        ``max_connections`` already."""
+        if conn.key is key:
+            return True
+        use = self.use[key.name]
+        if key.max_connections is not None and use.connections >= key.max_connections:
+            self.metrics.refusals.labels(key.name, "connections").inc()
+            return False
+        self.disconnect(conn)
+        conn.key = key
+        use.connections += 1
+        return True
+
+    def disconnect(self, conn: ConnectionShare) -> None:
+        """``conn`` counts against nothing any more."""
+        if conn.key is not None:
+            self.use[conn.key.name].connections -= 1
+            conn.key = None
+        elif conn.address in self.unkeyed:
+            self.unkeyed[conn.address] -= 1
+            if self.unkeyed[conn.address] <= 0:
+                del self.unkeyed[conn.address]
+
+    def admit(self, key: ApiKey) -> APIError | None:
+        """One more HTTP request of ``key`` being answered (:meth:`leave` when it ends);
+        the 429 instead where it has its ``max_inflight`` already."""
+        use = self.use[key.name]
+        if key.max_inflight is not None and use.inflight >= key.max_inflight:
+            return over_share(
+                f"key {key.name!r} has {use.inflight} requests in flight, its max_inflight",
+                key.name,
+                "inflight",
+                self.metrics,
+            )
+        use.inflight += 1
+        return None
+
+    def leave(self, key: ApiKey) -> None:
+        """A request :meth:`admit` let in has ended."""
+        self.use[key.name].inflight -= 1
+
+    @contextlib.contextmanager
+    def queued(self, key: ApiKey | None) -> Iterator[None]:
+        """One pipeline request of ``key`` open; a 429 over its ``max_queued``."""
+        if key is None:
+            yield
+            return
+        use = self.use[key.name]
+        if key.max_queued is not None and use.queued >= key.max_queued:
+            raise over_share(
+                f"key {key.name!r} has {use.queued} pipeline requests open, its max_queued",
+                key.name,
+                "queued",
+                self.metrics,
+            )
+        use.queued += 1
+        try:
+            yield
+        finally:
+            use.queued -= 1
+
+    def usage(self) -> dict[str, tuple[int, int, int]]:
+        """Per key name: (connections, requests in flight, pipeline requests open)."""
+        return {n: (u.connections, u.inflight, u.queued) for n, u in self.use.items()}
+
+
+class SharedPipeline:
+    """The pipeline as the routes see it on a server with keys: each ``astream`` (one
+    pipeline request) is counted against the key of the request being answered, and
+    refused (a 429) over its ``max_queued``; everything else is the pipeline's."""
+
+    def __init__(self, pipe: Any, shares: Shares) -> None:
+        self._pipe = pipe
+        self._shares = shares
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    async def astream(
+        self, request: dict[str, Any], request_id: str | None = None, timeout_s: float | None = None
+    ) -> AsyncIterator[Any]:
+        with self._shares.queued(CLIENT.get()):
+            async for ev in self._pipe.astream(request, request_id, timeout_s):
+                yield ev
+
+
+class ClientShares:
+    """Pure ASGI middleware, inside the request id's: identifies a request's key (kept in
+    the scope's ``state["api_key"]`` for :mod:`omni_serve.auth` and in :data:`CLIENT`),
+    counts its connection and the request against the key's share and answers 429 over
+    it. A request without a valid key passes on (the routes answer it 401)."""
+
+    def __init__(self, app: ASGIApp, shares: Shares) -> None:
+        self.app = app
+        self.shares = shares
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.shares.keys:
+            await self.app(scope, receive, send)
+            return
+        authorization = Headers(scope=scope).get("authorization", "")
+        key = identify(self.shares.keys, authorization)
+        state = scope.setdefault("state", {})
+        state["api_key"] = key
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        self.shares.metrics.key_requests.labels(key.name).inc()
+        conn = scope.get(CONNECTION)
+        if conn is not None and not self.shares.claim(conn, key):
+            err = over_share(
+                f"key {key.name!r} has {key.max_connections} connections open, its max_connections",
+                key.name,
+                "connections",
+                self.shares.metrics,
+            )
+            await self.refuse(err, scope, receive, send, key, close=True)
+            return
+        if scope.get("path") != HEALTH:
+            err = self.shares.admit(key)
+            if err is not None:
+                await self.refuse(err, scope, receive, send, key)
+                return
+        token = CLIENT.set(key)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CLIENT.reset(token)
+            if scope.get("path") != HEALTH:
+                self.shares.leave(key)
+
+    async def refuse(
+        self,
+        err: APIError,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        key: ApiKey,
+        close: bool = False,
+    ) -> None:
+        rid = str(scope.get("state", {}).get("request_id", ""))
+        log.info(
+            "refused a request of key %r: %s", key.name, err.message, extra={"request_id": rid}
+        )
+        headers = {**err.headers, **({"Connection": "close"} if close else {})}
+        response = JSONResponse(err.body(rid), status_code=err.status, headers=headers)
+        await response(scope, receive, send)
+
+
+def address_refusal(address: str, cap: int) -> bytes:
+    """The raw answer to a connection over ``--max-connections-per-address`` (sent before
+    any request arrives, then the connection is closed)."""
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"{cap} connections from {address} are open without a known key, "
+                f"the server's --max-connections-per-address; retry in {RETRY_AFTER_S} s",
+                "type": "rate_limit_error",
+                "param": None,
+                "code": "rate_limit_exceeded",
+            }
+        }
+    ).encode()
+    head = (
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+        f"retry-after: {RETRY_AFTER_S}\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode() + body
