@@ -385,13 +385,11 @@ def settings_of(
     )
 
 
-def key_summary(keys: tuple[ApiKey, ...]) -> str:
+def key_summary(settings: ServeSettings) -> str:
     """The keys as the start's log line says them: their names, never the keys."""
-    if not keys:
-        return "; no API key"
-    if len(keys) == 1 and keys[0].max_inflight is None:
-        return ""
-    return f"; API keys {', '.join(k.name for k in keys)}"
+    if settings.api_keys:
+        return f"; API keys {', '.join(k.name for k in settings.api_keys)}"
+    return "" if settings.api_key else "; no API key"
 
 
 def main(argv: list[str]) -> int:
@@ -452,7 +450,7 @@ def main(argv: list[str]) -> int:
             shown,
             port,
             ", ".join(endpoints(pipe)) or "no OpenAI endpoint",
-            key_summary(settings.keys),
+            key_summary(settings),
             "any" if hosts is None else ", ".join(hosts),
         )
         print(f"omni serve: listening on http://{shown}:{port}", file=sys.stderr, flush=True)

@@ -100,13 +100,12 @@ class Shares:
         return ConnectionShare(address)
 
     def claim(self, conn: ConnectionShare, key: ApiKey) -> bool:
-        """Count ``conn`` against ``key`` from now on; False (counted): the key holds its
+        """Count ``conn`` against ``key`` from now on; False: the key holds its
         ``max_connections`` already."""
         if conn.key is key:
             return True
         use = self.use[key.name]
         if key.max_connections is not None and use.connections >= key.max_connections:
-            self.metrics.refusals.labels(key.name, "connections").inc()
             return False
         self.disconnect(conn)
         conn.key = key
