@@ -242,3 +242,127 @@ def test_a_replica_that_cannot_be_placed_is_not_retried_at_once(parts):
     assert scaler.tick() == ([], [])
     clock.t += 0.2
     assert scaler.tick() == (["work#1"], [])
+
+
+# -- limits of the router's choice and the autoscaler's decisions -----------------------
+
+
+def test_with_nothing_outstanding_the_replicas_take_turns_from_the_first(parts):
+    cfg, clock, sup, collector, router, _ = parts(3)
+    assert [router.bind()["work"] for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("past", [0, 1])
+def test_a_replica_whose_requests_went_past_it_ties_with_one_never_bound(parts, past):
+    """Its count is back at 0 (the entry stays): as idle as a replica never bound to."""
+    cfg, clock, sup, collector, router, _ = parts(2)
+    h = collector.open("r")
+    collector.bind(h, {"work": past})
+    collector.unbind(h, "work")
+    assert collector.outstanding == {("work", past): 0}
+    assert router.bind() == {"work": 0}  # the tie goes to the turn, which starts at 0
+
+
+def test_no_replica_to_take_a_request_names_each_and_why(parts):
+    cfg, clock, sup, collector, router, _ = parts(3)
+    sup.procs["work#0"].state, sup.procs["work#0"].exit_reason = "dead", "exited with code 9"
+    sup.procs["work#1"].state, sup.procs["work#1"].hung = "hung", "no heartbeat for 9 s"
+    sup.procs["work#2"].state = "stopping"
+    sup.procs["src"].state = "dead"
+    with pytest.raises(StageDeadError) as err:
+        router.bind()
+    assert str(err.value) == (
+        "stage 'work' has no replica that can take requests (work#0: dead (exited with code "
+        "9); work#1: hung (no heartbeat for 9 s); work#2: stopping (no reason)); the pipeline "
+        "cannot serve requests"
+    )
+
+
+def test_an_unplaced_replica_is_retried_after_10_s_at_the_earliest(parts):
+    """failure-model.md: "retried after 10 s"; at exactly that, it is."""
+    assert PLACE_RETRY_S == 10.0
+    spec = {"min": 1, "max": 2, "target": 1, "upscale_delay_s": 0}
+    cfg, clock, sup, collector, router, scaler = parts(spec)
+    open_bound(collector, router, 4)
+    scaler.cannot_place("work", "no GPU left")
+    clock.t += PLACE_RETRY_S
+    assert scaler.tick() == (["work#1"], [])
+
+
+def test_no_change_when_the_replicas_are_what_the_load_wants(parts):
+    """At exactly ``target`` per replica, with no delays: neither up nor down."""
+    spec = {"min": 1, "max": 3, "target": 2, "upscale_delay_s": 0, "downscale_delay_s": 0}
+    cfg, clock, sup, collector, router, scaler = parts(spec, n_up=2)
+    open_bound(collector, router, 4)
+    assert scaler.tick() == ([], [])
+    assert scaler.above["work"] is None and scaler.below["work"] is None
+    open_bound(collector, router, 1)
+    assert scaler.tick() == (["work#2"], [])
+
+
+def test_scale_down_at_exactly_the_delay(parts):
+    spec = {"min": 1, "max": 2, "target": 2, "upscale_delay_s": 0, "downscale_delay_s": 2.0}
+    cfg, clock, sup, collector, router, scaler = parts(spec, n_up=2)
+    assert scaler.tick() == ([], [])
+    clock.t += 2.0
+    _, drain = scaler.tick()
+    assert [p.name for p in drain] == ["work#1"]  # equally idle: the highest index
+
+
+def test_the_only_serving_replica_is_never_drained_beside_a_starting_one(parts):
+    spec = {"min": 1, "max": 2, "target": 2, "upscale_delay_s": 0, "downscale_delay_s": 0}
+    cfg, clock, sup, collector, router, scaler = parts(spec)
+    sup.add("work#1", "starting")
+    assert len(scaler.live("work")) == 2 and scaler.desired("work") == 1
+    assert scaler.tick() == ([], [])
+
+
+@pytest.mark.parametrize("past", [0, 1])
+def test_the_victim_is_the_least_loaded_then_the_highest_index(parts, past):
+    """Equally idle replicas: the highest index goes, whether its count is back at 0 (a
+    request went past it) or it was never bound to."""
+    spec = {"min": 1, "max": 3, "target": 8, "upscale_delay_s": 0, "downscale_delay_s": 0}
+    cfg, clock, sup, collector, router, scaler = parts(spec, n_up=3)
+    assert [p.name for p in scaler.tick()[1]] == ["work#2"]  # none has any entry yet
+    h = collector.open("r")
+    collector.bind(h, {"work": past})
+    collector.unbind(h, "work")
+    collector.bind(collector.open("busy"), {"work": 2})
+    assert [p.name for p in scaler.tick()[1]] == ["work#1"]
+
+
+def test_the_events_kept_are_the_last_256(parts):
+    *_, scaler = parts({"min": 1, "max": 2})
+    for i in range(300):
+        scaler.record("up", "work", n=i)
+    assert [e["n"] for e in scaler.events] == list(range(44, 300))
+
+
+def test_report_counts_each_stages_own_replicas(parts):
+    spec = {"min": 1, "max": 4, "target": 3}
+    cfg, clock, sup, collector, router, scaler = parts(spec, n_up=2)
+    sup.add("work#2", "starting")
+    sup.add("work#3", "draining").retiring = True
+    open_bound(collector, router, 2)
+    assert scaler.report() == {
+        "src": {
+            "live": 1,
+            "ready": 1,
+            "draining": 0,
+            "bound": 0,
+            "min": 1,
+            "max": 1,
+            "target": None,
+            "unplaced": None,
+        },
+        "work": {
+            "live": 3,
+            "ready": 2,
+            "draining": 1,
+            "bound": 2,
+            "min": 1,
+            "max": 4,
+            "target": 3,
+            "unplaced": None,
+        },
+    }
