@@ -85,7 +85,10 @@ def test_completion_and_stop(client):
         ({"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
         ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, "model"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]},
+            "tools[0].type",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors_naming_the_field(text_server, body, param):
