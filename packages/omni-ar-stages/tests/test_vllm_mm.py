@@ -174,14 +174,9 @@ def intake(llava):
 @pytest.fixture(scope="module")
 def engines(llava):
     """(prefill: KV producer with the vision tower, decode: media-free KV consumer)."""
-    from omni_ar.engines.vllm_engine import VllmEngine
+    from omni_ar.multimodal.testing import vllm_handoff_engines
 
-    out = []
-    for role in ("kv_producer", "kv_consumer"):
-        e = VllmEngine(llava, kv_role=role, multimodal=True, engine_args=ENGINE_ARGS)
-        e.load_model()
-        out.append(e)
-    return out
+    return vllm_handoff_engines(llava, ENGINE_ARGS)
 
 
 def _handoff(engines, intake, px, max_tokens=12):

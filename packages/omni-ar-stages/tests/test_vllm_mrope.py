@@ -103,14 +103,9 @@ def reference(qwen, intake, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(qwen):
     """(prefill: KV producer with the vision tower, decode: media-free KV consumer)."""
-    from omni_ar.engines.vllm_engine import VllmEngine
+    from omni_ar.multimodal.testing import vllm_handoff_engines
 
-    out = []
-    for role in ("kv_producer", "kv_consumer"):
-        e = VllmEngine(qwen, kv_role=role, multimodal=True, engine_args=ENGINE_ARGS)
-        e.load_model()
-        out.append(e)
-    return out
+    return vllm_handoff_engines(qwen, ENGINE_ARGS)
 
 
 def _input(request, ev=None, rid="r"):

@@ -35,7 +35,7 @@ import msgspec
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from omni_serve.errors import APIError, bad_field, printable
+from omni_serve.errors import APIError, bad_field, printable, server_busy
 from omni_serve.streams import ClientGone
 
 MAX_DEPTH = 64
@@ -46,7 +46,6 @@ MAX_VALUES = 100_000
 # a Content-Length of more digits (leading zeros too) is a 400: 2**64 has 20
 MAX_LENGTH_DIGITS = 20
 INLINE_BYTES = 64 << 10  # smaller bodies are parsed on the event loop (well under 1 ms)
-RETRY_AFTER_S = 1  # what a client is told to wait when the body budget is full
 T = TypeVar("T")
 
 
@@ -82,13 +81,9 @@ class _Lease:
         if size <= INLINE_BYTES or size <= self.held:
             return
         if not self.budget.take(size - self.held):
-            raise APIError(
-                503,
+            raise server_busy(
                 f"the server holds its limit of {self.budget.limit} bytes of request bodies "
-                f"(--max-body-bytes-in-flight); retry in {RETRY_AFTER_S} s",
-                type="server_error",
-                code="server_busy",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                "(--max-body-bytes-in-flight)"
             )
         self.held = size
 

@@ -57,6 +57,20 @@ class APIError(Exception):
         return {"error": err}
 
 
+RETRY_AFTER_S = 1  # what a client told to come back is told to wait
+
+
+def server_busy(message: str) -> APIError:
+    """A 503 with ``Retry-After``: a shared budget of the server has no room now."""
+    return APIError(
+        503,
+        f"{message}; retry in {RETRY_AFTER_S} s",
+        type="server_error",
+        code="server_busy",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
 def bad_field(param: str, message: str) -> APIError:
     """A 400 naming the request field."""
     return APIError(400, f"field '{param}': {message}", param=param)

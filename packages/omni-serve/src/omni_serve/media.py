@@ -49,8 +49,8 @@ from urllib.parse import urljoin, urlsplit
 from fastapi import Request
 from omni_core.media import IMAGE_INPUT_FORMATS
 
-from omni_serve.body import RETRY_AFTER_S, off_loop
-from omni_serve.errors import APIError, bad_field
+from omni_serve.body import off_loop
+from omni_serve.errors import APIError, bad_field, server_busy
 from omni_serve.openai_api import REMOTE
 from omni_serve.settings import IPNetwork, ServeSettings
 from omni_serve.streams import until_disconnect
@@ -462,13 +462,8 @@ async def _fetch(pool: Any, fetcher: RemoteImages, where: str, url: str, budget:
             where, f"no complete answer within {fetcher.timeout_s:g} s (--remote-image-timeout)"
         ) from None
     except ResolverBusy:
-        raise APIError(
-            503,
-            f"could not fetch the image at {where}: the server's host name lookups are all "
-            f"busy; retry in {RETRY_AFTER_S} s",
-            type="server_error",
-            code="server_busy",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
+        raise server_busy(
+            f"could not fetch the image at {where}: the server's host name lookups are all busy"
         ) from None
     except RefusedAddress:
         raise _failed(

@@ -31,13 +31,12 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from omni_serve.errors import APIError
+from omni_serve.errors import RETRY_AFTER_S, APIError
 from omni_serve.keys import ApiKey, identify
 from omni_serve.metrics import ServerMetrics
 
 log = logging.getLogger("omni.serve")
 
-RETRY_AFTER_S = 1
 CONNECTION = "omni.connection"  # the scope key of a request's ConnectionShare
 # the key of the request being answered (read where no Request is at hand: the priority
 # check, which may run in a worker thread, and the pipeline's submit)

@@ -289,6 +289,19 @@ def vllm_generate(
     return run_oracle(VLLM_ORACLE, model, json.dumps(args), json.dumps(rows), timeout=600)
 
 
+def vllm_handoff_engines(model: str, engine_args: dict[str, Any]) -> list[Any]:
+    """The two ends of the handoff on vLLM, loaded in this process: (prefill, a KV
+    producer with the vision tower; decode, a media-free KV consumer)."""
+    from omni_ar.engines.vllm_engine import VllmEngine
+
+    out = []
+    for role in ("kv_producer", "kv_consumer"):
+        e = VllmEngine(model, kv_role=role, multimodal=True, engine_args=engine_args)
+        e.load_model()
+        out.append(e)
+    return out
+
+
 def chat_case(render: Any, request: dict[str, Any]) -> tuple[str, list[np.ndarray], int]:
     """A chat request as :func:`vllm_generate` takes it: the chat template's text with one
     image marker per image, as ``ar.mm_intake`` renders it (``render``: a
