@@ -63,7 +63,18 @@ KW: dict[str, Any] = {"model": "ar_chat", "temperature": 0, "max_tokens": 80}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(CONFIG, tmp_path_factory.mktemp("tools-server"))
+    """``configs/ar_chat.yaml`` with SmolLM2 as this process resolves it (a directory): the
+    server's cache is a fresh one (``start_server``), which could only convert the model
+    where its package is installed."""
+    import yaml
+    from omni_ar.models import resolve_model
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    path = resolve_model("smollm2")
+    for stage in cfg["stages"]:
+        if stage["options"].get("model") == "smollm2":
+            stage["options"] = {**stage["options"], "model": path}
+    s = start_server(cfg, tmp_path_factory.mktemp("tools-server"))
     yield s
     stop_server(s)
 
