@@ -31,3 +31,15 @@ def restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    """The transformers engine on the tiny Llama, tokenizer and model loaded (a module
+    that needs another engine defines its own ``engine``)."""
+    from omni_ar.engines.transformers_engine import TransformersEngine
+
+    e = TransformersEngine(tiny_model)
+    e.load_tokenizer()
+    e.load_model()
+    return e

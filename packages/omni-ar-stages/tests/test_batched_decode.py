@@ -4,7 +4,6 @@ gets alone: ``model.generate``'s when greedy, its own seeded stream when samplin
 
 import pytest
 import torch
-from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.params import SamplingParams
 from omni_core import Pipeline
 from omni_core.client.collector import collect
@@ -15,14 +14,6 @@ PROMPTS = [  # different lengths, different max_tokens
     ("héllo", 30),
     ("omni pipelines stream tokens from stage to stage", 17),
 ]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    e = TransformersEngine(tiny_model)
-    e.load_tokenizer()
-    e.load_model()
-    return e
 
 
 @pytest.fixture(scope="module")

@@ -60,14 +60,6 @@ def one_by_one(engine, prompts, params):
     return [engine.prefill(ids, p) for ids, p in zip(prompts, params, strict=True)]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    e = TransformersEngine(tiny_model)
-    e.load_tokenizer()
-    e.load_model()
-    return e
-
-
 def test_a_burst_of_8_prefills_in_one_forward_with_one_by_ones_outputs(engine):
     prompts = [engine.encode(t) for t in TEXTS]
     assert len({len(p) for p in prompts}) == 8
