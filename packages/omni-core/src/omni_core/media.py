@@ -33,6 +33,10 @@ _EXTENSIONS = {
     "audio/wav": "wav",
     "audio/x-wav": "wav",
     "audio/mpeg": "mp3",
+    "audio/ogg": "ogg",
+    "audio/flac": "flac",
+    "audio/aac": "aac",
+    "audio/pcm": "pcm",
     "video/mp4": "mp4",
 }
 
