@@ -1,0 +1,175 @@
+"""The speech stages against Qwen2.5-Omni's own ``generate(..., return_audio=True)``:
+the same text tokens, the same codec tokens and the same waveform, inline and in worker
+processes; text only, and with an image and an audio clip in."""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import numpy as np
+import pytest
+import torch
+from omni_core import Pipeline
+from omni_core.stage import StageContext
+from omni_speech.thinker import Thinker
+
+MAX_TOKENS = 10
+MAX_CODES = 48
+
+
+def config(model: str, *, inline: bool, sample: bool = False, chunk: int = 0) -> dict:
+    talker = {"model": model, "max_codes": MAX_CODES}
+    if not sample:
+        talker["sampling"] = {"do_sample": False}
+    t2w = {"model": model, "chunk_codes": chunk, "context_codes": 8, "lookahead_codes": 4}
+    return {
+        "name": "speech_test",
+        "ready_timeout_s": 120,
+        "mrs": {"enabled": not inline},
+        "stages": [
+            {
+                "name": "thinker",
+                "kind": "speech.thinker",
+                "client_stream": True,
+                "options": {"model": model},
+            },
+            {"name": "talker", "kind": "speech.talker", "client_stream": True, "options": talker},
+            {
+                "name": "token2wav",
+                "kind": "speech.token2wav",
+                "client_stream": True,
+                "options": t2w,
+            },
+        ],
+        "edges": [
+            {"from": "thinker", "to": "talker", "window": {"size": 1}},
+            {"from": "talker", "to": "token2wav", "window": {"size": 1}},
+        ],
+    }
+
+
+def thinker_inputs(model: str, request: dict) -> tuple[Thinker, dict]:
+    stage = Thinker(StageContext("thinker", "speech.thinker", {"model": model}))
+    stage.load()
+    ti = stage.read(request)
+    return stage, stage.forward_inputs(ti)
+
+
+def run_reference(reference, kw: dict, seed: int, sample: bool) -> tuple[list, list, np.ndarray]:
+    """(text tokens, codes, waveform) of generate, the codes caught on their way."""
+    caught = []
+    talker_generate = reference.talker.generate
+
+    def spy(*args, **kwargs):
+        out = talker_generate(*args, **kwargs)
+        caught.append((out, kwargs["input_ids"].shape[1]))
+        return out
+
+    reference.talker.generate = spy
+    pad, end = reference.talker.codec_pad_token, reference.talker.codec_eos_token
+    try:
+        torch.manual_seed(seed)
+        # pixel_values go to the thinker alone (unprefixed, generate hands them to the
+        # talker too, whose generate refuses them)
+        args = {("thinker_" + k if k == "pixel_values" else k): v for k, v in kw.items()}
+        seq, wav = reference.generate(
+            **args,
+            speaker="Chelsie",
+            thinker_max_new_tokens=MAX_TOKENS,
+            talker_max_new_tokens=MAX_CODES,
+            talker_eos_token_id=[pad, end],
+            talker_do_sample=sample,
+        )
+    finally:
+        reference.talker.generate = talker_generate
+    out, start = caught[0]
+    codes = out[0, start:].tolist()
+    for k, c in enumerate(codes):
+        if c in (pad, end):
+            codes = codes[:k]
+            break
+    return seq[0, kw["input_ids"].shape[1] :].tolist(), codes, wav.numpy()
+
+
+def staged(result) -> tuple[list, list, np.ndarray]:
+    assert result.ok, result.error
+    text = [t for e in result.by_stage("thinker") for t in e.tokens or []]
+    codes = [t for e in result.by_stage("talker") for t in e.tokens or []]
+    audio = [e.arrays["audio"] for e in result.by_stage("token2wav") if "audio" in e.arrays]
+    return text, codes, np.concatenate(audio) if audio else np.zeros(0, np.float32)
+
+
+def wav_part(seconds: float = 1.5, rate: int = 16000) -> dict:
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    data = base64.b64encode(buf.getvalue()).decode()
+    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+
+
+def png_part(w: int = 40, h: int = 24) -> dict:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (h, w, 3), np.uint8)).save(
+        buf, format="PNG"
+    )
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+TEXT = {"prompt": "hello there, how are you today", "max_tokens": MAX_TOKENS, "seed": 11}
+MEDIA = {
+    "messages": [
+        {"role": "user", "content": [png_part(), wav_part(), {"type": "text", "text": "what?"}]}
+    ],
+    "max_tokens": MAX_TOKENS,
+    "seed": 5,
+}
+
+
+@pytest.mark.parametrize("request_", [TEXT, MEDIA], ids=["text", "image+audio"])
+def test_inline_equals_generate(tiny_omni, reference, request_):
+    _, kw = thinker_inputs(tiny_omni, request_)
+    want_text, want_codes, want_wav = run_reference(reference, kw, request_["seed"], False)
+    assert len(want_codes) > 4  # the comparison means something
+    with Pipeline(config(tiny_omni, inline=True)) as p:
+        text, codes, audio = staged(p.generate([request_])[0])
+    assert text == want_text
+    assert codes == want_codes
+    assert audio.shape == want_wav.shape
+    np.testing.assert_allclose(audio, want_wav, rtol=0, atol=1e-5 * np.abs(want_wav).max())
+
+
+def test_sampled_codes_equal_generate(tiny_omni, reference):
+    """generate's talker sampling (top-k, top-p, temperature, repetition penalty) with the
+    request's seed gives the same codes; the waveform is token2wav's from that seed."""
+    _, kw = thinker_inputs(tiny_omni, TEXT)
+    want_text, want_codes, _ = run_reference(reference, kw, TEXT["seed"], True)
+    with Pipeline(config(tiny_omni, inline=True, sample=True)) as p:
+        text, codes, audio = staged(p.generate([TEXT])[0])
+    assert text == want_text
+    assert codes == want_codes
+    voice = reference.speaker_map["Chelsie"]
+    torch.manual_seed(TEXT["seed"])
+    with torch.no_grad():
+        want = reference.token2wav(
+            torch.tensor([codes]), conditioning=voice["cond"], reference_mel=voice["ref_mel"]
+        ).numpy()
+    np.testing.assert_allclose(audio, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_workers_equal_generate(tiny_omni, reference):
+    _, kw = thinker_inputs(tiny_omni, TEXT)
+    want_text, want_codes, want_wav = run_reference(reference, kw, TEXT["seed"], False)
+    with Pipeline(config(tiny_omni, inline=False)) as p:
+        text, codes, audio = staged(p.generate([TEXT])[0])
+    assert (text, codes) == (want_text, want_codes)
+    np.testing.assert_allclose(audio, want_wav, rtol=0, atol=1e-5 * np.abs(want_wav).max())
