@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.models.model_cache import build_once, cached
-from omni_core.models.named_models import NamedModel
+from omni_core.models.named_models import NamedModel, installed_models
 from omni_core.observability.progress import Reporter
 from omni_hf import quiet_offline
 
@@ -54,7 +55,11 @@ def resolve_model(model: str, report: Reporter | None = None) -> str:
     if model in TINY_BUILDERS:
         return str(build_once(model, TINY_BUILDERS[model], "config.json"))
     if model not in NAMED:
-        names = ", ".join(sorted([*NAMED, *TINY_BUILDERS]))
+        # another family's named model (the speech family's thinker, read by ar.postprocess)
+        other = {m.name: m for m in installed_models() if m.family != "omni-ar-stages"}
+        if model in other:
+            return str(other[model].pull(report or Reporter(model, stream=io.StringIO())))
+        names = ", ".join(sorted([*NAMED, *TINY_BUILDERS, *other]))
         raise RuntimeError(f"model {model!r}: not a directory and not a named model ({names})")
     dist, _, module, filename = NAMED[model]
 
