@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from omni_core.client.image_files import png_bytes, save_image_event
+from omni_core.client.image_files import append_media_segment, png_bytes, save_image_event
 from omni_core.media import MEDIA_TYPE, extension, media_type_of, subtype
 
 
@@ -93,3 +93,25 @@ def test_media_type_of_payloads():
     assert media_type_of({"media_type": "png"}) is None  # not a MIME type
     assert media_type_of({"format": "png"}) is None
     assert media_type_of(None) is None and media_type_of("text") is None
+
+
+def test_streamed_media_segments_append_in_order(tmp_path):
+    """omni run --out: audio chunks of one request and stage go to one file, in order; a
+    new run truncates it; a segment with no media type or no bytes writes nothing."""
+
+    def seg(stage, chunk, media="audio/wav"):
+        payload = {MEDIA_TYPE: media} if media else {}
+        return SimpleNamespace(stage=stage, payload=payload, arrays={"audio": chunk})
+
+    (tmp_path / "req-audio.wav").write_bytes(b"stale")
+    started: set = set()
+    for chunk in (b"RIFF", b"-a", b"-b"):
+        path = append_media_segment(seg("audio", chunk), tmp_path, "req", started)
+    assert path == tmp_path / "req-audio.wav"
+    assert path.read_bytes() == b"RIFF-a-b"
+    assert append_media_segment(seg("audio", b"x", media=None), tmp_path, "req", started) is None
+    none = SimpleNamespace(stage="audio", payload={MEDIA_TYPE: "audio/wav"}, arrays={})
+    assert append_media_segment(none, tmp_path, "req", started) is None
+    other = append_media_segment(seg("enc", b"ID3", "audio/mpeg"), tmp_path, "req", started)
+    assert other.name == "req-enc.mp3" and other.read_bytes() == b"ID3"
+    assert path.read_bytes() == b"RIFF-a-b"

@@ -17,6 +17,7 @@ from omni_speech.thinker import Thinker
 
 MAX_TOKENS = 10
 MAX_CODES = 48
+STREAM_ERROR_BOUND = 1e-3  # relative L2, streamed vs exact, tiny model (measured 1.9e-7)
 
 
 def config(model: str, *, inline: bool, sample: bool = False, chunk: int = 0) -> dict:
@@ -173,3 +174,23 @@ def test_workers_equal_generate(tiny_omni, reference):
         text, codes, audio = staged(p.generate([TEXT])[0])
     assert (text, codes) == (want_text, want_codes)
     np.testing.assert_allclose(audio, want_wav, rtol=0, atol=1e-5 * np.abs(want_wav).max())
+
+
+def test_streamed_waveform_close_to_exact(tiny_omni):
+    """Windows of 8 codes (8 of context, 4 of lookahead) give the exact mode's length, in
+    more than one chunk, the first long before the last; their difference is bounded
+    (the figure in docs/speech.md)."""
+    with Pipeline(config(tiny_omni, inline=True)) as p:
+        _, codes, exact = staged(p.generate([TEXT])[0])
+    with Pipeline(config(tiny_omni, inline=True, chunk=8)) as p:
+        result = p.generate([TEXT])[0]
+    _, codes_streamed, streamed = staged(result)
+    assert codes_streamed == codes
+    chunks = [e for e in result.by_stage("token2wav") if e.arrays["audio"].size]
+    assert len(chunks) >= len(codes) // 8 - 1
+    offsets = [e.payload["offset"] for e in chunks]
+    assert offsets == sorted(offsets) and offsets[0] == 0  # in order, none lost
+    assert streamed.shape == exact.shape
+    error = np.linalg.norm(streamed - exact) / np.linalg.norm(exact)
+    print(f"streamed vs exact: relative L2 {error:.3e}")
+    assert error < STREAM_ERROR_BOUND, error

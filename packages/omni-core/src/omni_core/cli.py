@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omni_core.client.image_files import save_image_event
+from omni_core.client.image_files import append_media_segment, save_image_event
 from omni_core.registry import (
     RegistryError,
     benchmark_registry,
@@ -157,6 +157,7 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
     seen: dict[str, StageSeen] = {}
     out_dir = Path(args.out) if args.out else None
     written: list[Path] = []
+    streams: set[Path] = set()  # streamed media files begun (audio chunks appended)
     t0 = time.monotonic()
     status = 0
     show_start()
@@ -175,6 +176,10 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
                 if out_dir is not None and ev.event_type == "image":
                     files = save_image_event(ev, out_dir, ev.request_id[:8])
                     written.extend(files)
+                elif out_dir is not None and ev.event_type == "segment":
+                    stream = append_media_segment(ev, out_dir, ev.request_id[:8], streams)
+                    if stream is not None and stream not in written:
+                        written.append(stream)
                 text = ev.payload.get("text") if isinstance(ev.payload, dict) else None
                 if args.json:
                     print(json.dumps(_event_json(ev)), flush=True)
@@ -191,7 +196,7 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
                 file=sys.stderr,
             )
             if written:
-                print(f"{len(written)} image file(s) in {out_dir}/", file=sys.stderr)
+                print(f"{len(written)} media file(s) in {out_dir}/", file=sys.stderr)
             # the workers' counters come with their heartbeats: wait for one more round
             time.sleep(min(cfg.heartbeat_interval_s * 1.5, 2.0))
             print(run_summary(cfg, seen, pipe.metrics()), file=sys.stderr)
@@ -492,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="run the request this many times")
     p.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
     p.add_argument("--json", action="store_true", help="print events as JSON lines")
-    p.add_argument("--out", help="write image events (previews and final images) here")
+    p.add_argument("--out", help="write media here: images (previews, finals) and streamed audio")
     add_backend_args(p)
 
     p = sub.add_parser("trace", help="run requests with tracing on; write Chrome trace JSON")

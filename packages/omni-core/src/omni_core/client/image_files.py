@@ -53,3 +53,21 @@ def save_image_event(ev: Any, out_dir: Path, tag: str) -> list[Path]:
         path.write_bytes(data)
         written.append(path)
     return written
+
+
+def append_media_segment(ev: Any, out_dir: Path, tag: str, started: set[Path]) -> Path | None:
+    """A streamed medium (a segment whose payload names its ``media_type`` and whose
+    arrays carry bytes: audio chunks) appended to one file per request and stage, in
+    arrival order; ``started`` holds the files begun by this run (truncated once).
+    Returns the file, or None when the event carries no encoded bytes."""
+    media_type = media_type_of(ev.payload)
+    chunks = [v for v in getattr(ev, "arrays", {}).values() if isinstance(v, bytes)]
+    if media_type is None or not chunks:
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{tag}-{ev.stage}.{extension(media_type)}"
+    with open(path, "ab" if path in started else "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+    started.add(path)
+    return path
