@@ -96,7 +96,7 @@ def test_a_segment_that_cannot_be_backed_is_an_error_naming_it(tmp_path, monkeyp
     owner = SegmentOwner(str(tmp_path))
     arena = Arena(owner.create("w", 4 * MIB), str(tmp_path))
     try:
-        off, _ = arena.rent(MIB, {"r": 1})  # backed: the first MiB
+        off, rental = arena.rent(MIB, {"r": 1})  # backed: the first MiB
         assert off == 0
 
         def full(fd: int, offset: int, length: int) -> None:
@@ -112,7 +112,7 @@ def test_a_segment_that_cannot_be_backed_is_an_error_naming_it(tmp_path, monkeyp
         assert "No space left on device" in said and "bytes free in" in said, said
         assert arena.bytes_free == free and arena.slots_in_use == 1  # nothing kept
         # a slot inside what is already backed needs no new page
-        arena.release([(0, 1)], "r")
+        arena.release([(0, rental)], "r")
         assert arena.rent(MIB, {"r": 1})[0] == 0
     finally:
         arena.close()

@@ -29,6 +29,7 @@ from omni_core.events import (
 )
 from omni_ray.channel_auth import ChannelKeys
 from omni_ray.gateway import GATEWAY_ERROR, NodeGateway
+from omni_ray.grants import Grants
 from omni_ray.objects import HeldObjects, segment_name
 from omni_ray.testing import FakeRef
 from omni_testing.faults import wait_for
@@ -45,13 +46,24 @@ class Gateway:
 
     def __init__(self) -> None:
         self.pipeline = f"t{uuid.uuid4().hex[:8]}"
-        self.gw = NodeGateway(self.pipeline, HERE, HEAD, ["a", "b"], channel_ip="127.0.0.1")
+        grants = Grants()
+        self.control, self.local = grants.control(HERE), grants.node_pass(HERE, HERE)
+        self.gw = NodeGateway(
+            self.pipeline,
+            HERE,
+            HEAD,
+            ["a", "b"],
+            channel_ip="127.0.0.1",
+            keys=ChannelKeys.new(),
+            grant=grants.grant(HERE),
+        )
         assert self.gw.keys is not None
-        self.there, self.head = self.gw.keys.for_node(), self.gw.keys.for_node()
-        self.gw.admit({THERE: self.there.client_public, HEAD: self.head.client_public})
+        self.there, self.head = ChannelKeys.new(), ChannelKeys.new()
+        peers = {n: grants.peer(n, HERE, k) for n, k in ((THERE, self.there), (HEAD, self.head))}
+        self.gw.admit(self.control, peers)
         self.remote: queue.Queue = queue.Queue()
         self.gw._deliver_remote = self._record
-        self.gw.set_routes({"a": (THERE, 1), "b": (HERE, 1)})
+        self.gw.set_routes(self.control, {"a": (THERE, 1), "b": (HERE, 1)})
         self.ctx = zmq.Context()
         self.socks: list[zmq.Socket] = []
         self.inbox = {}
@@ -59,7 +71,7 @@ class Gateway:
             sock = self.ctx.socket(zmq.PULL)
             sock.bind(self.gw.inner.endpoint(ep))
             self.inbox[ep] = sock
-        self.channels = self.gw.channel_addresses()
+        self.channels = self.gw.channel_addresses(self.control)
 
     def _record(self, node, endpoint, frames, refs=None) -> bool:
         self.remote.put((endpoint, [bytes(f) for f in frames]))
@@ -86,13 +98,13 @@ class Gateway:
         self.socks.append(sock)
         sock.linger = 0
         if keys is not None:
-            keys.client(sock)
+            keys.client(sock, self.gw.keys.server_public)
         sock.connect(self.channels[endpoint])
         return sock
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
-        self.gw.close()
+        self.gw.close(self.control)
 
 
 @pytest.fixture
@@ -130,7 +142,7 @@ def test_a_peer_without_the_pipelines_keys_gets_nothing_through(gw):
 def test_a_forged_release_over_a_channel_is_refused_and_the_rest_goes_on(gw):
     """Another node never holds a slot here: a Release arriving over a channel is forged,
     whoever it names; it never reaches the producer (so it frees nothing)."""
-    seg = gw.gw.create_segment("b", 1 << 16)
+    seg = gw.gw.create_segment(gw.local, "b", 1 << 16)
     forged = Release(slots=[(0, 1)], segment=seg, reader="a")
     cancel = Cancel(request_id="r1")
     s = gw.sender("b.ctl", gw.head)  # the head node's gateway: it may send the cancel
@@ -147,7 +159,7 @@ def test_a_forged_release_over_a_channel_is_refused_and_the_rest_goes_on(gw):
 
 
 def test_a_handle_to_a_segment_here_over_a_channel_fails_its_request(gw):
-    seg = gw.gw.create_segment("a", 1 << 16)
+    seg = gw.gw.create_segment(gw.local, "a", 1 << 16)
     slot = ShmHandle(seg, 0, 16, "|u1", (16,), "a", 1)
     other = ShmHandle(segment_name("another", "ab" * 8), 0, 16, "|u1", (16,), "a", 0)
     mine = ShmHandle(segment_name(gw.pipeline, "cd" * 8), 0, 16, "|u1", (16,), "a", 0)
@@ -173,7 +185,7 @@ def test_frames_spelling_their_tags_the_long_way_are_screened_all_the_same(gw):
     """msgpack may spell "shm" and "release" as str8 (``\\xd9\\x03shm``); the receiver
     decodes them alike, so the screen must too: a slot handle and a Release spelled so
     are refused as the short spellings are."""
-    seg = gw.gw.create_segment("a", 1 << 16)
+    seg = gw.gw.create_segment(gw.local, "a", 1 << 16)
     slot = ShmHandle(seg, 0, 16, "|u1", (16,), "a", 1)
     data = str8_frame(encode_frame([segment("slot", {"x": slot}), segment("ok")]))
     assert b"\xa3shm" not in data and b"\xd9\x03shm" in data
@@ -181,7 +193,8 @@ def test_frames_spelling_their_tags_the_long_way_are_screened_all_the_same(gw):
     passed = [m for f in gw.received("b.data", 1.0) for m in decode_data_frame(f)]
     assert [m.request_id for m in passed] == ["ok"]
     assert [e.request_id for e in gw.errors()] == ["slot"]
-    forged = Release(slots=[(0, 1)], segment=gw.gw.create_segment("b", 1 << 16), reader="a")
+    seg = gw.gw.create_segment(gw.local, "b", 1 << 16)
+    forged = Release(slots=[(0, 1)], segment=seg, reader="a")
     ctl = str8_frame(encode_frame([forged]))
     assert b"\xa7release" not in ctl
     for keys in (gw.there, gw.head):  # from no node
@@ -245,7 +258,7 @@ def test_a_replayed_frame_is_refused_in_its_session_and_on_a_new_connection(gw):
     relay = Relay(gw.channels["b.data"])
     client = gw.ctx.socket(zmq.PUSH)
     client.linger = 0
-    gw.there.client(client)
+    gw.there.client(client, gw.gw.keys.server_public)
     client.connect(relay.address)
     frame = encode_frame([segment("r1")])
     client.send(frame)
@@ -303,8 +316,13 @@ def test_forged_frames_on_a_live_pipelines_channel_are_not_accepted(cluster):
             (n, g) for n, g in launcher.gateways.items() if n != launcher.head_node
         ]
         keys = launcher.node_keys[launcher.head_node]
-        far_channels = ray.get(far.channel_addresses.remote(), timeout=30)
-        head_channels = ray.get(head.channel_addresses.remote(), timeout=30)
+        far_server = launcher.node_keys[far_node].server_public
+        head_server = keys.server_public
+        control = launcher.grants.control
+        far_channels = ray.get(far.channel_addresses.remote(control(far_node)), timeout=30)
+        head_channels = ray.get(
+            head.channel_addresses.remote(control(launcher.head_node)), timeout=30
+        )
         ctx = zmq.Context()
         socks = []  # kept open: a socket closed at once drops what it has not sent
 
@@ -313,7 +331,7 @@ def test_forged_frames_on_a_live_pipelines_channel_are_not_accepted(cluster):
             socks.append(sock)
             sock.linger = 0
             if k is not None:
-                k.client(sock)
+                k.client(sock, far_server)
             sock.connect(far_channels["up.data"])
             forged = Segment(request_id=rid, sequence=0, stage="src", tokens=[999])
             sock.send(encode_frame([forged]))
@@ -336,7 +354,7 @@ def test_forged_frames_on_a_live_pipelines_channel_are_not_accepted(cluster):
             # node): refused, the producer never sees them
             rel = ctx.socket(zmq.PUSH)
             rel.linger = 0
-            launcher.node_keys[far_node].client(rel)
+            launcher.node_keys[far_node].client(rel, head_server)
             rel.connect(head_channels["src.ctl"])
             rel.send(encode_frame([Release(slots=[(0, 1)], segment="x", reader="up")]))
             rel.send(str8_frame(encode_frame([ReaderLost(reader="up")])))

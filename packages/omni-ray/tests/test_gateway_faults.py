@@ -20,6 +20,7 @@ from omni_core.dataplane.transport import RESULTS, Addresses, push_socket
 from omni_core.events import Error, InlineArray, Release, Segment, ShmHandle
 from omni_ray import gateway as gateway_module
 from omni_ray.gateway import GATEWAY_ERROR, NodeGateway
+from omni_ray.grants import Grants
 from omni_ray.objects import segment_name
 from omni_ray.testing import FakeRef
 
@@ -58,6 +59,10 @@ class Recorder:
         return self.by_endpoint[endpoint][:count]
 
 
+GRANTS = Grants()
+CTL, LOCAL = GRANTS.control(HERE), GRANTS.node_pass(HERE, HERE)  # the launcher's, this node's
+
+
 def make_gateway(monkeypatch=None, broken: str | None = None):
     """A gateway on a node that is not the head, stages ``a`` and ``b`` on another node;
     with ``broken``, that endpoint's socket cannot be bound."""
@@ -70,10 +75,10 @@ def make_gateway(monkeypatch=None, broken: str | None = None):
             return real(ctx, address, hwm, setup)
 
         monkeypatch.setattr(gateway_module, "pull_socket", pull_socket)
-    gw = NodeGateway(f"t{uuid.uuid4().hex[:8]}", HERE, HEAD, ["a", "b"])
+    gw = NodeGateway(f"t{uuid.uuid4().hex[:8]}", HERE, HEAD, ["a", "b"], grant=GRANTS.grant(HERE))
     rec = Recorder()
     gw._deliver_remote = rec  # no frame is sent before this is in place
-    gw.set_routes({"a": (THERE, 1), "b": (THERE, 1)})
+    gw.set_routes(CTL, {"a": (THERE, 1), "b": (THERE, 1)})
     return gw, rec
 
 
@@ -146,7 +151,7 @@ def test_bad_frames_and_messages_are_dropped_and_the_rest_goes_through(zctx, cap
         assert any("undecodable frame" in r.getMessage() for r in caplog.records)
         sock.close(linger=0)
     finally:
-        gw.close()
+        gw.close(CTL)
 
 
 def test_an_unexpected_delivery_error_drops_that_batch_only(zctx, caplog):
@@ -167,7 +172,7 @@ def test_an_unexpected_delivery_error_drops_that_batch_only(zctx, caplog):
         assert gw.failure() is None
         sock.close(linger=0)
     finally:
-        gw.close()
+        gw.close(CTL)
 
 
 def wait_held(gw, n, timeout=10.0):
@@ -183,11 +188,11 @@ def test_a_readers_release_of_an_object_ends_here_while_its_producer_restarts(zc
     it (an earlier release of a slot) wait for its new place."""
     gw, rec = make_gateway()
     try:
-        gw.set_routes({"b": (HERE, 2)})  # the reader lives here
+        gw.set_routes(CTL, {"b": (HERE, 2)})  # the reader lives here
         keys = ["k0", "k1", "k2"]
         gw.held.hold("b", [FakeRef(k) for k in keys], producer="a")
-        assert [r.key for r in gw.lend(keys, "b")] == keys  # b maps them
-        gw.set_routes({"a": (None, 3)})  # the producer died: it is restarting
+        assert [r.key for r in gw.lend(LOCAL, keys, "b")] == keys  # b maps them
+        gw.set_routes(CTL, {"a": (None, 3)})  # the producer died: it is restarting
 
         def release(key):
             segment = segment_name(gw.pipeline_id, key)
@@ -203,11 +208,11 @@ def test_a_readers_release_of_an_object_ends_here_while_its_producer_restarts(zc
             sock.send(encode_frame([release(key)]))
         wait_held(gw, 0)  # while a is not placed
         assert gw.held.released == 3 and rec.calls.empty()
-        gw.set_routes({"a": (THERE, 4)})  # its new life: what waited goes on
+        gw.set_routes(CTL, {"a": (THERE, 4)})  # its new life: what waited goes on
         assert decode_control_frame(rec.wait("a.ctl", 1)[0]) == [slot]
         sock.close(linger=0)
     finally:
-        gw.close()
+        gw.close(CTL)
 
 
 def test_a_thread_that_cannot_go_on_is_reported(monkeypatch, zctx, caplog):
@@ -231,7 +236,7 @@ def test_a_thread_that_cannot_go_on_is_reported(monkeypatch, zctx, caplog):
             assert rec.wait("b.data", 1) == [frame]
             sock.close(linger=0)
         finally:
-            gw.close()
+            gw.close(CTL)
 
 
 def test_a_garbage_frame_through_a_real_gateway_costs_no_later_request(cluster):

@@ -13,6 +13,7 @@ from omni_core.dataplane.shm import EXTERNAL_WRITERS, BadSegment, SegmentReader
 from omni_core.events import Cancel, ReaderLost, Release
 from omni_core.worker.host import CLIENT
 from omni_ray import objects
+from omni_ray.grants import CallerCheck, Grants
 from omni_ray.objects import (
     HeldObjects,
     install_reader,
@@ -29,6 +30,8 @@ from omni_ray.testing import FakeRef
 MIB4 = 4 << 20  # arrays from 4 MiB take the object store
 PIPE = "p1"
 HERE, NODE_B, NODE_C = "node-here", "node-b", "node-c"
+GRANTS = Grants()
+SECRET = GRANTS.grant(HERE).secret  # this node's: its workers' calls carry passes from it
 
 
 def keys(refs):
@@ -232,11 +235,16 @@ class Call:
 
 
 class Method:
-    def __init__(self, fn):
-        self.fn = fn
+    """A gateway's method: the pass each call carries is checked as the gateway would
+    (from a node, ``local``: this node alone), then left out of ``calls``."""
+
+    def __init__(self, fn, check, local=False):
+        self.fn, self.check, self.local = fn, check, local
         self.calls = []
 
-    def remote(self, *args):
+    def remote(self, who, *args):
+        caller = self.check.caller(who)
+        assert caller is not None and (not self.local or caller == self.check.node), who
         self.calls.append(args)
         return self.fn(*args)
 
@@ -250,11 +258,15 @@ class Gateway:
         self.held = HeldObjects()
         self.answer, self.delay, self.error = True, 0.0, None
         self.then = None  # called with each hold
-        self.hold = Method(self._hold)
-        self.release = Method(lambda reader, keys: self.held.release(reader, keys))
-        self.lend = Method(lambda keys, reader: Call(self.held.lend(keys, reader), at=fake.now))
+        nodes = (HERE, NODE_B, NODE_C)
+        check = CallerCheck(GRANTS.grant(node), {n: GRANTS.peer(n, node) for n in nodes})
+        self.hold = Method(self._hold, check)
+        self.release = Method(lambda reader, keys: self.held.release(reader, keys), check)
+        self.lend = Method(
+            lambda keys, reader: Call(self.held.lend(keys, reader), at=fake.now), check, True
+        )
         self.current_routes = Method(
-            lambda: Call((dict(fake.routes), dict(fake.versions)), at=fake.now)
+            lambda: Call((dict(fake.routes), dict(fake.versions)), at=fake.now), check, True
         )
 
     def _hold(self, endpoint, refs, producer, life):
@@ -333,7 +345,7 @@ def writer_on(fake, worker="up", version=1, **readers_at):
     """``worker``'s writer on this node, and every reader (name -> node) routed."""
     fake.routes = {worker: HERE, **readers_at}
     fake.versions = {worker: version, **dict.fromkeys(readers_at, 1)}
-    return objects.ObjectWriter(PIPE, worker, HERE, fake.gateway(HERE))
+    return objects.ObjectWriter(PIPE, worker, HERE, fake.gateway(HERE), SECRET)
 
 
 def array(nbytes=MIB4):
@@ -539,7 +551,7 @@ def test_a_cancel_toward_a_gateway_that_is_gone_is_dropped(fake):
 def test_install_writer_makes_it_the_workers_external_writer(fake):
     gw = fake.gateway(HERE)
     try:
-        writer = install_writer(PIPE, "up#1", HERE, gw)
+        writer = install_writer(PIPE, "up#1", HERE, gw, SECRET)
         assert EXTERNAL_WRITERS["up#1"] is writer and writer.worker == "up#1"
     finally:
         EXTERNAL_WRITERS.pop("up#1", None)
@@ -550,7 +562,7 @@ def test_install_writer_makes_it_the_workers_external_writer(fake):
 def reading(fake):
     """The reader ``b``'s gateway (on this node) and b's segment reader."""
     gw = fake.gateway(HERE)
-    install_reader(PIPE, gw, "b")
+    install_reader(PIPE, gw, GRANTS.node_pass(HERE, HERE), "b")
     yield gw, SegmentReader(scope="omni-1-")
     uninstall_reader(PIPE)
 
@@ -591,7 +603,7 @@ def test_an_object_whose_owner_died_cannot_be_read_and_says_why(fake, reading, t
 
 
 def test_an_uninstalled_reader_resolves_no_object(fake):
-    install_reader(PIPE, fake.gateway(HERE), "b")
+    install_reader(PIPE, fake.gateway(HERE), GRANTS.node_pass(HERE, HERE), "b")
     uninstall_reader(PIPE)
     uninstall_reader(PIPE)  # twice: nothing to do
     with pytest.raises(BadSegment):

@@ -1,12 +1,14 @@
 """Who may speak on a gateway's cross-node channels: ZMQ CURVE, per-pipeline and per-node keys.
 
-The control plane (:class:`~omni_ray.launcher.RayLauncher`) makes one server key pair per
-pipeline, and one client key pair per node (:meth:`ChannelKeys.for_node`), and hands each
-node's gateway its :class:`ChannelKeys` (the server pair, its node's client pair) and the
-client public keys of the other nodes, as actor arguments and calls (Ray carries them:
-never a command line nor an environment variable). Every channel a gateway binds is a
-CURVE server with the pipeline's server key; a gateway that sends over another node's
-channel is a CURVE client with its own node's client pair. A ZAP handler in each gateway
+The control plane (:class:`~omni_ray.launcher.RayLauncher`) makes two key pairs per node
+and pipeline (:meth:`ChannelKeys.new`): a server pair (its channels') and a client pair
+(its gateway's, when it sends); it hands each node's gateway its own :class:`ChannelKeys`
+and the public keys of the other nodes (:class:`~omni_ray.grants.Peer`), as actor
+arguments and calls (Ray carries them: never a command line nor an environment
+variable). No node holds another's secret key: one node's keys cannot pose as another's
+channels, nor as another node's gateway. Every channel a gateway binds is a CURVE server
+with its node's server key; a gateway that sends over another node's channel is a CURVE
+client with its own node's client pair and that node's server key. A ZAP handler in each gateway
 (:class:`ZapHandler`) admits exactly the client public keys of the pipeline's nodes, and
 names the peer's node in the User-Id of each message from it, so the receiver knows which
 node sent a frame (and what it may send: see :meth:`omni_ray.frames.FrameGuard.screen`).
@@ -55,9 +57,9 @@ def curve_available() -> bool:
 
 @dataclass(frozen=True, repr=False)
 class ChannelKeys:
-    """One node's CURVE keys (z85): the pipeline's server pair (every channel's), and this
-    node's client pair (its gateway's, when it sends). ``repr`` shows the client public
-    key only (the server public key lets a client attempt the handshake)."""
+    """One node's CURVE keys (z85): its server pair (its channels'), and its client pair
+    (its gateway's, when it sends). ``repr`` shows the client public key only (the server
+    public key lets a client attempt the handshake)."""
 
     server_public: bytes
     server_secret: bytes
@@ -75,11 +77,6 @@ class ChannelKeys:
         client_public, client_secret = zmq.curve_keypair()
         return cls(server_public, server_secret, client_public, client_secret)
 
-    def for_node(self) -> ChannelKeys:
-        """The same server pair with a client pair of its own (another node's keys)."""
-        client_public, client_secret = zmq.curve_keypair()
-        return ChannelKeys(self.server_public, self.server_secret, client_public, client_secret)
-
     def __repr__(self) -> str:
         return f"ChannelKeys(client={self.client_public!r})"
 
@@ -92,10 +89,10 @@ class ChannelKeys:
         if ENFORCE_DOMAIN is not None:  # no ZAP handler (it failed): no handshake completes
             sock.setsockopt(ENFORCE_DOMAIN, 1)
 
-    def client(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` (before it connects) a CURVE client of the pipeline's channels,
-        with this node's client pair."""
-        sock.curve_serverkey = self.server_public
+    def client(self, sock: zmq.Socket, server_public: bytes) -> None:
+        """Make ``sock`` (before it connects) a CURVE client of the channels of the node
+        whose server public key is ``server_public``, with this node's client pair."""
+        sock.curve_serverkey = server_public
         sock.curve_publickey = self.client_public
         sock.curve_secretkey = self.client_secret
 

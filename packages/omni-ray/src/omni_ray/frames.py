@@ -7,9 +7,10 @@ or one message of it, that cannot be handled (it does not decode, its arrays can
 read) is dropped: its slots go back to their producers and its requests end with an error
 (code ``gateway_error``), so nothing waits for it. The rest of a frame always goes on.
 
-A frame that arrives over a channel, from another node's gateway, is screened first
-(:meth:`FrameGuard.screen`): always decoded (however its msgpack is spelled), a message
-its sending node may not send, or touching what is not its sender's, is refused.
+A frame that arrives from another node's gateway, over a channel or by an actor call, is
+screened first (:meth:`FrameGuard.screen`): always decoded (however its msgpack is
+spelled), a message its sending node may not send, or touching what is not its sender's,
+is refused.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from omni_core.config import split_worker
 from omni_core.dataplane.serial import (
     decode_control_frame,
     decode_data_frame,
+    decode_status_frame,
     encode_frame,
     releases,
     salvage_frame,
 )
 from omni_core.dataplane.shm import SegmentReader
-from omni_core.dataplane.transport import RESULTS, Addresses, push_socket
+from omni_core.dataplane.transport import RESULTS, STATUS, Addresses, push_socket
 from omni_core.events import Error, InlineArray, Release, ShmHandle, Submit
 
 from omni_ray.objects import OBJECT_THRESHOLD, is_object, key_of, segment_name
@@ -58,11 +60,14 @@ class FrameGuard:
         object_threshold: int | None = OBJECT_THRESHOLD,
         forget_objects: Callable[[str, list[str]], None] | None = None,
         head_node: str = "",
+        lives_on: Callable[[str], str | None] | None = None,
     ) -> None:
         """``forget_objects(endpoint, keys)``: the reader of ``endpoint`` will not read
         these objects (their message was dropped): whoever holds them for it lets go.
-        ``head_node``: the orchestrator's node (the only sender of its messages)."""
+        ``head_node``: the orchestrator's node (the only sender of its messages).
+        ``lives_on(worker)``: the node a worker runs on (None: not placed, or unknown)."""
         self.forget_objects = forget_objects
+        self.lives_on = lives_on
         self.node_id = node_id
         self.head_node = head_node
         self.pipeline_id = pipeline_id
@@ -114,10 +119,14 @@ class FrameGuard:
         and its slot released there), nor is it lent one: a ``Release`` or a handle to a
         segment here is forged. Such a message is refused (counted, logged); a data
         message's request fails. An object handle must name this pipeline's objects (its
-        reader is lent only what is held for it)."""
+        reader is lent only what is held for it). A status message (to the orchestrator)
+        may speak only of a worker its sender runs, or of one not placed yet (its Ready
+        may come before its route)."""
         try:
             if endpoint.endswith(".ctl"):
                 return self._screen_control(endpoint, frame, sender)
+            if endpoint == STATUS:
+                return self._screen_status(endpoint, frame, sender)
             msgs, lost = self.decode(endpoint, frame)
             if lost:  # undecodable messages (logged)
                 with self.lock:
@@ -179,6 +188,29 @@ class FrameGuard:
             else:
                 kept.append(m)
         # re-encoded: what comes after (objects.take_releases) sees the usual spelling
+        return encode_frame(kept) if kept else None
+
+    def _screen_status(self, endpoint: str, frame: bytes, sender: str | None) -> bytes | None:
+        """A status frame from another node, less what speaks of a worker that runs
+        elsewhere (re-encoded only when something was refused)."""
+        try:
+            msgs = decode_status_frame(frame)
+        except msgspec.DecodeError:
+            msgs, bad = salvage_frame(frame, "status")
+            with self.lock:
+                self.dropped += len(bad)
+        else:
+            bad = []
+        kept: list[Any] = []
+        for m in msgs:
+            where = self.lives_on(m.stage) if self.lives_on is not None else None
+            if where is not None and where != sender:
+                what = f"a {type(m).__name__} of {m.stage[:40]!r} (it runs on node {where[:12]})"
+                self._refuse(endpoint, what, sender)
+            else:
+                kept.append(m)
+        if len(kept) == len(msgs) and not bad:
+            return frame
         return encode_frame(kept) if kept else None
 
     def _refuse(self, endpoint: str, what: str, sender: str | None) -> None:

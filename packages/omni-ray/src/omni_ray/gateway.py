@@ -43,6 +43,19 @@ segments, so a slot handle or a ``Release`` arriving over a channel is refused
 handle must name this pipeline's objects, and a reader is lent only what is held for it
 (:meth:`HeldObjects.lend`).
 
+Ray names no caller, so every actor method that changes something, or hands out what is
+not its caller's, takes a *pass* first (:mod:`omni_ray.grants`), checked before anything
+else: the launcher's alone may set routes, admit peers, unlink segments and close the
+gateway; a node's may deliver frames, hold objects for a reader here and release its own
+holds; only this node's (its workers, which read its secret in the socket directory) may
+be lent objects, create segments and read the routes. A refused call raises
+:class:`PermissionError` (``info()["calls_refused"]``). What a delivered frame carries is
+screened as on a channel, with the node its pass proved as its sender (frames to the
+head's results and status endpoints always come this way): the orchestrator's messages
+from the head alone, no slot handle nor ``Release`` from another node, and a status
+message only about a worker its sender runs (or one not placed yet). A node releases only
+what it held (:class:`HeldObjects`). ``info`` and ``failure`` are open (read-only).
+
 A forwarding thread never dies silently. A frame or message it cannot handle (one that
 does not decode, an array whose slot cannot be read, a delivery that fails unexpectedly)
 is logged (an unexpected exception with its traceback) and dropped: the shared-memory
@@ -71,9 +84,20 @@ from omni_core.dataplane.transport import (
     push_socket,
     remove_socket_dir,
 )
+from omni_core.worker.host import CLIENT
 
 from omni_ray.channel_auth import ChannelKeys, HandshakeWatch, ZapHandler
 from omni_ray.frames import GATEWAY_ERROR, FrameGuard
+from omni_ray.grants import (
+    CONTROL,
+    CallerCheck,
+    Grants,
+    NodeGrant,
+    Pass,
+    Peer,
+    node_pass,
+    write_secret,
+)
 from omni_ray.objects import HeldObjects, take_releases
 from omni_ray.routes import DRIVER, gateway_name, owner_of, reader_of
 
@@ -91,6 +115,7 @@ _ZERO_COPY = 1 << 20
 RETRY_S = 0.02  # between tries of a delivery (a route being set, a gateway restarting)
 RETRY_MS = int(RETRY_S * 1000)
 ERROR_PAUSE_S = 0.1  # after an unexpected error, so a recurring one cannot spin a core
+LOCAL, NODES = "@local", "@nodes"  # who may call a method: this node's, any node's pass
 
 __all__ = ["GATEWAY_ERROR", "NodeGateway", "gateway_name"]
 
@@ -106,14 +131,16 @@ class NodeGateway:
         workers: list[str],
         channel_ip: str | None = "auto",
         keys: ChannelKeys | None = None,
-        peers: dict[str, bytes] | None = None,
+        peers: dict[str, Peer] | None = None,
+        grant: NodeGrant | None = None,
     ) -> None:
         """``workers``: every worker name of the pipeline (stages, and ``STAGE#i`` for each
         replica a stage may have). ``channel_ip``: the address this node's channels bind
         (``"auto"``: the node's IP as Ray knows it; None: no channels, every frame goes by
-        Ray actor calls). ``keys``: the pipeline's server pair and this node's client pair
-        (None: keys of its own, for a gateway alone: tests). ``peers``: node id -> client
-        public key of each node whose gateway may send here (more come by :meth:`admit`)."""
+        Ray actor calls). ``keys``: this node's channel keys (None: keys of its own).
+        ``peers``: what this gateway knows of each other node that may call it (more come
+        by :meth:`admit`). ``grant``: its node's secret and the launcher's token (None: a
+        grant of its own, whose control pass nobody holds)."""
         if channel_ip == "auto":
             channel_ip = get_node_ip_address() if get_node_ip_address else None
         self.channel_ip = channel_ip
@@ -125,9 +152,15 @@ class NodeGateway:
         self.channel_frames = 0  # frames sent over channels
         self.pipeline_id = pipeline_id
         self.node_id = node_id
+        self.grant = grant or Grants().grant(node_id)
+        self.callers = CallerCheck(self.grant, peers)
+        self.calls_refused = 0  # actor calls refused: a wrong pass, or what is not theirs
+        self.server_keys: dict[str, bytes] = {}  # other node -> its channels' server key
+        self._call_outs = threading.local()  # a Ray call thread's sockets (deliver)
         self.socket_dir = make_socket_dir()
         self.bind_dir = os.path.join(self.socket_dir, "in")
         os.mkdir(self.bind_dir, 0o700)
+        write_secret(self.socket_dir, self.grant.secret)  # for this node's workers
         self.addr = Addresses(self.socket_dir)  # what senders on this node connect to
         self.inner = Addresses(self.bind_dir)  # what workers on this node bind
         self.segments = SegmentOwner(token=pipeline_id)
@@ -137,7 +170,8 @@ class NodeGateway:
         self.failures: dict[str, str] = {}  # endpoint -> why its thread stopped for good
         self.zap = None
         if self.keys is not None:  # before any channel binds: each handshake asks it
-            self.zap = ZapHandler(self.zctx, peers or {}, self._zap_failed)
+            self.zap = ZapHandler(self.zctx, {}, self._zap_failed)
+        self._admit(peers or {})
         self.routes: dict[str, str | None] = dict.fromkeys(workers)  # worker -> its node
         self.routes[DRIVER] = head_node
         self.versions: dict[str, int] = {}  # route updates may arrive out of order
@@ -152,6 +186,7 @@ class NodeGateway:
             pipeline_id,
             forget_objects=self._forget,
             head_node=head_node,
+            lives_on=self._lives_on,
         )
         self.held = HeldObjects()  # objects lent to readers on this node, until released
         names = Addresses.names(workers)
@@ -176,7 +211,8 @@ class NodeGateway:
             "failures": failures,
             "dropped": dropped,
             "auth_failures": self.auth_failures,  # handshakes refused on the channels
-            "refused": refused,  # messages over channels that touched what is not theirs
+            "refused": refused,  # messages from other nodes that touched what is not theirs
+            "calls_refused": self.calls_refused,  # actor calls: a wrong pass, or not theirs
             "objects_held": len(self.held),
             "objects_held_for": self.held.by_reader(),
             "objects_put": puts,  # from slots (producers put theirs themselves)
@@ -201,11 +237,53 @@ class NodeGateway:
             "error": "; ".join(f"{ep}: {why}" for ep, why in sorted(failures.items())),
         }
 
-    def channel_addresses(self, timeout_s: float = 10.0, for_node: str = "") -> dict[str, str]:
+    # ------------------------------------------------------------------ who calls
+    def _caller(self, method: str, who: Any, *allowed: str) -> str:
+        """The caller ``who`` proves to be, if it is one of ``allowed`` (:data:`CONTROL`,
+        :data:`LOCAL`: this node's, :data:`NODES`: any node's); else the call is
+        refused (counted, logged): :class:`PermissionError`."""
+        caller = self.callers.caller(who)
+        ok = caller is not None and (
+            (CONTROL in allowed and caller == CONTROL)
+            or (LOCAL in allowed and caller == self.node_id)
+            or (NODES in allowed and caller != CONTROL)
+        )
+        if not ok:
+            claimed = who[0] if isinstance(who, tuple | list) and who else type(who).__name__
+            self._refuse_call(method, f"a pass of {str(claimed)[:40]!r} not good for it")
+        return caller  # type: ignore[return-value]
+
+    def _refuse_call(self, method: str, why: str) -> None:
+        with self.lock:
+            self.calls_refused += 1
+        log.warning("gateway %s: refused a call of %s: %s", self.node_id[:8], method, why)
+        raise PermissionError(f"gateway on node {self.node_id[:12]}: {method} refused: {why}")
+
+    def _pass(self, node: str) -> Pass:
+        """This node's pass for ``node``'s gateway."""
+        return node_pass(self.node_id, self.grant.secret, node)
+
+    def _admit(self, peers: dict[str, Peer]) -> None:
+        self.callers.admit(peers)
+        with self.lock:
+            for node, peer in peers.items():
+                if peer.server_public is not None:
+                    self.server_keys[node] = peer.server_public
+        if self.zap is not None:
+            self.zap.admit({n: p.client_public for n, p in peers.items() if p.client_public})
+
+    def _lives_on(self, worker: str) -> str | None:
+        """The node ``worker`` runs on (None: unknown, or not placed)."""
+        with self.lock:
+            return self.routes.get(worker)
+
+    def channel_addresses(self, who: Pass, timeout_s: float = 10.0) -> dict[str, str]:
         """Where other nodes' gateways send this node's endpoints' frames (TCP), once
-        every forwarding thread has bound its channel; with ``for_node``, once that
+        every forwarding thread has bound its channel; for a node's pass, once that
         node's key is admitted too (a refused handshake is not retried), else none
         (its gateway sends by actor calls)."""
+        caller = self._caller("channel_addresses", who, NODES, CONTROL)
+        for_node = "" if caller == CONTROL else caller
         end = time.monotonic() + timeout_s
         while self.channel_ip is not None and time.monotonic() < end:
             with self.lock:
@@ -223,15 +301,19 @@ class NodeGateway:
         with self.lock:
             return dict(self.channels)
 
-    def admit(self, peers: dict[str, bytes]) -> None:
-        """Admit these nodes' gateways (node id -> client public key) on the channels."""
-        if self.zap is not None:
-            self.zap.admit(peers)
+    def admit(self, who: Pass, peers: dict[str, Peer]) -> None:
+        """Admit these nodes' calls and their gateways on the channels (the launcher's)."""
+        self._caller("admit", who, CONTROL)
+        self._admit(peers)
 
-    def set_routes(self, routes: dict[str, tuple[str | None, int]]) -> None:
-        """``{worker: (node or None while it is not placed, version)}``; newer wins."""
+    def set_routes(self, who: Pass, routes: dict[str, tuple[str | None, int]]) -> None:
+        """``{worker: (node or None while it is not placed, version)}``; newer wins (the
+        launcher's alone)."""
+        self._caller("set_routes", who, CONTROL)
         with self.lock:  # with the routes: a hold checks the route under the same lock
             for worker, (node, version) in routes.items():
+                if worker == DRIVER or worker not in self.routes:
+                    continue  # the orchestrator's node is fixed; no such worker
                 if version > self.versions.get(worker, -1):
                     if self.routes.get(worker) == self.node_id:
                         # its life here ended (or it moved): what that life was lent,
@@ -242,16 +324,26 @@ class NodeGateway:
                     self.routes[worker] = node
                     self.versions[worker] = version
 
-    def current_routes(self) -> tuple[dict[str, str | None], dict[str, int]]:
+    def current_routes(self, who: Pass) -> tuple[dict[str, str | None], dict[str, int]]:
         """Where each worker lives now (``DRIVER``: the orchestrator's node), and the
-        version of each worker's route (one per life and move)."""
+        version of each worker's route (one per life and move); for this node's workers."""
+        self._caller("current_routes", who, LOCAL)
         with self.lock:
             return dict(self.routes), dict(self.versions)
 
-    def create_segment(self, worker: str, size: int) -> str:
+    def create_segment(self, who: Pass, worker: str, size: int) -> str:
+        """A shared-memory segment for ``worker`` (a worker of the pipeline, on this
+        node: its own process asks)."""
+        self._caller("create_segment", who, LOCAL)
+        if not isinstance(worker, str) or worker == DRIVER or worker not in self.routes:
+            self._refuse_call("create_segment", f"{str(worker)[:40]!r} is no worker of it")
+        if type(size) is not int or size <= 0:
+            self._refuse_call("create_segment", f"a size of {str(size)[:20]}")
         return self.segments.create(worker, size)
 
-    def unlink_segment(self, name: str) -> None:
+    def unlink_segment(self, who: Pass, name: str) -> None:
+        """Unlink a worker's segment (the launcher's: the worker's life ended)."""
+        self._caller("unlink_segment", who, CONTROL)
         self.reader.forget(name)
         self.segments.unlink(name)
 
@@ -259,8 +351,10 @@ class NodeGateway:
         with self.lock:
             self.failures["channel authentication"] = why
 
-    def close(self) -> None:
-        """Stop forwarding, unlink this node's segments, remove the socket directory."""
+    def close(self, who: Pass) -> None:
+        """Stop forwarding, unlink this node's segments, remove the socket directory (the
+        launcher's alone)."""
+        self._caller("close", who, CONTROL)
         self.stop = True
         for t in self.threads:
             t.join(timeout=2)
@@ -272,38 +366,69 @@ class NodeGateway:
         remove_socket_dir(self.socket_dir)
 
     # ------------------------------------------------------------------ data path
-    def deliver(self, endpoint: str, frames: list[Any], refs: list[Any] | None = None) -> bool:
+    def deliver(
+        self, who: Pass, endpoint: str, frames: list[Any], refs: list[Any] | None = None
+    ) -> bool:
         """Frames from another node's gateway for ``endpoint``, with the references to the
         objects their large arrays are in (held here until the reader releases them);
-        False: it is not here (any more), the sender asks for the route again."""
+        False: it is not here (any more), the sender asks for the route again. Each
+        frame is screened as one from a channel, its sender the node ``who`` proves."""
+        sender = self._caller("deliver", who, NODES)
+        self._endpoint("deliver", endpoint)
         if refs:
-            if not self.hold(endpoint, refs):  # (it checks the route)
+            if not self._hold(sender, endpoint, refs):  # (it checks the route)
                 return False
         elif self._route(endpoint) != self.node_id:
             return False
+        outs = self._call_outs.__dict__.setdefault("outs", {})
         lock, sock = self._local_socket(endpoint)
         with lock:
             for f in frames:
-                if not self._send(sock, f):
+                f = self.frames.screen(endpoint, f, outs, sender)
+                if f is not None and not self._send(sock, f):
                     return False
         return True
 
-    def hold(self, endpoint: str, refs: list[Any], producer: str = "", life: int = -1) -> bool:
-        """Hold ``refs`` for the reader of ``endpoint`` (their frames follow); False: it
-        is not here (any more), or ``producer`` (the worker that put them, if not a
-        gateway) is known here to have ended the life (its route's version) it sent
-        them in: they died with it, and this call may have come late."""
+    def _endpoint(self, method: str, endpoint: Any) -> None:
+        """Refuse a call naming an endpoint this gateway does not forward."""
+        known = isinstance(endpoint, str) and owner_of(endpoint) in self.routes
+        if not known or (not endpoint.endswith((".data", ".ctl")) and owner_of(endpoint) != DRIVER):
+            self._refuse_call(method, f"no endpoint {str(endpoint)[:60]!r} here")
+
+    def hold(
+        self, who: Pass, endpoint: str, refs: list[Any], producer: str = "", life: int = -1
+    ) -> bool:
+        """Hold ``refs`` for the reader of ``endpoint`` (their frames follow), as the
+        caller's node's (only it may release them); False: the reader is not here (any
+        more), or ``producer`` (the worker that put them, if not a gateway) is known here
+        to have ended the life (its route's version) it sent them in: they died with it,
+        and this call may have come late."""
+        holder = self._caller("hold", who, NODES)
+        self._endpoint("hold", endpoint)
+        if reader_of(endpoint) is None:
+            self._refuse_call("hold", f"{endpoint[:60]!r} has no reader of arrays")
+        return self._hold(holder, endpoint, refs, producer, life)
+
+    def _hold(
+        self, holder: str, endpoint: str, refs: list[Any], producer: str = "", life: int = -1
+    ) -> bool:
         with self.lock:
             if self.routes.get(owner_of(endpoint)) != self.node_id:
                 return False
             if producer and self.versions.get(producer, -1) > life:
                 return False
-            self.held.hold(reader_of(endpoint) or "", refs, producer)
+            refused = self.held.hold(reader_of(endpoint) or "", refs, producer, holder)
+        if refused:  # objects another node holds here: not this caller's to hold again
+            self._refuse_call("hold", f"{refused} object(s) another node holds here")
         return True
 
-    def release(self, reader: str, keys: list[str]) -> None:
-        """``reader`` will not read these objects (their message was dropped on its way)."""
-        self.held.release(reader, keys)
+    def release(self, who: Pass, reader: str, keys: list[str]) -> None:
+        """``reader`` will not read these objects (their message was dropped on its way):
+        the caller's node lets go of what it held here, and only that."""
+        holder = self._caller("release", who, NODES)
+        refused = self.held.release(reader, keys, holder)
+        if refused:
+            self._refuse_call("release", f"{refused} object(s) another node holds here")
 
     def _forget(self, endpoint: str, keys: list[str]) -> None:
         """The reader of ``endpoint`` will not read these objects: its gateway lets go."""
@@ -312,12 +437,16 @@ class NodeGateway:
             self.held.release(reader, keys)
         elif node is not None:  # (None: its life ended, and what it held went with it)
             with contextlib.suppress(ValueError):  # that node's gateway is gone
-                self._gateway(node).release.remote(reader, keys)
+                self._gateway(node).release.remote(self._pass(node), reader, keys)
 
-    def lend(self, keys: list[str], reader: str) -> list[Any]:
+    def lend(self, who: Pass, keys: list[str], reader: str) -> list[Any]:
         """``reader`` on this node asks for the references of objects it was sent (in
         a list: each is passed in-band, so the reader borrows it); None: not held here
-        for it."""
+        for it. Only for this node's processes, and a reader that lives here."""
+        self._caller("lend", who, LOCAL)
+        here = self._lives_on(DRIVER if reader == CLIENT else reader) == self.node_id
+        if not isinstance(reader, str) or not here:
+            self._refuse_call("lend", f"reader {str(reader)[:40]!r} does not live here")
         return self.held.lend(keys, reader)
 
     def _gateway(self, node: str) -> Any:
@@ -336,11 +465,13 @@ class NodeGateway:
         if owner_of(endpoint) == DRIVER or self.channel_ip is None:
             return None  # the orchestrator binds its own endpoints: no channel there
         with self.lock:
+            if node not in self.server_keys:
+                return None  # its channels' key is not known here: actor calls
             peer = self.peers.get(node)
         if peer is None:
             import ray
 
-            peer = ray.get(gw.channel_addresses.remote(for_node=self.node_id), timeout=60)
+            peer = ray.get(gw.channel_addresses.remote(self._pass(node)), timeout=60)
             with self.lock:
                 self.peers[node] = peer
         return peer.get(endpoint)
@@ -353,8 +484,12 @@ class NodeGateway:
         socks = self._tls.__dict__.setdefault("socks", {})
         sock = socks.get(address)
         if sock is None:
-            assert self.keys is not None  # (channels exist only with keys)
-            sock = socks[address] = push_socket(self.zctx, address, HWM, self.keys.client)
+            keys = self.keys
+            assert keys is not None  # (channels exist only with keys)
+            server = self.server_keys[node]  # (a channel is asked for only once admitted)
+            sock = socks[address] = push_socket(
+                self.zctx, address, HWM, lambda s: keys.client(s, server)
+            )
         while frames:
             frame = frames[0]
             while True:
@@ -540,13 +675,13 @@ class NodeGateway:
             gw = self._gateway(node)
             channel = self._channel(node, gw, endpoint)
             if channel is not None:
-                if refs and not ray.get(gw.hold.remote(endpoint, refs)):
+                if refs and not ray.get(gw.hold.remote(self._pass(node), endpoint, refs)):
                     return False  # not there any more: ask the route again
                 return self._send_channel(node, endpoint, channel, frames)
             # large frames as numpy arrays: Ray moves those without pickling copies, and
             # the receiver hands the object store's view straight to zmq
             wire = [np.frombuffer(f, np.uint8) if len(f) >= _ZERO_COPY else f for f in frames]
-            return bool(ray.get(gw.deliver.remote(endpoint, wire, refs or [])))
+            return bool(ray.get(gw.deliver.remote(self._pass(node), endpoint, wire, refs or [])))
         except (ValueError, ray.exceptions.RayError) as e:  # no such gateway, or it died
             with self.lock:
                 self.gateways.pop(node, None)

@@ -32,6 +32,7 @@ from omni_core.worker import WorkerSpec
 
 from omni_ray.channel_auth import ChannelKeys, curve_available
 from omni_ray.gateway import NodeGateway
+from omni_ray.grants import Grants
 from omni_ray.objects import install_reader, uninstall_reader
 from omni_ray.routes import gateway_name
 from omni_ray.segments import unlink_pipeline_segments
@@ -137,12 +138,15 @@ class RayLauncher(Launcher):
                 "authenticated); every frame between nodes goes by Ray actor calls"
             )
             self.channel_ip = None
-        # the channels' CURVE keys, this pipeline's alone: a server pair, and a client pair
-        # per node (so a receiver knows which node sent a frame); each gateway gets its
-        # own as actor arguments, the other nodes' public keys by calls (through Ray; never
-        # on a command line or in an environment)
-        self.channel_keys = ChannelKeys.new() if self.channel_ip is not None else None
+        # the channels' CURVE keys, this pipeline's alone: a server and a client pair per
+        # node (so a receiver knows which node sent a frame, and no node can pose as
+        # another's channels); each gateway gets its own as actor arguments, the other
+        # nodes' public keys by calls (through Ray; never on a command line or in an
+        # environment)
         self.node_keys: dict[str, ChannelKeys] = {}  # node id -> its gateway's keys
+        # who calls a gateway: the passes of this launcher and of each node (Ray names
+        # no caller); the master secret stays in this process
+        self.grants = Grants()
         self.head_node = ray.get_runtime_context().get_node_id()
         # every worker a stage may have (each replica up to its max): the gateways bind
         # the endpoints of all of them, so a replica the autoscaler adds later is reached
@@ -161,21 +165,25 @@ class RayLauncher(Launcher):
             self._shutdown_ray()
             raise
         self.socket_dir = info["socket_dir"]
-        install_reader(self.pipeline_id, head)  # the caller's arrays from other nodes
+        # the caller's arrays from other nodes (it runs on the head node)
+        here = self.grants.node_pass(self.head_node, self.head_node)
+        install_reader(self.pipeline_id, head, here)
         self._scan_nodes()
 
     # ------------------------------------------------------------------ gateways
     def _add_gateway(self, node: str) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        keys = peers = None
-        if self.channel_keys is not None:
-            keys = self.node_keys[node] = self.channel_keys.for_node()
-            peers = {n: k.client_public for n, k in self.node_keys.items()}
-            # the others admit it before it asks them where their channels are (a
-            # gateway's channel_addresses(for_node=...) waits for that)
-            for gw in self.gateways.values():
-                gw.admit.remote({node: keys.client_public})
+        keys = None
+        if self.channel_ip is not None:
+            keys = self.node_keys[node] = ChannelKeys.new()
+        g = self.grants
+        # what it knows of the nodes that may call it, and they of it: the others admit
+        # it before it asks them where their channels are (a gateway's
+        # channel_addresses() waits for that)
+        peers = {n: g.peer(n, node, self.node_keys.get(n)) for n in self.gateways}
+        for n, other in self.gateways.items():
+            other.admit.remote(g.control(n), {node: g.peer(node, n, keys)})
 
         gw = (
             actor_class(NodeGateway)
@@ -194,10 +202,11 @@ class RayLauncher(Launcher):
                 self.channel_ip,
                 keys,
                 peers,
+                g.grant(node),
             )
         )
         if self.routes:
-            gw.set_routes.remote(dict(self.routes))
+            gw.set_routes.remote(g.control(node), dict(self.routes))
         self.gateways[node] = gw
         return gw
 
@@ -237,8 +246,8 @@ class RayLauncher(Launcher):
     def _set_route(self, worker: str, node: str | None) -> None:
         self.version += 1
         self.routes[worker] = (node, self.version)
-        for gw in self.gateways.values():
-            gw.set_routes.remote({worker: self.routes[worker]})
+        for node, gw in self.gateways.items():
+            gw.set_routes.remote(self.grants.control(node), {worker: self.routes[worker]})
 
     # ------------------------------------------------------------------ Launcher
     def spawn(self, worker: str) -> WorkerHandle:
@@ -336,7 +345,7 @@ class RayLauncher(Launcher):
             return
         gw = self.gateways.get(w.node or "")
         if gw is not None:
-            gw.unlink_segment.remote(w.segment)
+            gw.unlink_segment.remote(self.grants.control(w.node or ""), w.segment)
         else:  # its node is gone; on this host (a simulated node) the file may remain
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, w.segment))
@@ -345,7 +354,7 @@ class RayLauncher(Launcher):
         import ray
 
         uninstall_reader(self.pipeline_id)
-        closing = [gw.close.remote() for gw in self.gateways.values()]
+        closing = [gw.close.remote(self.grants.control(n)) for n, gw in self.gateways.items()]
         with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
             ray.get(closing, timeout=10)
         for gw in self.gateways.values():

@@ -39,6 +39,7 @@ from omni_core.dataplane.shm import EXTERNAL_SEGMENTS, EXTERNAL_WRITERS
 from omni_core.events import ReaderLost, Release
 from omni_core.worker.host import CLIENT
 
+from omni_ray.grants import Pass, node_pass
 from omni_ray.routes import DRIVER, gateway_name, inbox_of
 
 log = logging.getLogger("omni.ray.objects")
@@ -62,6 +63,9 @@ def is_object(segment: str) -> bool:
     return segment.startswith(PREFIX)
 
 
+_NOT_LET_GO = object()
+
+
 class HeldObjects:
     """A gateway's references to objects lent to readers on its node, until released.
 
@@ -69,7 +73,12 @@ class HeldObjects:
     producer put it once); it goes when the last of them released it. A release that
     comes before its hold (the producer gave up waiting for this gateway's answer and
     let go; a threaded actor may run the two calls in either order) is remembered, and
-    the hold then takes nothing."""
+    the hold then takes nothing.
+
+    Each object is held as one node's (its *holder*: the node whose producer or gateway
+    asked): a release from another node lets go of none of it, nor does its early
+    release make the holder's hold take nothing. Releases from this node (its readers',
+    through its gateway) need no holder."""
 
     LET_GO_MAX = 4096  # releases of what was not held, remembered (each object id is new)
 
@@ -79,21 +88,31 @@ class HeldObjects:
         self.readers: dict[str, set[str]] = {}  # object id -> the readers it is held for
         self.owners: dict[str, str] = {}  # object id -> the producer that put it, until lent
         self.released = 0  # releases taken (one per object and reader)
-        self.let_go: OrderedDict[tuple[str, str], None] = OrderedDict()  # (reader, id)
+        self.holders: dict[str, str] = {}  # object id -> the node it is held as ("": here)
+        # (reader, id) -> the node that released it before its hold came (None: this one)
+        self.let_go: OrderedDict[tuple[str, str], str | None] = OrderedDict()
 
-    def hold(self, reader: str, refs: list[Any], producer: str = "") -> None:
-        """Hold ``refs`` for ``reader`` (a worker's name); ``producer``: the worker that
-        put them (and owns them), if not a gateway."""
+    def hold(self, reader: str, refs: list[Any], producer: str = "", holder: str = "") -> int:
+        """Hold ``refs`` for ``reader`` (a worker's name) as ``holder``'s (the asking
+        node; "": this one); ``producer``: the worker that put them (and owns them), if
+        not a gateway. Returns how many were refused: held already as another node's."""
+        refused = 0
         with self.lock:
             for ref in refs:
                 key = ref.hex()
-                if (reader, key) in self.let_go:  # released before it came
+                if self.holders.get(key, holder) != holder:
+                    refused += 1
+                    continue
+                early = self.let_go.get((reader, key), _NOT_LET_GO)
+                if early is None or early == holder:  # released before it came
                     del self.let_go[(reader, key)]
                     continue
                 self.refs[key] = ref
+                self.holders[key] = holder
                 self.readers.setdefault(key, set()).add(reader)
                 if producer:
                     self.owners[key] = producer
+        return refused
 
     def lend(self, keys: list[str], reader: str) -> list[Any]:
         """The references for ``keys`` (None: not held here, or no more, or not held for
@@ -118,23 +137,30 @@ class HeldObjects:
             return len(mine)
 
     def _drop(self, key: str) -> None:
-        del self.readers[key], self.refs[key]
+        del self.readers[key], self.refs[key], self.holders[key]
         self.owners.pop(key, None)
 
-    def release(self, reader: str, keys: list[str]) -> None:
-        """``reader`` is done with ``keys``."""
+    def release(self, reader: str, keys: list[str], holder: str | None = None) -> int:
+        """``reader`` is done with ``keys``; from ``holder`` (another node: only what it
+        holds here; None: this node, anything). Returns how many were refused: held as
+        another node's."""
+        refused = 0
         with self.lock:
             for k in keys:
                 readers = self.readers.get(k)
                 if readers is None or reader not in readers:
-                    self.let_go[(reader, k)] = None  # its hold may be on its way
+                    self.let_go[(reader, k)] = holder  # its hold may be on its way
                     if len(self.let_go) > self.LET_GO_MAX:
                         self.let_go.popitem(last=False)
+                    continue
+                if holder is not None and self.holders[k] != holder:
+                    refused += 1
                     continue
                 readers.discard(reader)
                 self.released += 1
                 if not readers:
                     self._drop(k)
+        return refused
 
     def forget_reader(self, reader: str) -> int:
         """Drop every hold for ``reader`` (it died); returns how many."""
@@ -151,6 +177,7 @@ class HeldObjects:
             self.refs.clear()
             self.readers.clear()
             self.owners.clear()
+            self.holders.clear()
             self.let_go.clear()
 
     def __len__(self) -> int:
@@ -187,11 +214,11 @@ def take_releases(frame: bytes, held: HeldObjects) -> bytes | None:
 
 
 # ---------------------------------------------------------------------- reading side
-def install_reader(pipeline_id: str, gateway: Any, reader: str = CLIENT) -> None:
+def install_reader(pipeline_id: str, gateway: Any, caller: Pass, reader: str = CLIENT) -> None:
     """Let this process, ``reader`` (a worker's name, or the caller's), read the pipeline's
     objects held for it: ``gateway`` is its node's gateway (an actor handle), which lends
-    the references."""
-    EXTERNAL_SEGMENTS[segment_name(pipeline_id, "")] = _Resolver(gateway, reader)
+    the references to the holder of this node's pass ``caller``."""
+    EXTERNAL_SEGMENTS[segment_name(pipeline_id, "")] = _Resolver(gateway, caller, reader)
 
 
 def uninstall_reader(pipeline_id: str) -> None:
@@ -199,15 +226,16 @@ def uninstall_reader(pipeline_id: str) -> None:
 
 
 class _Resolver:
-    def __init__(self, gateway: Any, reader: str) -> None:
+    def __init__(self, gateway: Any, caller: Pass, reader: str) -> None:
         self.gateway = gateway
+        self.caller = caller
         self.reader = reader
 
     def __call__(self, segment: str) -> Any:
         """The array of ``segment`` as a read-only uint8 view of this node's object store."""
         import ray
 
-        call = self.gateway.lend.remote([key_of(segment)], self.reader)
+        call = self.gateway.lend.remote(self.caller, [key_of(segment)], self.reader)
         (ref,) = ray.get(call, timeout=LEND_TIMEOUT_S)
         if ref is None:
             raise LookupError(
@@ -234,12 +262,15 @@ ROUTES_TTL_S = 1.0  # how long a producer trusts the routes it last asked its ga
 HOLD_TIMEOUT_S = 60.0  # a gateway that neither answers nor is known gone
 
 
-def install_writer(pipeline_id: str, worker: str, node_id: str, gateway: Any) -> ObjectWriter:
+def install_writer(
+    pipeline_id: str, worker: str, node_id: str, gateway: Any, secret: str
+) -> ObjectWriter:
     """Let ``worker``'s process put its large arrays for readers on other nodes into the
-    object store itself (``gateway``: its node's, which knows the routes). Keyed by the
-    worker's name (``STAGE#i`` for a replica): the producer name its ArrayCodec asks
+    object store itself (``gateway``: its node's, which knows the routes; ``secret``: its
+    node's, for the passes its calls carry). Keyed by the worker's name (``STAGE#i`` for
+    a replica): the producer name its ArrayCodec asks
     :data:`~omni_core.dataplane.shm.EXTERNAL_WRITERS` with."""
-    writer = ObjectWriter(pipeline_id, worker, node_id, gateway)
+    writer = ObjectWriter(pipeline_id, worker, node_id, gateway, secret)
     EXTERNAL_WRITERS[worker] = writer
     return writer
 
@@ -262,11 +293,14 @@ class ObjectWriter:
     it sent that no reader has mapped yet are lost with it, and their requests fail at
     the reader, naming the object."""
 
-    def __init__(self, pipeline_id: str, worker: str, node_id: str, gateway: Any) -> None:
+    def __init__(
+        self, pipeline_id: str, worker: str, node_id: str, gateway: Any, secret: str
+    ) -> None:
         self.pipeline_id = pipeline_id
         self.worker = worker
         self.node_id = node_id
         self.gateway = gateway
+        self._secret = secret
         self.routes: dict[str, str | None] = {}  # worker -> its node
         self.routes_at = float("-inf")
         self.life = -1  # the version of this worker's route to this node: its life
@@ -284,7 +318,9 @@ class ObjectWriter:
         ref = ray.put(flat)
         segment = segment_name(self.pipeline_id, ref.hex())
         calls = [
-            self._gateway(node).hold.remote(inbox_of(r), [ref], self.worker, self.life)
+            self._gateway(node).hold.remote(
+                self._pass(node), inbox_of(r), [ref], self.worker, self.life
+            )
             for r, node in targets
         ]
         del ref  # each call pins it until its gateway holds it (or refused it)
@@ -338,14 +374,14 @@ class ObjectWriter:
         """Tell ``node``'s gateway that ``reader`` is done with ``key`` (fire and forget;
         should it come before the hold, the hold takes nothing: :class:`HeldObjects`)."""
         with contextlib.suppress(ValueError):  # that node's gateway is gone
-            self._gateway(node).release.remote(reader, [key])
+            self._gateway(node).release.remote(self._pass(node), reader, [key])
 
     def _targets(self, readers: dict[str, int]) -> list[tuple[str, str]] | None:
         """(reader, its node) for each reader, when every one is on another node."""
         import ray
 
         if time.monotonic() - self.routes_at > ROUTES_TTL_S:
-            call = self.gateway.current_routes.remote()
+            call = self.gateway.current_routes.remote(self._pass(self.node_id))
             self.routes, versions = ray.get(call, timeout=HOLD_TIMEOUT_S)
             self.routes_at = time.monotonic()
             if self.routes.get(self.worker) == self.node_id:
@@ -361,6 +397,9 @@ class ObjectWriter:
                 return None
             out.append((reader, node))
         return out
+
+    def _pass(self, node: str) -> Pass:
+        return node_pass(self.node_id, self._secret, node)
 
     def _gateway(self, node: str) -> Any:
         import ray

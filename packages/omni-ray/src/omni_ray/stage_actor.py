@@ -13,6 +13,7 @@ from omni_core.observability.logs import configure_logging
 from omni_core.worker import WorkerSpec, serve
 from omni_core.worker.devices import worker_devices
 
+from omni_ray.grants import node_pass, read_secret
 from omni_ray.objects import install_reader, install_writer
 from omni_ray.routes import gateway_name
 
@@ -41,13 +42,17 @@ class StageActor:
                         f"no omni gateway on node {self.node_id} after {wait_s:.0f}s"
                     ) from None
                 time.sleep(0.1)
-        # arrays from other nodes, through the object store
-        install_reader(pipeline_id, gw, worker)
-        self.writer = install_writer(pipeline_id, worker, self.node_id, gw)
         info = ray.get(gw.info.remote())
         self.spec.socket_dir = info["socket_dir"]
         self.spec.bind_dir = info["bind_dir"]
-        self.spec.arena = ray.get(gw.create_segment.remote(worker, pool_bytes))
+        # this node's secret, in its gateway's private directory: what this worker's
+        # calls to the gateways prove they come from this node with (omni_ray.grants)
+        secret = read_secret(info["socket_dir"])
+        here = node_pass(self.node_id, secret, self.node_id)
+        # arrays from other nodes, through the object store
+        install_reader(pipeline_id, gw, here, worker)
+        self.writer = install_writer(pipeline_id, worker, self.node_id, gw, secret)
+        self.spec.arena = ray.get(gw.create_segment.remote(here, worker, pool_bytes))
         # `devices` (the replica's entry) keeps its meaning inside the node: an index into
         # the GPUs Ray gave this actor
         devices = worker_devices(self.spec.config, worker)

@@ -179,14 +179,20 @@ def run_ray_channel_attacks() -> dict[str, Any]:
                 (n, g) for n, g in launcher.gateways.items() if n != launcher.head_node
             ]
             keys = launcher.node_keys[launcher.head_node]  # a node's: frames get through
-            far_ch = ray.get(far.channel_addresses.remote(), timeout=30)
-            head_ch = ray.get(head.channel_addresses.remote(), timeout=30)
+            control = launcher.grants.control
+            far_ch = ray.get(far.channel_addresses.remote(control(far_node)), timeout=30)
+            head_ch = ray.get(
+                head.channel_addresses.remote(control(launcher.head_node)), timeout=30
+            )
+            far_server = launcher.node_keys[far_node].server_public
 
-            def sender(address: str, k: ChannelKeys | None) -> zmq.Socket:
+            def sender(
+                address: str, k: ChannelKeys | None, server: bytes = far_server
+            ) -> zmq.Socket:
                 sock = ctx.socket(zmq.PUSH)
                 sock.linger = 0
                 if k is not None:
-                    k.client(sock)
+                    k.client(sock, server)
                 sock.connect(address)
                 return sock
 
@@ -227,7 +233,7 @@ def run_ray_channel_attacks() -> dict[str, Any]:
             holding = wait_until(lambda: arrays() >= 1, 10)
             segment = ray.get(launcher.workers["arrays"].actor.where.remote())["segment"]
             slots = [(i * (256 << 10), r) for i in range(4) for r in range(1, 5)]
-            rel = sender(head_ch["arrays.ctl"], launcher.node_keys[far_node])
+            rel = sender(head_ch["arrays.ctl"], launcher.node_keys[far_node], keys.server_public)
             for reader in ("hold", "up", "client"):
                 frame = encode_frame([Release(slots=slots, segment=segment, reader=reader)])
                 rel.send(frame)

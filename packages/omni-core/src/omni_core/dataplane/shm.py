@@ -394,7 +394,6 @@ class Arena:
         self._cond = threading.Condition()
         self.blocked_s = 0.0
         self.unknown_releases = 0
-        self._rentals = itertools.count(1)
 
     # -- allocation ---------------------------------------------------------------
     def _take(self, length: int) -> int | None:
@@ -431,7 +430,8 @@ class Arena:
         """Reserve a slot read by ``readers`` (name -> count); blocks while the arena is full.
 
         Returns (offset, rental id); a release must name both, so a late release of an
-        earlier rental of the same offset cannot free the current one.
+        earlier rental of the same offset cannot free the current one. Rental ids are
+        random (63 bits), so a release cannot be forged by counting.
         """
         length = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
         if length > self.size:
@@ -460,7 +460,8 @@ class Arena:
             except ShmSpaceExhausted:
                 self._give(off, length)
                 raise
-            rental = next(self._rentals)
+            # unguessable (not a counter): a forged release cannot name the current rental
+            rental = secrets.randbits(63) or 1
             self._slots[off] = _Slot(length, rental, {r: n for r, n in readers.items() if n > 0})
             if not self._slots[off].readers:  # nobody will read it: free at once
                 self._drop(off)
