@@ -194,3 +194,24 @@ def test_streamed_waveform_close_to_exact(tiny_omni):
     error = np.linalg.norm(streamed - exact) / np.linalg.norm(exact)
     print(f"streamed vs exact: relative L2 {error:.3e}")
     assert error < STREAM_ERROR_BOUND, error
+
+
+def test_bad_inputs_fail_alone_naming_the_field(tiny_omni):
+    """Garbage audio, a voice the model lacks, audio over its budget: each request fails
+    with an error naming its field; the good request beside them completes."""
+    garbage = {"type": "input_audio", "input_audio": {"data": "bm90IGF1ZGlv", "format": "wav"}}
+    bad_audio = {"messages": [{"role": "user", "content": [garbage]}], "max_tokens": 4}
+    bad_voice = {**TEXT, "audio": {"voice": "Nobody"}}
+    long_audio = {
+        "messages": [{"role": "user", "content": [wav_part(seconds=31)]}],
+        "max_tokens": 4,
+    }
+    too_long = {"prompt": "x" * (16 * 8192 + 1), "max_tokens": 4}
+    with Pipeline(config(tiny_omni, inline=True)) as p:
+        outs = p.generate([bad_audio, TEXT, bad_voice, long_audio, too_long])
+    assert outs[1].ok
+    assert not outs[0].ok and "messages[0].content[0].input_audio.data" in outs[0].error
+    assert not outs[2].ok and "audio.voice" in outs[2].error
+    assert "Chelsie, Ethan" in outs[2].error
+    assert not outs[3].ok and "30 s" in outs[3].error, outs[3].error
+    assert not outs[4].ok and "max_prompt_tokens" in outs[4].error

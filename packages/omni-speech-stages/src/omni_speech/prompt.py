@@ -72,7 +72,6 @@ def parse(
     voices: list[str],
     default_voice: str,
     limits: PromptLimits,
-    system_prompt: str | None,
 ) -> tuple[list[dict[str, Any]], SamplingParams, SpeechRequest, str | None]:
     """(messages, sampling params, speech settings, text to say) of a request, or a
     RequestError naming the field."""
@@ -121,8 +120,6 @@ def parse(
         _check_messages(messages)
         rest.setdefault("max_tokens", limits.default_max_tokens)
         _, params = parse_request({"prompt": "-", **rest}, limits.max_tokens_limit)
-    if system_prompt and not any(m.get("role") == "system" for m in messages):
-        messages = [{"role": "system", "content": system_prompt}, *messages]
     speech = SpeechRequest(speak="audio" in modalities, voice=voice, format=fmt, seed=params.seed)
     return messages, params, speech, said
 
@@ -153,14 +150,14 @@ def _check_messages(messages: Any) -> None:
 
 
 def render(
-    messages: list[dict[str, Any]],
-    tokens: dict[str, str],
-    limits: PromptLimits,
+    messages: list[dict[str, Any]], tokens: dict[str, str], system: str | None = None
 ) -> tuple[str, list[tuple[str, Any]]]:
     """Qwen2.5-Omni's chat prompt of the messages (each image and clip as one
-    placeholder between its markers, expanded later) and the media parts in order,
-    ``(where, part)``."""
+    placeholder between its markers, expanded later), after a ``system`` turn when the
+    messages have none, and the media parts in order, ``(where, part)``."""
     out: list[str] = []
+    if system and not any(m.get("role") == "system" for m in messages):
+        out.append(f"<|im_start|>system\n{system}<|im_end|>\n")
     media: list[tuple[str, Any]] = []
     for i, m in enumerate(messages):
         out.append(f"<|im_start|>{m['role']}\n")

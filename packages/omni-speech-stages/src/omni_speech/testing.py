@@ -203,13 +203,9 @@ def _save_preprocessors(path: Path) -> None:
 
 
 def _image_processor() -> Any:
-    try:  # transformers >= 5.20 names the PIL backend apart (the default needs torchvision)
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil as ImageProcessor,
-        )
-    except ImportError:
-        from transformers import Qwen2VLImageProcessor as ImageProcessor
-    return ImageProcessor(
+    from omni_speech.thinker import image_processor_class
+
+    return image_processor_class()(
         min_pixels=(PATCH * 2) ** 2,
         max_pixels=64 * (PATCH * 2) ** 2,
         patch_size=PATCH,

@@ -38,6 +38,7 @@ from omni_speech.prompt import (
 )
 
 TORCH_PRELOAD = ("torch", "transformers")
+CHARS_PER_TOKEN = 16  # a prompt longer than this many characters a token is refused unread
 
 
 class ThinkerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -77,7 +78,7 @@ class Thinker(Stage):
         config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.features = WhisperFeatureExtractor.from_pretrained(path)
-        self.images = _image_processor(path)
+        self.images = image_processor_class().from_pretrained(path)
         self.voices = load_voices(path)
         self.default_voice = o.default_voice or next(iter(self.voices))
         if self.default_voice not in self.voices:
@@ -121,11 +122,15 @@ class Thinker(Stage):
             voices=list(self.voices),
             default_voice=self.default_voice,
             limits=self.limits,
-            system_prompt=self.options.system_prompt,
         )
         if said is not None:  # say the input as it is: the user turn only asks for it
             messages = [*messages[:-1], {"role": "user", "content": said}]
-        text, media = render(messages, self.marks, self.limits)
+        text, media = render(messages, self.marks, self.options.system_prompt)
+        if len(text) > CHARS_PER_TOKEN * self.limits.max_prompt_tokens:  # before tokenizing
+            raise RequestError(
+                f"field 'messages': {len(text)} characters, more than max_prompt_tokens="
+                f"{self.limits.max_prompt_tokens} tokens can hold"
+            )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         inp = ThinkerInput(ids=[], params=params, speech=speech)
         counts: list[int] = []
@@ -317,12 +322,14 @@ def _rows(t: Any) -> np.ndarray:
     return t.detach().float().cpu().numpy()
 
 
-def _image_processor(path: str) -> Any:
-    """The checkpoint's image processor, PIL backend (the default one needs torchvision)."""
-    try:
+def image_processor_class() -> Any:
+    """Qwen's image processor, its PIL backend (the default one needs torchvision)."""
+    try:  # transformers >= 5.20 names the PIL backend apart
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil as ImageProcessor,
+            Qwen2VLImageProcessorPil,
         )
     except ImportError:
-        from transformers import Qwen2VLImageProcessor as ImageProcessor
-    return ImageProcessor.from_pretrained(path)
+        from transformers import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor
+    return Qwen2VLImageProcessorPil
