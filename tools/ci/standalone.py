@@ -87,6 +87,8 @@ COMBINATIONS: tuple[Combination, ...] = (
         ("omni-serve[test]", "omni-ar-stages[transformers]"),
     ),
     Combination("ray", "omni-ray", ("omni-ray[test]",)),
+    # the speech family brings the AR family (its thinker's requests, ar.postprocess)
+    Combination("speech", "omni-speech-stages", ("omni-speech-stages[test]",)),
 )
 
 
