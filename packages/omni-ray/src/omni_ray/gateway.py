@@ -116,6 +116,7 @@ RETRY_S = 0.02  # between tries of a delivery (a route being set, a gateway rest
 RETRY_MS = int(RETRY_S * 1000)
 ERROR_PAUSE_S = 0.1  # after an unexpected error, so a recurring one cannot spin a core
 LOCAL, NODES = "@local", "@nodes"  # who may call a method: this node's, any node's pass
+LOGGED_REFUSALS = 20  # refused calls each logged; then one in a thousand
 
 __all__ = ["GATEWAY_ERROR", "NodeGateway", "gateway_name"]
 
@@ -256,7 +257,15 @@ class NodeGateway:
     def _refuse_call(self, method: str, why: str) -> None:
         with self.lock:
             self.calls_refused += 1
-        log.warning("gateway %s: refused a call of %s: %s", self.node_id[:8], method, why)
+            n = self.calls_refused
+        if n <= LOGGED_REFUSALS or n % 1000 == 0:  # a flood of them cannot flood the log
+            log.warning(
+                "gateway %s: refused a call of %s: %s (%d refused so far)",
+                self.node_id[:8],
+                method,
+                why,
+                n,
+            )
         raise PermissionError(f"gateway on node {self.node_id[:12]}: {method} refused: {why}")
 
     def _pass(self, node: str) -> Pass:
