@@ -1,7 +1,8 @@
-"""``omni bench attack`` runs whole, with short server deadlines: what must hold on any
-machine (nothing forged accepted, no slot freed early, every slow-loris connection closed
-by its deadline, nothing lost) is checked; the timing figures only for their presence
-(``health_p99_ms_during_big_body <= 50`` is the bench's target, not a test's)."""
+"""``omni bench attack`` runs, with short server deadlines and small attacks: what must
+hold on any machine (nothing forged accepted, no slot freed early, every slow-loris
+connection closed by its deadline, the attacker never answered a 500, nothing lost) is
+checked; the timing figures only for their presence (``health_p99_ms_during_big_body <=
+50`` and each arm's ``ratio <= 2`` are the bench's targets, not a test's)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,18 @@ from omni_bench.serve import OMNI
 
 def test_attack_bench_holds_what_must_hold():
     out = subprocess.run(
-        [*OMNI, "bench", "attack", "--json", "--header-timeout", "2", "--body-timeout", "3"],
+        [
+            *OMNI,
+            "bench",
+            "attack",
+            "--json",
+            "--arms",
+            "server,dataplane",
+            "--header-timeout",
+            "2",
+            "--body-timeout",
+            "3",
+        ],
         capture_output=True,
         text=True,
         timeout=400,
@@ -39,4 +51,60 @@ def test_attack_bench_holds_what_must_hold():
     assert dp["slots_freed_early"] == 0 and dp["ray_releases_refused"] > 0, dp
     assert dp["lost"] == 0 and dp["ray_lost"] == 0, dp
     missed = [m for m in r["missed"] if not m.startswith(("health_p99", "served_ratio"))]
+    assert not missed, r["missed"]
+
+
+# what the attacker may be answered in each per-client arm ("none": closed unanswered)
+ATTACKER_ANSWERS = {
+    "prompts": {"400", "413", "429", "503"},
+    "connections": {"400", "408", "429", "431", "503", "none"},
+    "image_headers": {"400", "413", "429", "503"},
+    "keys": {"200", "429", "503"},  # served within its share, then refused
+}
+
+
+def test_attack_bench_per_client_and_ray_arms_refuse_the_attacker_and_lose_nothing():
+    arms = [*ATTACKER_ANSWERS, "ray"]
+    out = subprocess.run(
+        [
+            *OMNI,
+            "bench",
+            "attack",
+            "--json",
+            "--arms",
+            ",".join(arms),
+            "--measure-s",
+            "2",
+            "--prompt-mb",
+            "2",
+            "--png-chunks",
+            "100000",
+            "--held-connections",
+            "96",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode in (0, 1), out.stderr[-4000:]  # 1: a target missed
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    for arm, answers in ATTACKER_ANSWERS.items():
+        part = r[arm]
+        assert "error" not in part, (arm, part)
+        assert part["p99_ms_idle"] > 0 and part["p99_ms_attack"] > 0 and part["ratio"] > 0
+        statuses = part["attacker_statuses"]
+        assert statuses and set(statuses) <= answers, (arm, statuses)  # never a 500
+        assert part["attacker_5xx"] == 0 and sum(statuses.values()) > 0, (arm, part)
+        if arm != "keys":
+            assert part["attacker_2xx"] == 0, (arm, part)
+        assert part["lost"] == 0 and part["normal_refused"] == {}, (arm, part)
+        assert part["normal_requests"] > 0, (arm, part)
+    assert r["keys"]["attacker_statuses"].get("429", 0) > 0  # past its share
+    ray = r["ray"]
+    assert "error" not in ray, ray
+    assert ray["forged_accepted"] == 0 and ray["accepted_calls"] == [], ray
+    assert ray["forged_refused"] == ray["forged_sent"] > 0 and ray["legit_ok"], ray
+    assert ray["calls_refused"] > 0 and ray["messages_refused"] > 0, ray
+    assert ray["lost"] == 0 and ray["normal_requests"] > 0, ray
+    missed = [m for m in r["missed"] if not m.split("=")[0].endswith("ratio")]
     assert not missed, r["missed"]

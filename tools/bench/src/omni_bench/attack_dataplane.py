@@ -263,6 +263,95 @@ def run_ray_channel_attacks() -> dict[str, Any]:
     return res
 
 
+def run_ray_gateway_attacks(measure_s: float = 8.0) -> dict[str, Any]:
+    """``omni bench attack``'s ``ray`` arm: with the channels off (every frame between
+    nodes a gateway call), a Ray task on the other node holding that node's secret forges
+    every gateway call the screen must refuse (:mod:`omni_ray.forged_calls`), again and
+    again for ``measure_s``, while a normal client's requests cross the nodes one after
+    another: their p99 latency idle and under the forgeries (``ratio``, target <= 2),
+    ``forged_accepted`` (target 0), the legitimate calls going through (``legit_ok``) and
+    ``lost`` (target 0)."""
+    import os
+
+    import ray
+    from omni_ray.forged_calls import forge_from
+    from omni_ray.testing import on, simulated_cluster
+
+    from omni_bench.attack_shares import p99
+
+    cfg = chain(
+        ("src", "synthetic.source", {"segment": 2}, on("node_a")),
+        ("up", "synthetic.map", {"scale": 2}, on("node_b")),
+        heartbeat_interval_s=0.1,
+    )
+    before = os.environ.get("OMNI_RAY_CHANNELS")
+    os.environ["OMNI_RAY_CHANNELS"] = "0"  # every frame between nodes a gateway call
+    t0 = time.monotonic()
+    try:
+        with simulated_cluster(nodes=2), Pipeline(cfg, backend="ray") as pipe:
+            launcher = pipe.backend.launcher
+            head_node = launcher.head_node
+            head = launcher.gateways[head_node]
+            (far,) = [n for n in launcher.gateways if n != head_node]
+            segment = launcher.workers["src"].segment
+            lost = 0
+
+            def latencies(seconds: float) -> list[float]:
+                nonlocal lost
+                ms: list[float] = []
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    t = time.perf_counter()
+                    (out,) = pipe.generate([{"n": 4}], timeout_s=DEADLINE_S)
+                    if out.ok:
+                        ms.append((time.perf_counter() - t) * 1000)
+                    else:
+                        lost += 1
+                return ms
+
+            latencies(1.0)  # warm
+            idle = latencies(measure_s)
+            forged: dict[str, Any] = {}
+
+            def forge() -> None:
+                pid = launcher.pipeline_id
+                forged.update(forge_from(far, pid, head_node, "src", segment, measure_s + 2))
+
+            forger = threading.Thread(target=forge)
+            forger.start()
+            refused = lambda: ray.get(head.info.remote(), timeout=30)["calls_refused"]  # noqa: E731
+            if not wait_until(lambda: refused() > 0 or not forger.is_alive(), 120):
+                raise RuntimeError("the forged calls did not start in 120 s")
+            during = latencies(measure_s)
+            forger.join()
+            if not forged:
+                raise RuntimeError("the forging task failed")
+            info = ray.get(head.info.remote(), timeout=30)
+            served = pipe.generate([{"n": 4}, {"n": 4}], timeout_s=DEADLINE_S)
+            lost += sum(not o.ok for o in served)
+    finally:
+        if before is None:
+            os.environ.pop("OMNI_RAY_CHANNELS", None)
+        else:
+            os.environ["OMNI_RAY_CHANNELS"] = before
+    idle_p99, attack_p99 = p99(idle), p99(during)
+    return {
+        "p99_ms_idle": idle_p99,
+        "p99_ms_attack": attack_p99,
+        "ratio": round(attack_p99 / idle_p99, 2) if idle_p99 > 0 else float("nan"),
+        "normal_requests": len(idle) + len(during),
+        "forged_sent": forged["sent"],
+        "forged_refused": forged["refused"],
+        "forged_accepted": len(forged["accepted"]),
+        "accepted_calls": sorted(set(forged["accepted"])),
+        "calls_refused": info["calls_refused"],
+        "messages_refused": info["refused"],
+        "legit_ok": forged["legit_ok"],
+        "lost": lost,
+        "s": round(time.monotonic() - t0, 1),
+    }
+
+
 def run_dataplane_attacks(ray: bool = True) -> dict[str, Any]:
     """Both parts (the Ray one where omni-ray is installed and ``ray``), as one flat dict:
     the local part's keys as they are, the Ray part's prefixed ``ray_``, ``lost`` and
