@@ -217,8 +217,9 @@ def test_a_delivery_is_screened_as_a_channel_frame_from_the_node_its_pass_proves
     # no pass, a guessed one, or posing as the head: the call itself is refused
     for who in (None, (HEAD, "0" * 64), here.control):
         assert refuses(lambda w=who: here.gw.deliver(w, "b.ctl", [encode_frame(forged_ctl)]))
-    assert refuses(lambda: here.gw.deliver(here.of(THERE), "zz.data", [submit]))  # no such
-    assert here.refused() == (4, len(forged_ctl) + 1)
+    for no_such in ("zz.data", "@driver.data", "b.status", "b", 7):
+        assert refuses(here.gw.deliver, here.of(THERE), no_such, [submit])
+    assert here.refused() == (8, len(forged_ctl) + 1)
     # the legitimate ones
     from_head = [Cancel(request_id="r1"), Shutdown(drain=False)]
     assert here.gw.deliver(here.of(HEAD), "b.ctl", [encode_frame(from_head)])
@@ -227,7 +228,7 @@ def test_a_delivery_is_screened_as_a_channel_frame_from_the_node_its_pass_proves
     data = encode_frame([Segment(request_id="r2", sequence=0, stage="a", tokens=[1])])
     assert here.gw.deliver(here.of(THERE), "b.data", [data])
     assert [m.request_id for f in here.received("b.data") for m in decode_data_frame(f)] == ["r2"]
-    assert here.refused() == (4, len(forged_ctl) + 1)
+    assert here.refused() == (8, len(forged_ctl) + 1)
 
 
 def test_the_heads_status_and_results_endpoints_are_screened(head):

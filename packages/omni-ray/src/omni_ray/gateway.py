@@ -78,6 +78,8 @@ import numpy as np
 import zmq
 from omni_core.dataplane.shm import SegmentOwner, SegmentReader
 from omni_core.dataplane.transport import (
+    RESULTS,
+    STATUS,
     Addresses,
     make_socket_dir,
     pull_socket,
@@ -400,8 +402,15 @@ class NodeGateway:
 
     def _endpoint(self, method: str, endpoint: Any) -> None:
         """Refuse a call naming an endpoint this gateway does not forward."""
-        known = isinstance(endpoint, str) and owner_of(endpoint) in self.routes
-        if not known or (not endpoint.endswith((".data", ".ctl")) and owner_of(endpoint) != DRIVER):
+        ok = isinstance(endpoint, str) and (
+            endpoint in (STATUS, RESULTS)  # the orchestrator's
+            or (
+                owner_of(endpoint) != DRIVER
+                and owner_of(endpoint) in self.routes
+                and endpoint.endswith((".data", ".ctl"))
+            )
+        )
+        if not ok:
             self._refuse_call(method, f"no endpoint {str(endpoint)[:60]!r} here")
 
     def hold(
