@@ -345,3 +345,28 @@ def test_forged_calls_from_another_node_are_refused_on_a_live_pipeline(cluster, 
             assert list(h)[-1].event_type == "completed"
         outs = pipe.generate([{}, {}], timeout_s=60)
         assert all(o.ok for o in outs), [o.error for o in outs]
+
+
+# ------------------------------------------------------------------ the Ray Client's actor
+def test_the_control_actor_takes_its_creators_token_on_every_call():
+    """The Ray Client's ControlActor (on the head, by a name any process may look up):
+    each call without its creator's token is refused before it touches the pipeline."""
+    from omni_ray.control_actor import ControlActor
+
+    actor = ControlActor.__new__(ControlActor)  # its checks alone: no pipeline behind it
+    actor._token, actor.refused = "t" * 64, 0
+    calls = [
+        (actor.start, ()),
+        (actor.submit, ({}, "r1", None)),
+        (actor.cancel, ("r1",)),
+        (actor.poll, (0.0,)),
+        (actor.health, ()),
+        (actor.metrics, ()),
+        (actor.close, (False, 1.0)),
+    ]
+    for method, args in calls:
+        for token in (None, "", "t" * 63, "u" * 64, 7):
+            assert refuses(method, token, *args), (method.__name__, token)
+    assert actor.refused == len(calls) * 5
+    with pytest.raises(AttributeError):  # the token: past the check (no pipeline here)
+        actor.cancel("t" * 64, "r1")

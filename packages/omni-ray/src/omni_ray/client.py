@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 import traceback
@@ -74,6 +75,8 @@ class RayClientBackend(Backend):
         self.lock = threading.Lock()  # the collector's: the pump and callers share it
         self.failure: dict[str, str] | None = None
         self.actor: Any = None
+        # what every call to the actor carries: only this process may drive it
+        self._token = secrets.token_hex(32)
         self.info: dict[str, Any] = {}
         self.owns_ray = False
         self.closing = False
@@ -149,7 +152,7 @@ class RayClientBackend(Backend):
                 scheduling_strategy=NodeAffinitySchedulingStrategy(head[0], soft=False),
                 runtime_env={"env_vars": env} if env else None,
             )
-            .remote(encode_config(self.cfg))
+            .remote(encode_config(self.cfg), self._token)
         )
 
     def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
@@ -259,7 +262,7 @@ class RayClientBackend(Backend):
         import ray
 
         try:
-            return ray.get(method.remote(*args), timeout=timeout_s)
+            return ray.get(method.remote(self._token, *args), timeout=timeout_s)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, BaseException) else None
             if cause is not None and not isinstance(cause, ray.exceptions.RayError):
@@ -273,7 +276,7 @@ class RayClientBackend(Backend):
         while True:
             try:
                 n, frame, flats, failure = ray.get(
-                    self.actor.poll.remote(POLL_S), timeout=POLL_S + CALL_S
+                    self.actor.poll.remote(self._token, POLL_S), timeout=POLL_S + CALL_S
                 )
             except Exception as e:
                 if self.closing and isinstance(e, ray.exceptions.RayActorError):

@@ -10,10 +10,18 @@ inbox would merge them), one queue lists the requests that have some, and
 with the events' arrays beside it as flat numpy arrays (the collector's own copies: no
 shared-memory view leaves the actor), which Ray serializes out of band, unlike bytes
 inlined into the frame.
+
+Ray names no caller, and the actor has a name any process of the cluster may look up, so
+every call carries the token its creator (:class:`~omni_ray.client.RayClientBackend`)
+made and gave it at creation (``secrets.token_hex(32)``), checked with
+:func:`hmac.compare_digest`: without it no one else can submit, cancel, poll the events,
+read health or metrics, or close the pipeline (``PermissionError``, counted in
+``refused``).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -110,22 +118,37 @@ class ForwardInbox(Inbox):
 class ControlActor:
     """Run as a Ray actor (threaded: :meth:`poll` waits while calls go on) on the head node."""
 
-    def __init__(self, cfg_json: bytes) -> None:
+    def __init__(self, cfg_json: bytes, token: str) -> None:
+        """``token``: what every call must carry (its creator's)."""
         configure_logging()
+        self._token = token
+        self.refused = 0  # calls without the token
         self.cfg = decode_json(cfg_json, PipelineConfig)
         self.queue = EventQueue()
         self.launcher = RayLauncher(self.cfg)
         self.orch = Orchestrator(self.cfg, self.launcher)
         self.polls = 0
 
-    def start(self) -> dict[str, Any]:
+    def _check(self, method: str, token: Any) -> None:
+        """Refuse (count, log, :class:`PermissionError`) a call without the token."""
+        if isinstance(token, str) and hmac.compare_digest(token.encode(), self._token.encode()):
+            return
+        self.refused += 1
+        log.warning("refused a call of %s without the caller's token (%d)", method, self.refused)
+        raise PermissionError(f"the control actor: {method} refused: not its caller's token")
+
+    def start(self, token: str) -> dict[str, Any]:
         """Start the stages (raises as ``Orchestrator.start``); where the actor runs."""
         import os
 
+        self._check("start", token)
         self.orch.start()
         return {"pipeline_id": self.launcher.pipeline_id, "pid": os.getpid()}
 
-    def submit(self, request: dict[str, Any], request_id: str, timeout_s: float | None) -> None:
+    def submit(
+        self, token: str, request: dict[str, Any], request_id: str, timeout_s: float | None
+    ) -> None:
+        self._check("submit", token)
         h = self.orch.submit(request, request_id, timeout_s)
         self._forward(h)
 
@@ -141,12 +164,16 @@ class ControlActor:
             for item in early:
                 fwd.put(item)
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, token: str, request_id: str) -> bool:
+        self._check("cancel", token)
         return self.orch.cancel(request_id)
 
-    def poll(self, timeout_s: float) -> tuple[int, bytes, list[Any], dict[str, str] | None]:
+    def poll(
+        self, token: str, timeout_s: float
+    ) -> tuple[int, bytes, list[Any], dict[str, str] | None]:
         """(batch number, the events ready as one frame, per event its flat arrays by name
         or None, the runtime's failure)."""
+        self._check("poll", token)
         try:
             events = self.queue.take(timeout_s)
             flats = [ev.__dict__.pop("flat", None) for ev in events]
@@ -157,14 +184,17 @@ class ControlActor:
             log.error("poll failed:\n%s", traceback.format_exc())
             raise
 
-    def health(self) -> dict[str, dict[str, Any]]:
+    def health(self, token: str) -> dict[str, dict[str, Any]]:
+        self._check("health", token)
         return self.orch.health()
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self, token: str) -> dict[str, Any]:
+        self._check("metrics", token)
         return self.orch.metrics()
 
-    def close(self, graceful: bool, timeout_s: float) -> None:
+    def close(self, token: str, graceful: bool, timeout_s: float) -> None:
         """Stop the stages and gateways; events still queued stay for a last poll."""
+        self._check("close", token)
         t0 = time.monotonic()
         try:
             self.orch.close(graceful=graceful, timeout_s=timeout_s)
