@@ -21,6 +21,7 @@ import numpy as np
 from omni_core import Stage, StageEvent, StageInput
 from omni_core.worker.devices import place
 
+from omni_speech.batch import Member, StepBatch
 from omni_speech.checkpoint import load_part, resolve
 from omni_speech.thinker import TORCH_PRELOAD
 
@@ -63,7 +64,6 @@ class _Reply:
     finished: bool = False
     generator: Any = None
     sent_first: bool = False
-    ended: bool = False  # the text end row was read
 
 
 class Talker(Stage):
@@ -105,6 +105,7 @@ class Talker(Stage):
                 procs.append(TopPLogitsWarper(s.top_p))
         self.processors = LogitsProcessorList(procs)
         self.replies: dict[str, _Reply] = {}
+        self.batch = StepBatch(self._forward, self._batch_pick, self.device)
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         for inp in batch:
@@ -120,7 +121,8 @@ class Talker(Stage):
                     return
                 r = self.replies[inp.request_id] = _Reply(
                     speech=p["speech"],
-                    prompt_rows=_sum(a, "embed", "hidden"),
+                    # none where the reply is text only (modalities ["text"])
+                    prompt_rows=_sum(a, "embed", "hidden") if "embed" in a else None,
                     tts=a.get("tts"),
                     talker=p.get("talker", {}),
                 )
@@ -147,21 +149,48 @@ class Talker(Stage):
                     yield self._out(inp, r, [], True)
                 return
             codes += self._prefill(r)
-        flush = self.options.flush_codes
-        while not r.finished and not inp.cancelled:
-            if r.rows:
-                row = r.rows.pop(0)
-            elif inp.last:  # the thinker has ended: its text end row, then pad rows
-                row = r.tts[2:3] if r.ended else r.tts[1:2]
-                r.ended = True
-            else:
-                break
-            codes += self._step(r, row)
-            if inp.last and len(codes) >= flush and not r.finished:
-                yield self._out(inp, r, codes, False)
-                codes = []
-        if codes or inp.last:
+        while r.rows and not r.finished and not inp.cancelled:  # behind the thinker
+            codes += self._step(r, r.rows.pop(0))
+        if inp.last and not r.finished and not inp.cancelled:
+            yield from self._tail(inp, r, codes)
+        elif codes or inp.last:
             yield self._out(inp, r, codes, inp.last)
+
+    def _tail(self, inp: StageInput, r: _Reply, codes: list[int]) -> Iterator[StageEvent]:
+        """After the thinker's last row: its text end row, then pad rows, until an end
+        code, stepped together with the other requests in their tails."""
+        key = inp.request_id
+        self.batch.add(key, r.cache, Member(r, (int(r.ids[0, -1]), r.tts[1:2])))
+        try:
+            while (got := self.batch.next(key)) is not None:
+                codes += got
+                if len(codes) >= self.options.flush_codes and not r.finished:
+                    yield self._out(inp, r, codes, False)
+                    codes = []
+                if inp.cancelled:
+                    break
+        finally:
+            self.batch.remove(key)
+        yield self._out(inp, r, codes, True)
+
+    def _forward(self, inputs: list[Any], positions: Any, mask: Any, cache: Any) -> Any:
+        """One step of the requests in their tails (see :mod:`omni_speech.batch`)."""
+        import torch
+
+        m = self.model
+        rows = np.stack([row for _, row in inputs])  # (B, 1, H)
+        return m(
+            input_ids=torch.tensor([[c] for c, _ in inputs], device=self.device),
+            thinker_reply_part=torch.tensor(rows, dtype=m.dtype, device=self.device),
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+
+    def _batch_pick(self, out: Any, row: int, r: _Reply) -> tuple[Any, Any, bool]:
+        codes = self._pick(r, out.logits[row : row + 1])
+        return codes, (int(r.ids[0, -1]), r.tts[2:3]), r.finished
 
     def _out(self, inp: StageInput, r: _Reply, codes: list[int], last: bool) -> StageEvent:
         payload: dict[str, Any] = {}
@@ -229,6 +258,7 @@ class Talker(Stage):
 
     def end_request(self, request_id: str) -> None:
         self.replies.pop(request_id, None)
+        self.batch.remove(request_id)
 
 
 def _sum(arrays: dict[str, Any], a: str, b: str) -> Any:

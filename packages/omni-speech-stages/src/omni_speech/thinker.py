@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -25,6 +26,7 @@ from omni_core import Stage, StageEvent, StageInput
 from omni_core.worker.devices import place
 
 from omni_speech.audio import AudioBudget, audio_bytes_of, decode_audio
+from omni_speech.batch import Member, StepBatch
 from omni_speech.checkpoint import load_part, load_voices, resolve
 from omni_speech.prompt import (
     AUDIO_PARTS,
@@ -55,6 +57,21 @@ class ThinkerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_image_pixels: int = 1280 * 28 * 28  # per image, from its header
     # per audio clip; the audio encoder reads 30 s at most (Whisper's window)
     audio: AudioBudget = msgspec.field(default_factory=lambda: AudioBudget(max_seconds=30.0))
+    # vllm: vLLM's own model (omni_speech.vllm_thinker), the same segments and rows
+    engine: Literal["transformers", "vllm"] = "transformers"
+    engine_args: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM's LLM(...)
+
+
+@dataclass
+class _Reply:
+    """One request's decode state in the batch."""
+
+    ti: ThinkerInput
+    gen: Any  # its sampler's generator
+    limit: int  # tokens at most
+    speak: bool  # the talker's rows go with each token
+    n: int = 0  # tokens so far
+    finish: str = "length"
 
 
 class Thinker(Stage):
@@ -74,7 +91,12 @@ class Thinker(Stage):
         placement = place(self.ctx.name, self.ctx.devices, o.dtype)
         self.device = placement.device
         path = resolve(o.model)
-        self.model = load_part(path, "thinker", placement.device, placement.dtype)
+        if o.engine == "vllm":
+            from omni_speech.vllm_thinker import VllmThinker
+
+            self.model: Any = VllmThinker(path, o, placement.device)
+        else:
+            self.model = load_part(path, "thinker", placement.device, placement.dtype)
         config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.features = WhisperFeatureExtractor.from_pretrained(path)
@@ -105,6 +127,7 @@ class Thinker(Stage):
         self.eos = {eos} if isinstance(eos, int) else set(eos or ())
         self.text_end, self.text_pad = kc.tts_text_end_token_id, kc.tts_text_pad_token_id
         self.merge = tc.vision_config.spatial_merge_size
+        self.batch = StepBatch(self._forward, self._pick, self.device)
         self.limits = PromptLimits(
             o.max_prompt_tokens,
             o.max_tokens_limit,
@@ -218,6 +241,9 @@ class Thinker(Stage):
         return kw
 
     def generate(self, inp: StageInput, ti: ThinkerInput) -> Iterator[StageEvent | None]:
+        if self.options.engine == "vllm":
+            yield from self.model.generate(self, inp, ti)
+            return
         import torch
         from transformers import DynamicCache
 
@@ -261,41 +287,71 @@ class Thinker(Stage):
             },
         }
         limit = len(ti.forced) if ti.forced is not None else ti.params.max_tokens
-        n = 0
-        token = self._next(out.logits, ti, n, gen)
-        while True:
-            n += 1
-            done = (token in self.eos and not ti.params.ignore_eos) or n >= limit
-            if done:
-                payload["finish_reason"] = "stop" if token in self.eos else "length"
-            yield inp.segment([token], payload=payload, arrays=arrays, is_last=done)
-            if done or inp.cancelled:
-                return
-            payload = {}
-            step = torch.full((3, 1, 1), ids.shape[1] + n - 1, device=self.device) + delta
-            with torch.inference_mode():
-                out = self.model(
-                    input_ids=torch.tensor([[token]], device=self.device),
-                    attention_mask=torch.ones((1, ids.shape[1] + n), device=self.device),
-                    position_ids=step,
-                    past_key_values=cache,
-                    use_cache=True,
-                    output_hidden_states=speak,
-                )
-            if speak:
-                arrays = {
-                    "embed": _rows(out.hidden_states[0][0]),
-                    "hidden": _rows(out.hidden_states[-1][0]),
-                }
-            token = self._next(out.logits, ti, n, gen)
+        token = self._next(out.logits[0, -1], ti, 0, gen)
+        state = _Reply(ti, gen, limit, speak)
+        done = self._done(state, token)
+        if done:
+            payload["finish_reason"] = state.finish
+        yield inp.segment([token], payload=payload, arrays=arrays, is_last=done)
+        if done or inp.cancelled:
+            return
+        key = inp.request_id
+        self.batch.add(key, cache, Member(state, token, int(delta.reshape(-1)[0])))
+        try:
+            while (step := self.batch.next(key)) is not None:
+                token, arrays, done = step
+                payload = {"finish_reason": state.finish} if done else {}
+                yield inp.segment([token], payload=payload, arrays=arrays, is_last=done)
+                if done or inp.cancelled:
+                    return
+        finally:
+            self.batch.remove(key)
+
+    def _forward(self, tokens: list[int], positions: Any, mask: Any, cache: Any) -> Any:
+        """One decode step of the batch's members (see :mod:`omni_speech.batch`)."""
+        import torch
+
+        return self.model(
+            input_ids=torch.tensor([[t] for t in tokens], device=self.device),
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+
+    def _pick(self, out: Any, row: int, state: _Reply) -> tuple[Any, Any, bool]:
+        """A member's next token, the talker's rows of the token it fed, and whether
+        it ends there."""
+        arrays = None
+        if state.speak:
+            arrays = {
+                "embed": _rows(out.hidden_states[0][row]),
+                "hidden": _rows(out.hidden_states[-1][row]),
+            }
+        token = self._next(out.logits[row, -1], state.ti, state.n, state.gen)
+        done = self._done(state, token)
+        return (token, arrays, done), token, done
+
+    def _done(self, state: _Reply, token: int) -> bool:
+        state.n += 1
+        eos = token in self.eos and not state.ti.params.ignore_eos
+        if eos or state.n >= state.limit:
+            state.finish = "stop" if token in self.eos else "length"
+            return True
+        return False
+
+    def end_request(self, request_id: str) -> None:
+        self.batch.remove(request_id)
 
     def _next(self, logits: Any, ti: ThinkerInput, n: int, gen: Any) -> int:
-        """The n-th reply token: the given one (``input``), else greedy or sampled."""
+        """The n-th reply token (from its ``logits``, one row): the given one
+        (``input``), else greedy or sampled."""
         import torch
 
         if ti.forced is not None:
             return ti.forced[n]
-        last = logits[0, -1].float()
+        last = logits.float()
         p = ti.params
         if p.temperature == 0:
             return int(last.argmax())
