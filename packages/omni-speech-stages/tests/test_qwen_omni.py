@@ -215,3 +215,43 @@ def test_bad_inputs_fail_alone_naming_the_field(tiny_omni):
     assert "Chelsie, Ethan" in outs[2].error
     assert not outs[3].ok and "30 s" in outs[3].error, outs[3].error
     assert not outs[4].ok and "max_prompt_tokens" in outs[4].error
+
+
+def test_requests_in_flight_together_equal_alone(tiny_omni):
+    """Three requests stepped together (max_inflight 4: one forward a step for all of
+    them, in the thinker and in the talker's tail) give each the tokens and codes it
+    gets alone."""
+    prompts = ["hello there", "how are you today, my friend", "a"]
+    requests = [{"prompt": p, "max_tokens": MAX_TOKENS, "seed": k} for k, p in enumerate(prompts)]
+    cfg = config(tiny_omni, inline=True)
+    with Pipeline(cfg) as p:
+        alone = [staged(p.generate([r])[0])[:2] for r in requests]
+    cfg["mrs"]["defaults"] = {"max_inflight": 4}
+    with Pipeline(cfg) as p:
+        together = [staged(out)[:2] for out in p.generate(requests)]
+    assert together == alone
+
+
+class _Input:
+    """The little of a StageInput the thinker's generate reads."""
+
+    cancelled = False
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+    def segment(self, tokens, payload=None, arrays=None, is_last=False):
+        return tokens, is_last
+
+
+def test_thinker_steps_requests_in_one_forward(tiny_omni):
+    stage, _ = thinker_inputs(tiny_omni, TEXT)
+    a = stage.generate(_Input("a"), stage.read({**TEXT, "ignore_eos": True}))
+    b = stage.generate(_Input("b"), stage.read({**TEXT, "prompt": "b", "ignore_eos": True}))
+    got: dict = {"a": [], "b": []}
+    for (ta, _), (tb, _) in zip(a, b, strict=True):  # advanced in turn, as max_inflight does
+        got["a"] += ta
+        got["b"] += tb
+    assert len(got["a"]) == len(got["b"]) == MAX_TOKENS
+    assert stage.batch.forwards == MAX_TOKENS - 1  # one forward a step for both
+    assert not stage.batch.members  # both left the batch

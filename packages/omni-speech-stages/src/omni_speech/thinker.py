@@ -292,12 +292,13 @@ class Thinker(Stage):
         done = self._done(state, token)
         if done:
             payload["finish_reason"] = state.finish
-        yield inp.segment([token], payload=payload, arrays=arrays, is_last=done)
-        if done or inp.cancelled:
-            return
         key = inp.request_id
-        self.batch.add(key, cache, Member(state, token, int(delta.reshape(-1)[0])))
+        if not done:  # in the batch before its first token goes out: the next step has it
+            self.batch.add(key, cache, Member(state, token, int(delta.reshape(-1)[0])))
         try:
+            yield inp.segment([token], payload=payload, arrays=arrays, is_last=done)
+            if done or inp.cancelled:
+                return
             while (step := self.batch.next(key)) is not None:
                 token, arrays, done = step
                 payload = {"finish_reason": state.finish} if done else {}
