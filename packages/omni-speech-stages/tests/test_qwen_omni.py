@@ -207,14 +207,21 @@ def test_bad_inputs_fail_alone_naming_the_field(tiny_omni):
         "max_tokens": 4,
     }
     too_long = {"prompt": "x" * (16 * 8192 + 1), "max_tokens": 4}
+    many = {"messages": [{"role": "user", "content": [garbage] * 9}], "max_tokens": 4}
+    eight = {"messages": [{"role": "user", "content": [garbage] * 8}], "max_tokens": 4}
     with Pipeline(config(tiny_omni, inline=True)) as p:
-        outs = p.generate([bad_audio, TEXT, bad_voice, long_audio, too_long])
+        outs = p.generate([bad_audio, TEXT, bad_voice, long_audio, too_long, many, eight])
     assert outs[1].ok
     assert not outs[0].ok and "messages[0].content[0].input_audio.data" in outs[0].error
     assert not outs[2].ok and "audio.voice" in outs[2].error
     assert "Chelsie, Ethan" in outs[2].error
     assert not outs[3].ok and "30 s" in outs[3].error, outs[3].error
     assert not outs[4].ok and "max_prompt_tokens" in outs[4].error
+    # nine clips, one past max_media: refused before any is decoded (they are garbage)
+    assert not outs[5].ok and "messages[0].content[8]" in outs[5].error
+    assert "max_media=8" in outs[5].error
+    # eight, at the limit: counted in, then the first is decoded (and refused as garbage)
+    assert not outs[6].ok and "content[0].input_audio.data" in outs[6].error
 
 
 def test_requests_in_flight_together_equal_alone(tiny_omni):

@@ -55,6 +55,7 @@ class ThinkerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     system_prompt: str | None = QWEN_SYSTEM  # a request's own system turn wins
     default_voice: str | None = None  # None: the checkpoint's first voice
     max_image_pixels: int = 1280 * 28 * 28  # per image, from its header
+    max_media: int = 8  # images and audio clips in one request
     # per audio clip; the audio encoder reads 30 s at most (Whisper's window)
     audio: AudioBudget = msgspec.field(default_factory=lambda: AudioBudget(max_seconds=30.0))
     # vllm: vLLM's own model (omni_speech.vllm_thinker), the same segments and rows
@@ -153,6 +154,11 @@ class Thinker(Stage):
             raise RequestError(
                 f"field 'messages': {len(text)} characters, more than max_prompt_tokens="
                 f"{self.limits.max_prompt_tokens} tokens can hold"
+            )
+        if len(media) > self.options.max_media:  # before any is decoded
+            raise RequestError(
+                f"field {media[self.options.max_media][0]!r}: more than max_media="
+                f"{self.options.max_media} images and audio clips in one request"
             )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         inp = ThinkerInput(ids=[], params=params, speech=speech)
