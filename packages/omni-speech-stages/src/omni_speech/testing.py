@@ -34,12 +34,16 @@ VOICES = ("Chelsie", "Ethan")
 PATCH = 8  # vision patches (merged 2 x 2 into one placeholder each)
 
 
-def tiny_omni_config(tok: Any) -> Any:
-    """The tiny model's config over tokenizer ``tok`` (which holds :data:`SPECIAL`)."""
+def tiny_omni_config(tok: Any, for_vllm: bool = False) -> Any:
+    """The tiny model's config over tokenizer ``tok`` (which holds :data:`SPECIAL`);
+    ``for_vllm``: the thinker's attention heads of 32 (hidden 128), which vLLM's CPU
+    kernels need."""
     from transformers import Qwen2_5OmniConfig
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
-    hidden, head_dim = 64, 16
+    head_dim = 16  # the talker's
+    text_head = 32 if for_vllm else head_dim  # the thinker's
+    hidden = 4 * text_head
     mrope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
     text = {
         "vocab_size": len(tok),
@@ -49,7 +53,8 @@ def tiny_omni_config(tok: Any) -> Any:
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 2048,
-        "rope_parameters": mrope,
+        # the rotary frequencies (head_dim / 2) split over (time, height, width)
+        "rope_parameters": {**mrope, "mrope_section": [k * text_head // 16 for k in (2, 3, 3)]},
         "initializer_range": 0.2,
         "eos_token_id": ids["<|im_end|>"],
         "tie_word_embeddings": False,
@@ -152,20 +157,23 @@ def tiny_omni_config(tok: Any) -> Any:
     )
 
 
-def build_tiny_omni(path: str | Path, seed: int = 0) -> Path:
+def build_tiny_omni(path: str | Path, seed: int = 0, for_vllm: bool = False) -> Path:
     """Write a tiny random Qwen2.5-Omni checkpoint, its tokenizer, feature extractor,
-    image processor and ``spk_dict.pt`` into ``path``; returns it."""
+    image processor and ``spk_dict.pt`` into ``path``; returns it. ``for_vllm``: one
+    vLLM's CPU backend runs (see :func:`tiny_omni_config`)."""
     import torch
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(extra_special=SPECIAL)
-    cfg = tiny_omni_config(tok)
+    cfg = tiny_omni_config(tok, for_vllm)
     torch.manual_seed(seed)
     model = Qwen2_5OmniForConditionalGeneration(cfg).eval()
     model.save_pretrained(path)
     tok.save_pretrained(path)
+    if for_vllm:
+        _name_media_tokens(path)
     _save_preprocessors(path)
     gen = torch.Generator().manual_seed(seed + 1)
     speakers = {
@@ -178,6 +186,25 @@ def build_tiny_omni(path: str | Path, seed: int = 0) -> Path:
     }
     torch.save(speakers, path / "spk_dict.pt")
     return path
+
+
+def _name_media_tokens(path: Path) -> None:
+    """The media tokens by name in ``tokenizer_config.json`` (``image_token``...), as
+    the released tokenizer names them: transformers' ``Qwen2_5OmniProcessor``, which
+    vLLM loads, reads them from the tokenizer."""
+    import json
+
+    names = {
+        "image_token": "<|IMAGE|>",
+        "audio_token": "<|AUDIO|>",
+        "video_token": "<|VIDEO|>",
+        "vision_bos_token": "<|vision_bos|>",
+        "vision_eos_token": "<|vision_eos|>",
+        "audio_bos_token": "<|audio_bos|>",
+        "audio_eos_token": "<|audio_eos|>",
+    }
+    file = path / "tokenizer_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **names}, indent=2))
 
 
 def _save_preprocessors(path: Path) -> None:
@@ -203,7 +230,7 @@ def _save_preprocessors(path: Path) -> None:
 
 
 def _image_processor() -> Any:
-    from omni_speech.thinker import image_processor_class
+    from omni_speech.processors import image_processor_class
 
     return image_processor_class()(
         min_pixels=(PATCH * 2) ** 2,

@@ -28,6 +28,7 @@ from omni_core.worker.devices import place
 from omni_speech.audio import AudioBudget, audio_bytes_of, decode_audio
 from omni_speech.batch import Member, StepBatch
 from omni_speech.checkpoint import load_part, load_voices, resolve
+from omni_speech.processors import image_processor_class
 from omni_speech.prompt import (
     AUDIO_PARTS,
     AUDIO_RATE,
@@ -383,16 +384,3 @@ class Thinker(Stage):
 def _rows(t: Any) -> np.ndarray:
     """A (rows, hidden) tensor as float32 numpy, for the data plane."""
     return t.detach().float().cpu().numpy()
-
-
-def image_processor_class() -> Any:
-    """Qwen's image processor, its PIL backend (the default one needs torchvision)."""
-    try:  # transformers >= 5.20 names the PIL backend apart
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
-    except ImportError:
-        from transformers import Qwen2VLImageProcessor
-
-        return Qwen2VLImageProcessor
-    return Qwen2VLImageProcessorPil
