@@ -382,8 +382,30 @@ def test_image_parts_reach_the_multimodal_intake():
                     {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}
                 ]
             },
+            "messages[0].content[0].input_audio.data",
+            "required",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "input_audio",
+                                "input_audio": {"data": "AAAA", "format": "wav"},
+                            }
+                        ],
+                    }
+                ]
+            },
             "messages[0].content[0]",
-            "'input_audio'",
+            "speech.thinker",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
+            "messages[0].content[0]",
+            "'video_url'",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -399,6 +421,29 @@ def test_bad_image_parts_are_400s_naming_the_part(body, param, says):
     err = r.json()["error"]
     assert err["param"] == param and says in err["message"], err
     assert not mm.requests
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_pipeline_that_does_not_speak_refuses_audio_output_by_field(pipe, stream):
+    """``audio`` and ``modalities`` with audio are 400s naming the field on a pipeline
+    without an audio stage; ``modalities: ["text"]`` is what it does anyway; completions
+    refuse both; ``/v1/audio/speech`` is not served."""
+    client = client_of(pipe)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    for extra, param, says in [
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio output is not supported"),
+        ({"modalities": ["text", "audio"]}, "modalities", "only text output is supported"),
+    ]:
+        r = client.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and says in err["message"], err
+        r = client.post("/v1/completions", json={"prompt": "hi", **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = client.post("/v1/chat/completions", json={**chat, "modalities": ["text"]})
+    assert r.status_code == 200 and "modalities" not in pipe.requests[-1], r.text
+    r = client.post("/v1/audio/speech", json={"input": "hi", "voice": "alloy"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unsupported_endpoint"
 
 
 def test_a_text_pipeline_refuses_image_parts_by_name(pipe):

@@ -104,3 +104,35 @@ def test_page_streams_text_previews_and_the_final_image(image_server, browser, t
     assert browser.save_screenshot(str(shot))
     data = shot.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def test_page_plays_the_audio_of_a_pipeline_that_speaks(browser, tmp_path):
+    """On a speech pipeline the page asks for text and audio, shows the transcript as it
+    streams and puts the audio chunks, as one WAV, in its ``<audio>`` element, which the
+    browser decodes (a duration, at the model's 24 kHz)."""
+    pytest.importorskip("omni_speech", reason="needs the speech family (omni-speech-stages)")
+    from pathlib import Path
+
+    from .conftest import start_server, stop_server
+
+    config = Path(__file__).resolve().parents[3] / "configs" / "omni_speech.yaml"
+    server = start_server(config, tmp_path)
+    try:
+        browser.get(f"{server.url}/")
+        state = lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state")  # noqa: E731
+        WebDriverWait(browser, 30).until(lambda d: state(d) == "idle")
+        audio = browser.find_element(By.ID, "audio")
+        assert audio.is_displayed() and not browser.find_element(By.ID, "images").is_displayed()
+        browser.find_element(By.ID, "send").click()
+        WebDriverWait(browser, 120).until(lambda d: state(d) in ("done", "error"))
+        assert state(browser) == "done", browser.find_element(By.ID, "status").text
+        assert browser.find_element(By.ID, "text").text  # the transcript
+        assert audio.get_attribute("src").startswith("blob:")
+        duration = "return arguments[0].readyState >= 1 ? arguments[0].duration : null"
+        WebDriverWait(browser, 10).until(lambda d: d.execute_script(duration, audio))
+        seconds = browser.execute_script(duration, audio)
+        # as long as its samples: 16-bit mono at 24 kHz after the 44-byte header
+        size = int(audio.get_attribute("data-bytes"))
+        assert abs(seconds - (size - 44) / 2 / 24000) < 1e-3, (seconds, size)
+    finally:
+        stop_server(server)

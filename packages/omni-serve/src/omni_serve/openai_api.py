@@ -10,8 +10,13 @@ passes them on as data URLs: no stage ever touches the network), file paths neve
 ``{"prompt", "image": {"width", "height", "steps", "seed", "guidance", "true_cfg_scale",
 "format", "quality", "preview_every", "negative_prompt"}}`` (the DiT plan's fields).
 Chat may bring ``tools``, ``tool_choice`` and ``parallel_tool_calls``, and ``tool``
-messages and assistant ``tool_calls`` (see :mod:`omni_serve.tools`). Every body may carry
-``priority`` (vLLM's extra field: an int64, default 0, lower runs
+messages and assistant ``tool_calls`` (see :mod:`omni_serve.tools`). On a pipeline whose
+source is a speech thinker, chat also takes ``input_audio`` parts (base64 ``data``, a
+``format``) and ``modalities`` / ``audio: {voice, format}`` (:func:`speech_fields`; where
+the pipeline does not speak they are refused, naming the field), and text to speech
+(``/v1/audio/speech``: ``input``, ``voice``, ``response_format``) is ``{"input", "voice",
+"audio": {"format"}, "modalities": ["text", "audio"]}`` (:func:`speech_request`).
+Every body may carry ``priority`` (vLLM's extra field: an int64, default 0, lower runs
 first), passed on as the request's :data:`omni_core.scheduling.PRIORITY_KEY` when not 0.
 Unknown fields are refused, naming the field; fields the OpenAI API has that change the
 answer in ways a pipeline cannot (the legacy ``functions``, n > 1 for text, URLs for
@@ -96,11 +101,12 @@ _TEXT_UNSUPPORTED = {
 }
 
 
-# chat takes tools (omni_serve.tools); the legacy functions API stays refused
-_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+# chat takes tools (omni_serve.tools) and, where the pipeline speaks, audio output
+# (chat_request); the legacy functions API stays refused
+_CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "audio", "modalities")
 _LEGACY = "the legacy functions API is not supported by this server; use 'tools'"
 _CHAT_UNSUPPORTED = {
-    **{k: v for k, v in _TEXT_UNSUPPORTED.items() if k not in _TOOL_FIELDS},
+    **{k: v for k, v in _TEXT_UNSUPPORTED.items() if k not in _CHAT_FIELDS},
     "functions": _LEGACY,
     "function_call": _LEGACY,
 }
@@ -184,7 +190,17 @@ class ImagePart(_Model):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class InputAudio(_Model):
+    data: str = Field(min_length=1)  # base64; its bytes and budgets are the stage's to check
+    format: str = Field(min_length=1, max_length=16)  # "wav", "mp3", ...
+
+
+class InputAudioPart(_Model):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImagePart | InputAudioPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Model):
@@ -195,6 +211,21 @@ class ChatMessage(_Model):
     tool_calls: Annotated[list[ToolCall], Field(fail_fast=True, max_length=128)] | None = None
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
     refusal: str | None = None  # accepted (an assistant's earlier answer), unused
+    # an earlier audio answer by id: refused (chat_request), nothing is kept to refer to
+    audio: dict[str, Any] | None = None
+
+
+# chat's audio formats (OpenAI's names) -> the pipeline's (omni_speech's OUTPUT_FORMATS)
+CHAT_AUDIO_FORMATS = {f: f for f in ("wav", "mp3", "flac", "opus", "aac")} | {"pcm16": "pcm"}
+Voice = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class ChatAudio(_Model):
+    """``audio`` of a chat that asks for speech: the voice (default: the pipeline's) and
+    the format (default: wav)."""
+
+    voice: Voice | None = None
+    format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"] | None = None
 
 
 class ChatRequest(_TextBody):
@@ -206,6 +237,15 @@ class ChatRequest(_TextBody):
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    modalities: (
+        Annotated[list[Literal["text", "audio"]], Field(min_length=1, max_length=2)] | None
+    ) = None
+    audio: ChatAudio | None = None
+
+    @property
+    def speak(self) -> bool:
+        """The answer is to be spoken too (``modalities`` has ``audio``)."""
+        return "audio" in (self.modalities or ())
 
 
 class CompletionRequest(_TextBody):
@@ -213,6 +253,24 @@ class CompletionRequest(_TextBody):
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None
+
+
+MAX_SPEECH_INPUT = 4096  # OpenAI's limit on the text to speak
+SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")  # OpenAI's response_format
+
+
+class SpeechRequest(_Body):
+    """OpenAI's text to speech (``/v1/audio/speech``)."""
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "instructions": "voice instructions are not supported by this server",
+    }
+    input: str = Field(min_length=1, max_length=MAX_SPEECH_INPUT)
+    voice: Voice
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float | None = Field(default=None, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+    seed: Int64 | None = None  # omni: the same seed, the same audio
 
 
 class ImageRequest(_Body):
@@ -337,6 +395,17 @@ def _sampling(req: _TextBody, max_tokens: int | None, limit: TokenLimit | None) 
 REMOTE = ("http://", "https://")
 
 
+def _input_audio(where: str, part: InputAudioPart, role: str, audio_in: bool) -> dict[str, Any]:
+    """An audio part as a speech source reads it, or a 400 naming the part."""
+    if not audio_in:
+        raise bad_field(
+            where, "audio parts need a pipeline whose source reads audio (speech.thinker)"
+        )
+    if role != "user":
+        raise bad_field(where, f"audio parts are allowed in user messages only, not {role!r}")
+    return part.model_dump()
+
+
 def _image(where: str, part: ImagePart, role: str, images: bool, remote: bool) -> dict[str, Any]:
     """An image part as the multimodal intake reads it, or a 400 naming the part."""
     if not images:
@@ -389,6 +458,8 @@ def chat_request(
     chars: PromptLimits = NO_PROMPT_LIMITS,
     tools: ToolPlan | None = None,
     parser: str = DEFAULT_PARSER,
+    audio_in: bool = False,
+    audio_out: bool = False,
 ) -> dict[str, Any]:
     """The pipeline request of a chat completion; ``limit``: the pipeline's largest
     ``max_tokens`` (None: unknown, the pipeline checks it); ``images``: the pipeline reads image
@@ -397,26 +468,35 @@ def chat_request(
     (:func:`check_chat_chars`); ``tools``: the request's :class:`ToolPlan`
     (``ToolPlan.of(req, parser)``): its tools described in the messages, a forced call's
     JSON constraint; ``parser``: the pipeline's ``tool_call_parser`` (the format of earlier
-    calls and results in the messages)."""
+    calls and results in the messages); ``audio_in``: the source reads audio parts and
+    ``modalities``; ``audio_out``: the pipeline speaks (:func:`speech_fields`)."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_field("top_logprobs", "requires 'logprobs': true")
     check_chat_chars(req, chars)
     messages = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
+        if m.audio is not None:
+            raise bad_field(
+                f"messages[{i}].audio",
+                "earlier audio answers are not kept by this server; send their transcript "
+                "as the message's content",
+            )
         _check_tool_message(i, m)
         content: str | list[dict[str, Any]] | None
         if m.content is None:
             content = None
         elif isinstance(m.content, str):
             content = m.content
-        elif not any(isinstance(p, ImagePart) for p in m.content):
+        elif all(isinstance(p, TextPart) for p in m.content):
             content = "".join(p.text for p in m.content if isinstance(p, TextPart))
         else:
             content = [
                 {"type": "text", "text": p.text}
                 if isinstance(p, TextPart)
                 else _image(f"messages[{i}].content[{j}]", p, m.role, images, remote)
+                if isinstance(p, ImagePart)
+                else _input_audio(f"messages[{i}].content[{j}]", p, m.role, audio_in)
                 for j, p in enumerate(m.content)
             ]
         message: dict[str, Any] = {"role": role, "content": content}
@@ -439,7 +519,49 @@ def chat_request(
         out["logprobs"] = True
         if req.top_logprobs:
             out["top_logprobs"] = req.top_logprobs
+    out.update(speech_fields(req, audio_in, audio_out, tools))
     return out
+
+
+def speech_fields(
+    req: ChatRequest, audio_in: bool, audio_out: bool, tools: ToolPlan | None
+) -> dict[str, Any]:
+    """A chat's ``modalities`` and ``audio`` as a speech source reads them (``audio_in``;
+    none for another source): ``["text"]`` unless the chat asks for audio, which needs a
+    pipeline that speaks (``audio_out``), else a 400 naming the field."""
+    if not audio_out:
+        if req.audio is not None:
+            raise bad_field("audio", "audio output is not supported by this server")
+        if req.speak:
+            raise bad_field("modalities", "only text output is supported by this server")
+        return {"modalities": ["text"]} if audio_in else {}
+    if not req.speak:
+        if req.audio is not None:
+            raise bad_field("audio", "asks for audio output: add 'audio' to 'modalities'")
+        return {"modalities": ["text"]}
+    if tools is not None and tools.mode != "none":
+        raise bad_field("modalities", "audio output with tools is not supported by this server")
+    audio: dict[str, str] = {}
+    if req.audio is not None and req.audio.voice is not None:
+        audio["voice"] = req.audio.voice
+    if req.audio is not None and req.audio.format is not None:
+        audio["format"] = CHAT_AUDIO_FORMATS[req.audio.format]
+    return {"modalities": list(req.modalities or ()), "audio": audio}
+
+
+def speech_request(req: SpeechRequest) -> dict[str, Any]:
+    """The pipeline request of a text to speech: ``input`` said as it is, in ``voice``
+    (the source's error about it names ``voice``), encoded as ``response_format``."""
+    if req.speed is not None and req.speed != 1.0:
+        raise bad_field("speed", f"{req.speed}: only 1.0 is supported (the model's own pace)")
+    return {
+        "input": req.input,
+        "voice": req.voice,
+        "audio": {"format": req.response_format},
+        "modalities": ["text", "audio"],
+        **({} if req.seed is None else {"seed": req.seed}),
+        **scheduling(req),
+    }
 
 
 def _check_tool_message(i: int, m: ChatMessage) -> None:

@@ -21,19 +21,40 @@ from omni_serve.metrics import ServerMetrics
 from omni_serve.settings import ServeSettings
 from omni_serve.shares import CLIENT, SharedPipeline, Shares
 
-TEXT_SOURCES = {"ar.intake", "ar.mm_intake"}
-MM_SOURCES = {"ar.mm_intake"}  # reads chat image parts
+# stage kinds, read from the config (no family is imported for them)
+SPEECH_SOURCES = {"speech.thinker"}  # reads audio parts, `modalities`, `audio`, `input`
+TEXT_SOURCES = {"ar.intake", "ar.mm_intake", *SPEECH_SOURCES}
+MM_SOURCES = {"ar.mm_intake", *SPEECH_SOURCES}  # reads chat image parts
 IMAGE_STAGES = {"dit.plan"}
+# encodes audio: its events carry the bytes, their MIME type as ``media_type`` (audio/*)
+AUDIO_STAGES = {"speech.audio_encode"}
+SPEECH = "/v1/audio/speech"
+
+
+def speaks(config: Any) -> bool:
+    """The pipeline answers with audio: its source reads the speech fields and a stage of
+    an :data:`AUDIO_STAGES` kind streams to the caller (``client_stream: true``, or a sink
+    left at its default)."""
+    if not {s.kind for s in config.stages} & SPEECH_SOURCES:
+        return False
+    senders = {e.source for e in config.edges}
+    return any(
+        s.kind in AUDIO_STAGES
+        and (s.client_stream is True or s.client_stream is None and s.name not in senders)
+        for s in config.stages
+    )
 
 
 def endpoints(pipe: Pipeline) -> list[str]:
     """What the pipeline can answer: images when it has DiT stages (a mixed pipeline's
-    text is the image's revised prompt), else text when its source is an AR intake."""
+    text is the image's revised prompt), else text when its source is an AR intake or a
+    speech thinker, and speech too when it :func:`speaks`."""
     kinds = {s.kind for s in pipe.config.stages}
     if kinds & IMAGE_STAGES:
         return ["/v1/images/generations"]
     if kinds & TEXT_SOURCES:
-        return ["/v1/chat/completions", "/v1/completions"]
+        text = ["/v1/chat/completions", "/v1/completions"]
+        return [*text, SPEECH] if speaks(pipe.config) else text
     return []
 
 
@@ -46,6 +67,9 @@ class Server:
     metrics: ServerMetrics = field(init=False)
     served: list[str] = field(init=False)
     images: bool = field(init=False)  # chat requests may carry images
+    # the source reads audio parts and `modalities` (a speech thinker)
+    audio_in: bool = field(init=False)
+    audio_out: bool = field(init=False)  # an audio stage streams to the caller
     # the largest max_tokens, as the pipeline's stages declare it (None: none declares it)
     max_tokens_limit: TokenLimit | None = field(init=False)
     # the characters of a prompt, a chat and a negative prompt, from the stages' limits
@@ -61,7 +85,10 @@ class Server:
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.pipe)
         self.served = endpoints(self.pipe)
-        self.images = bool({s.kind for s in self.pipe.config.stages} & MM_SOURCES)
+        kinds = {s.kind for s in self.pipe.config.stages}
+        self.images = bool(kinds & MM_SOURCES)
+        self.audio_in = bool(kinds & SPEECH_SOURCES)
+        self.audio_out = speaks(self.pipe.config)
         self.max_tokens_limit = token_limit(self.pipe.config.stages)
         self.prompt_limits = prompt_limits(self.pipe.config.stages, self.pipe.config.edges)
         assert self.settings.max_body_bytes_in_flight is not None  # set by ServeSettings

@@ -111,11 +111,13 @@ def _hashes(tag: str, html: str) -> str:
 @functools.cache
 def page_headers() -> dict[str, str]:
     """The page runs its own inline script and style (no other), talks to this server
-    only, shows images from data URLs and may be framed by no site (clickjacking)."""
+    only, shows images from data URLs, plays audio from the blobs it makes and may be
+    framed by no site (clickjacking)."""
     html = page()
     csp = (
         f"default-src 'none'; script-src {_hashes('script', html)}; "
-        f"style-src {_hashes('style', html)}; img-src data:; connect-src 'self'; "
+        f"style-src {_hashes('style', html)}; img-src data:; media-src blob:; "
+        "connect-src 'self'; "
         "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
     )
     return {

@@ -1,8 +1,13 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: one pipeline request per
-answer, read with ``Pipeline.astream``; ``stream: true`` answers with SSE chunks."""
+answer, read with ``Pipeline.astream``; ``stream: true`` answers with SSE chunks. A chat
+that asks for audio (``modalities: ["text", "audio"]``, a pipeline that speaks) answers
+as OpenAI's API does: ``message.audio`` (``id``, ``data``, ``transcript``, ``expires_at``;
+``content`` null), streamed as ``delta.audio`` chunks (``transcript`` deltas, ``data``
+chunks in base64 that concatenate to one file, last ``expires_at``)."""
 
 from __future__ import annotations
 
+import base64
 import functools
 import logging
 import time
@@ -13,6 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from omni_core.events import AnyEvent
 
+from omni_serve.audio import AudioAnswer
 from omni_serve.auth import require_api_key
 from omni_serve.body import check_values, json_body, off_loop, parse_json
 from omni_serve.media import check_images
@@ -62,6 +68,7 @@ class TextChunks:
     opening: list[bytes] = field(default_factory=list)  # chat: the role, before any text
     offset: int = 0  # completions: the text offset of the next chunk's first token
     tools: ToolAnswer | None = None  # chat with tools: the calls read from the text
+    audio: AudioAnswer | None = None  # chat with audio: the text is its transcript
 
     def __post_init__(self) -> None:
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
@@ -80,6 +87,8 @@ class TextChunks:
         return sse({**self.head, "object": self.object, "choices": [c], **extra})
 
     def chunks(self, _index: int, ev: AnyEvent) -> list[bytes]:
+        if self.audio is not None and (data := self.audio.add(ev)):
+            return self._audio({"data": base64.b64encode(data).decode()})
         delta = self.state.add(ev)
         new = self.state.new_logprobs if self.logprobs else []
         calls: list[dict[str, Any]] = []
@@ -96,8 +105,17 @@ class TextChunks:
             )
             self.offset += sum(len(t.token) for t in new)
         delta = delta or ""
-        body = {"content": delta} if self.chat else delta
+        body: dict[str, Any] | str = {"content": delta} if self.chat else delta
+        if self.audio is not None:
+            body = {"audio": self.audio.delta(transcript=delta)}
         out = [*self.opening, self.chunk(body, None, lps), *self._calls(calls)]
+        self.opening.clear()
+        return out
+
+    def _audio(self, fields: dict[str, Any]) -> list[bytes]:
+        """A chunk of ``delta.audio`` (its id and ``fields``)."""
+        assert self.audio is not None
+        out = [*self.opening, self.chunk({"audio": self.audio.delta(**fields)}, None)]
         self.opening.clear()
         return out
 
@@ -120,6 +138,8 @@ class TextChunks:
                 out.append(self.chunk({"content": text}, None))
             out.extend(self._calls(calls))
             finish = self.tools.finish_reason(finish)
+        if self.audio is not None:
+            out.extend(self._audio({"expires_at": self.audio.expires_at}))
         out.append(self.chunk({} if self.chat else "", finish))
         if self.include_usage:
             usage = self.state.usage()
@@ -143,12 +163,17 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     # a forced call's schema is the tools': the intake's error about it names them
     params = {"structured_outputs.json": "tools"} if tools is not None and tools.forced else {}
     reader = tools.answer() if tools is not None and tools.mode != "none" else None
+    audio = AudioAnswer() if isinstance(req, ChatRequest) and req.speak else None
     if not req.stream:
         events = (await collect(request, stream, 1, rid, params))[0]
-        return complete(server, path, t0, rid, head, events, chat, wants_logprobs, top, reader)
+        return complete(
+            server, path, t0, rid, head, events, chat, wants_logprobs, top, reader, audio
+        )
     first = await first_event(request, stream, rid, params)
     usage = bool(req.stream_options and req.stream_options.include_usage)
-    writer = TextChunks(head, rid, path, chat, usage, wants_logprobs, top, tools=reader)
+    writer = TextChunks(
+        head, rid, path, chat, usage, wants_logprobs, top, tools=reader, audio=audio
+    )
     return SSEAnswer(server, path, t0, rid, params).response(first, stream, writer)
 
 
@@ -188,13 +213,23 @@ def prepare(
         parser = parser_of(server.pipe.config)
         tools = ToolPlan.of(req, parser)
         preq = chat_request(
-            req, server.max_tokens_limit, server.images, remote, limits, tools, parser
+            req,
+            server.max_tokens_limit,
+            server.images,
+            remote,
+            limits,
+            tools,
+            parser,
+            server.audio_in,
+            server.audio_out,
         )
     else:
         req = parse(CompletionRequest, body)
         server.check_model(req.model, COMPLETIONS)
         server.check_priority(req.priority)
         preq = completion_request(req, server.max_tokens_limit, server.prompt_limits)
+        if server.audio_in:  # a speech source speaks unless told not to
+            preq["modalities"] = ["text"]
     check_values(preq)
     return req, preq, tools
 
@@ -210,12 +245,15 @@ def complete(
     logprobs: bool = False,
     top_logprobs: bool = False,
     tools: ToolAnswer | None = None,
+    audio: AudioAnswer | None = None,
 ) -> Response:
     """The non-streaming answer: the whole text (and with ``tools`` the calls read from
-    it), its finish reason and usage."""
+    it, with ``audio`` the audio, the text its transcript), its finish reason and usage."""
     state = TextState()
     for ev in events:
         state.add(ev)
+        if audio is not None:
+            audio.add(ev)
     choice: dict[str, Any] = {
         "index": 0,
         "finish_reason": state.finish_reason,
@@ -229,6 +267,8 @@ def complete(
         if tools.calls:
             message["tool_calls"] = tools.calls
         choice["finish_reason"] = tools.finish_reason(state.finish_reason)
+    if audio is not None:
+        message.update(content=None, audio=audio.message(state.text))
     if logprobs:
         lps = state.logprobs
         choice["logprobs"] = (
