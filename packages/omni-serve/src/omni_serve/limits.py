@@ -28,6 +28,7 @@ PROMPT_TOKEN_OPTIONS: dict[str, tuple[str, int | None]] = {
     "ar.intake": ("max_prompt_tokens", None),
     "ar.mm_intake": ("max_prompt_tokens", None),
     "speech.thinker": ("max_prompt_tokens", None),
+    "speech.voice_intake": ("max_prompt_tokens", None),
     "ar.text_encode": ("max_tokens", None),  # it cuts a longer prompt
     "dit.text_encode": ("max_sequence_length", 512),  # T5's tokens; None: at most 512
 }

@@ -22,9 +22,11 @@ from omni_serve.settings import ServeSettings
 from omni_serve.shares import CLIENT, SharedPipeline, Shares
 
 # stage kinds, read from the config (no family is imported for them)
-SPEECH_SOURCES = {"speech.thinker"}  # reads audio parts, `modalities`, `audio`, `input`
+AUDIO_SOURCES = {"speech.thinker"}  # reads audio (and image) parts
+# reads `modalities`, `audio`, `voice`, `input` (the embedded voice's intake: text only)
+SPEECH_SOURCES = {*AUDIO_SOURCES, "speech.voice_intake"}
 TEXT_SOURCES = {"ar.intake", "ar.mm_intake", *SPEECH_SOURCES}
-MM_SOURCES = {"ar.mm_intake", *SPEECH_SOURCES}  # reads chat image parts
+MM_SOURCES = {"ar.mm_intake", *AUDIO_SOURCES}  # reads chat image parts
 IMAGE_STAGES = {"dit.plan"}
 # encodes audio: its events carry the bytes, their MIME type as ``media_type`` (audio/*)
 AUDIO_STAGES = {"speech.audio_encode"}
@@ -87,7 +89,7 @@ class Server:
         self.served = endpoints(self.pipe)
         kinds = {s.kind for s in self.pipe.config.stages}
         self.images = bool(kinds & MM_SOURCES)
-        self.audio_in = bool(kinds & SPEECH_SOURCES)
+        self.audio_in = bool(kinds & AUDIO_SOURCES)
         self.audio_out = speaks(self.pipe.config)
         self.max_tokens_limit = token_limit(self.pipe.config.stages)
         self.prompt_limits = prompt_limits(self.pipe.config.stages, self.pipe.config.edges)
