@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import io
 import socket
 import struct
@@ -28,11 +29,13 @@ from omni_serve import media
 from omni_serve.errors import APIError
 from omni_serve.limits import CHARS_PER_TOKEN, prompt_limits
 from omni_serve.media import (
+    B64_PIECE,
     HEADER_BUDGET_S,
     MAX_HEADER_READS,
     RemoteImages,
     Resolver,
     ResolverBusy,
+    b64decode_in_pieces,
     check_pixels,
     fetch_remote,
 )
@@ -374,3 +377,21 @@ def test_a_full_resolver_is_a_503_with_retry_after(hung):
     e = asyncio.run(run())
     assert e.status == 503 and e.headers == {"Retry-After": "1"}, e.message
     assert "lookups are all busy" in e.message
+
+
+@pytest.mark.parametrize("n", [0, 3, B64_PIECE * 3 // 4, B64_PIECE * 3 // 4 + 1, 3 * B64_PIECE])
+def test_base64_decoded_in_pieces_is_base64(n: int) -> None:
+    """An image's base64 is decoded a piece at a time (other threads run between pieces,
+    where one call over an image bomb's megabytes held the GIL for tens of ms): the same
+    bytes as one call, at a piece's size and one past it."""
+    raw = bytes(range(256)) * (n // 256) + bytes(n % 256)
+    assert b64decode_in_pieces(base64.b64encode(raw).decode()) == raw
+
+
+@pytest.mark.parametrize("bad", ["ab!d", "abc", "ab=d"])
+def test_base64_in_pieces_refuses_what_one_call_refuses(bad: str) -> None:
+    data = "QUJD" * (B64_PIECE // 4) + bad  # past the first piece
+    with pytest.raises((binascii.Error, ValueError)):
+        base64.b64decode(data, validate=True)
+    with pytest.raises((binascii.Error, ValueError)):
+        b64decode_in_pieces(data)
