@@ -395,3 +395,41 @@ def test_base64_in_pieces_refuses_what_one_call_refuses(bad: str) -> None:
         base64.b64decode(data, validate=True)
     with pytest.raises((binascii.Error, ValueError)):
         b64decode_in_pieces(data)
+
+
+def test_header_slot_holds_each_client_to_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that held the image header slot past HEADER_SHARE of the window waits
+    (just long enough to be back under it) before it queues again; another client and
+    the same client once the window has passed do not wait."""
+    clock = [100.0]
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+        clock[0] += s
+
+    monkeypatch.setattr(media.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(media.asyncio, "sleep", sleep)
+    share = media.HEADER_SHARE * media.HEADER_WINDOW_S
+
+    async def run() -> None:
+        slot = media.HeaderSlot()
+        async with slot.hold("key:attacker"):
+            clock[0] += share + 0.3  # a bomb's header read took past the share
+        async with slot.hold("key:normal"):  # someone else: no wait
+            pass
+        assert waits == []
+        async with slot.hold("key:attacker"):
+            pass
+        assert waits == [pytest.approx(0.3)]
+        clock[0] += media.HEADER_WINDOW_S + 1  # the window forgot it
+        async with slot.hold("key:attacker"):
+            pass
+        assert len(waits) == 1 and "key:attacker" in slot.held
+        async with slot.hold("key:at-the-share"):
+            clock[0] += share  # exactly the share: not over it
+        async with slot.hold("key:at-the-share"):
+            pass
+        assert len(waits) == 1
+
+    asyncio.run(run())

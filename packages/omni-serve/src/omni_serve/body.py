@@ -225,7 +225,10 @@ async def json_body(request: Request, limit: int) -> AsyncIterator[bytearray]:
 
 
 async def off_loop(
-    request: Request, size: int, work: Callable[[], T], slot: asyncio.Semaphore | None = None
+    request: Request,
+    size: int,
+    work: Callable[[], T],
+    slot: contextlib.AbstractAsyncContextManager[Any] | None = None,
 ) -> T:
     """``work()`` (parsing and checking a body of ``size`` bytes) where it cannot stall
     the server: inline when small, else in a worker thread, one at a time per ``slot``

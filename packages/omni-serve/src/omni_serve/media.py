@@ -41,7 +41,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -53,6 +54,7 @@ from omni_serve.body import off_loop
 from omni_serve.errors import APIError, bad_field, server_busy
 from omni_serve.openai_api import REMOTE
 from omni_serve.settings import IPNetwork, ServeSettings
+from omni_serve.shares import CLIENT
 from omni_serve.streams import until_disconnect
 
 log = logging.getLogger("omni.serve")
@@ -62,6 +64,8 @@ MAX_REDIRECTS = 3
 # three, a JPEG marker one or two; a common image takes 4 to 40); past it, a 400
 MAX_HEADER_READS = 2048
 HEADER_BUDGET_S = 1.0  # the wall time one image's header may take to read
+HEADER_SHARE = 0.25  # of the header slot's time, one client may hold (see HeaderSlot)
+HEADER_WINDOW_S = 2.0  # over this last stretch
 DNS_LOOKUPS_PER_SLOT = 8  # host name lookups outstanding at once, per fetch slot
 REDIRECTS = {301, 302, 303, 307, 308}
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -292,6 +296,51 @@ def remote_parts(request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(w, p) for w, p in image_parts(request) if p["url"].startswith(REMOTE)]
 
 
+class HeaderSlot:
+    """The one slot chat images' headers are read in, shared fairly: a client (its API
+    key's name, else its address) that held it more than :data:`HEADER_SHARE` of the
+    last :data:`HEADER_WINDOW_S` waits, before it queues again, until it is back under
+    that share. One client's image bombs then take at most that share of a core, however
+    fast it sends them; a client that sends a few images never waits for its own past."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.held: dict[str, deque[tuple[float, float]]] = {}  # client -> (end, seconds)
+
+    def used(self, client: str, now: float) -> float:
+        """The seconds ``client`` held the slot in the window before ``now``."""
+        spans = self.held.get(client)
+        if not spans:
+            return 0.0
+        while spans and spans[0][0] < now - HEADER_WINDOW_S:
+            spans.popleft()
+        if not spans:
+            del self.held[client]
+            return 0.0
+        return sum(s for _, s in spans)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, client: str) -> AsyncIterator[None]:
+        over = self.used(client, time.monotonic()) - HEADER_SHARE * HEADER_WINDOW_S
+        if over > 0:  # past its share: wait until the window forgets enough of it
+            await asyncio.sleep(over)
+        async with self.lock:
+            start = time.monotonic()
+            try:
+                yield
+            finally:
+                end = time.monotonic()
+                self.held.setdefault(client, deque()).append((end, end - start))
+
+
+def client_name(request: Request) -> str:
+    """Who a request is, for fair shares: its API key's name, else its address."""
+    key = CLIENT.get()
+    if key is not None:
+        return f"key:{key.name}"
+    return f"address:{request.client.host if request.client else '?'}"
+
+
 async def check_images(request: Request, preq: dict[str, Any], settings: ServeSettings) -> None:
     """Every check of a chat request's images (see the module), in place: remote URLs
     become data URLs; a 400 names the first part that fails. The client going away
@@ -319,7 +368,8 @@ async def check_images(request: Request, preq: dict[str, Any], settings: ServeSe
         await until_disconnect(request, fetch_remote(preq, fetcher, budget))
     size = sum(len(p["url"]) for _, p in parts)
     check = functools.partial(check_pixels, parts, settings.max_chat_image_pixels, fetched)
-    await off_loop(request, size, check, request.app.state.server.image_headers)
+    slot = request.app.state.server.image_headers.hold(client_name(request))
+    await off_loop(request, size, check, slot)
 
 
 class _Budgeted(io.BytesIO):

@@ -17,6 +17,7 @@ from omni_core.scheduling import PRIORITY_KEY, check_priority
 from omni_serve.body import BodyBudget
 from omni_serve.errors import APIError, bad_field, user_input
 from omni_serve.limits import PromptLimits, TokenLimit, prompt_limits, token_limit
+from omni_serve.media import HeaderSlot
 from omni_serve.metrics import ServerMetrics
 from omni_serve.settings import ServeSettings
 from omni_serve.shares import CLIENT, SharedPipeline, Shares
@@ -82,7 +83,7 @@ class Server:
     # big bodies are parsed off the event loop one at a time (omni_serve.body.off_loop)
     parsing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     # chat images' headers are read in a slot of their own (omni_serve.media.check_images)
-    image_headers: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    image_headers: HeaderSlot = field(default_factory=HeaderSlot)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.pipe)
