@@ -25,10 +25,13 @@ PY
 "${pypi[@]}" -r "$requirements"
 rm -f "$requirements"
 "${pypi[@]}" -e packages/omni-core -e packages/omni-hf -e packages/omni-testing \
-  -e "packages/omni-ar-stages[transformers,test]" -e tools/bench "pytest-timeout>=2.3"
+  -e "packages/omni-ar-stages[transformers,test]" -e tools/bench "pytest-timeout>=2.3" \
+  -e "packages/omni-speech-stages[test]"  # speech.thinker on vLLM (av, soundfile come with it)
 python - <<'PY'
 import torch, torchvision, vllm
 import vllm.model_executor.models.llava  # noqa: F401 (what this environment is for)
+import vllm.model_executor.models.qwen2_5_omni_thinker  # noqa: F401 (speech.thinker's)
+import omni_speech, av, soundfile  # noqa: F401
 assert "+cpu" not in torch.__version__, f"the CPU torch came in: {torch.__version__}"
 print(f"vllm-mm: vLLM {vllm.__version__}, torch {torch.__version__}, torchvision {torchvision.__version__}")
 PY
