@@ -352,6 +352,13 @@ class Thinker(Stage):
     def end_request(self, request_id: str) -> None:
         self.batch.remove(request_id)
 
+    def close(self) -> None:
+        """Take out the vLLM engine's row tap (engine: vllm); the engine goes with it."""
+        close = getattr(self.model, "close", None) if hasattr(self, "model") else None
+        if close is not None:
+            close()
+        self.model = None
+
     def _next(self, logits: Any, ti: ThinkerInput, n: int, gen: Any) -> int:
         """The n-th reply token (from its ``logits``, one row): the given one
         (``input``), else greedy or sampled."""

@@ -205,23 +205,21 @@ class VllmThinker:
         self, stage: Thinker, inp: StageInput, ti: ThinkerInput
     ) -> Iterator[StageEvent | None]:
         """The request's segments, as ``Thinker.generate`` makes them on transformers."""
-        from omni_ar.engines.vllm_engine import _Steps
-
         speak = ti.speech.speak
         forced = ti.forced
         limit = len(forced) if forced is not None else ti.params.max_tokens
         try:
             prompt, grids = self._prompt(stage, inp, ti)
             sp = self._params(stage, ti, 1 if forced is not None else limit, speak)
-            rid = self.engine._submit(prompt, sp)
+            steps = self.engine.open(prompt, sp)
         except RequestError as e:  # vLLM refused it (a prompt past max_model_len)
             yield inp.fail(e)
             return
         except RuntimeError as e:
             yield inp.fail(f"vLLM thinker: {e}")
             return
+        rid = steps.rid
         rows = self.tap.watch(rid, keep=speak)
-        steps = _Steps(self.engine, rid, None)
         try:
             yield None  # the requests that came with this one enter the engine too
             payload: dict[str, Any] = {
@@ -235,7 +233,7 @@ class VllmThinker:
                     "text_bos": stage.voices[ti.speech.voice].bos_token,
                 },
             }
-            tokens = self._tokens(steps, rid, forced)
+            tokens = self._tokens(steps, forced)
             n, p = 0, len(ti.ids)
             for token, end in tokens:
                 if token is None:
@@ -262,9 +260,7 @@ class VllmThinker:
             steps.close()
             self.tap.forget(rid)
 
-    def _tokens(
-        self, steps: Any, rid: str, forced: list[int] | None
-    ) -> Iterator[tuple[int | None, bool]]:
+    def _tokens(self, steps: Any, forced: list[int] | None) -> Iterator[tuple[int | None, bool]]:
         """(token, whether vLLM ended the request there); ``(None, False)`` while it waits.
         A given reply's tokens follow its one prefill step."""
         if forced is not None:
@@ -280,8 +276,7 @@ class VllmThinker:
             if s is None:
                 yield None, False
                 continue
-            st = self.engine._streams.get(rid)
-            yield s[0], st is None or (st.done and not st.tokens)
+            yield s[0], steps.ended
 
     def _arrays(
         self, stage: Thinker, ti: ThinkerInput, rows: Rows, n: int, p: int

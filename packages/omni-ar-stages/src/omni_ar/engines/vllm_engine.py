@@ -179,6 +179,12 @@ class _Steps:
                 raise RuntimeError(f"structured output: {state.error}")
         return s
 
+    @property
+    def ended(self) -> bool:
+        """vLLM ended the request and every token it gave has been read."""
+        st = self.engine._streams.get(self.rid)
+        return st is None or (st.done and not st.tokens)
+
     def close(self) -> None:
         from omni_ar.engines.kv_connector import INBOX
 
@@ -441,6 +447,13 @@ class VllmEngine:
             extra_args=extra or None,
             structured_outputs=StructuredOutputsParams(**structured) if structured else None,
         )
+
+    def open(self, prompt: list[int] | dict[str, Any], sp: Any) -> _Steps:
+        """A request of another family's making (token ids or an engine input, vLLM's
+        ``SamplingParams``) into the engine now; its tokens as :meth:`stream` gives them
+        (``None`` while it waits), with ``rid`` (vLLM's id for it), ``ended``, and
+        ``close`` (aborts it). A request vLLM refuses is a RequestError."""
+        return _Steps(self, self._submit(prompt, sp), None)
 
     def _submit(
         self,
