@@ -92,6 +92,7 @@ class Token2Wav(Stage):
         self.waves: dict[str, _Wave] = {}
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
+        ready: dict[str, tuple[StageInput, _Wave]] = {}
         for inp in batch:
             w = self.waves.get(inp.request_id)
             for p in inp.window.payloads:
@@ -100,72 +101,98 @@ class Token2Wav(Stage):
                     voice = self.voices.get(speech.get("voice"))
                     if voice is None:
                         yield inp.fail(f"voice {speech.get('voice')!r} is not this model's")
-                        return
+                        break
                     w = self.waves[inp.request_id] = _Wave(voice, _generator(speech.get("seed")))
-            if w is None:
-                yield inp.segment([], is_last=inp.last)
-                continue
-            w.codes += inp.window.new_tokens
-            yield from self._advance(inp, w)
+            else:
+                if w is None:
+                    yield inp.segment([], is_last=inp.last)
+                    continue
+                w.codes += inp.window.new_tokens
+                ready[inp.request_id] = (inp, w)
+        yield from self._advance(list(ready.values()))
 
-    def _advance(self, inp: StageInput, w: _Wave) -> Iterator[StageEvent | None]:
+    def _window(self, inp: StageInput, w: _Wave) -> tuple[int, int, int] | None:
+        """The request's next window to sample, ``(lo, end, hi)``: the mel of codes
+        [lo, hi) sampled, that of [w.kept, end) kept; None while it waits for codes."""
         o: Token2WavOptions = self.options
-        sent = False
+        n = len(w.codes)
+        if inp.cancelled or w.kept >= n:
+            return None
         if o.chunk_codes == 0:
-            if inp.last and w.codes:
-                self._keep(w, 0, len(w.codes), len(w.codes))
-        else:
-            while not inp.cancelled:
-                end = w.kept + o.chunk_codes
-                if end + o.lookahead_codes <= len(w.codes):
-                    self._keep(w, max(0, w.kept - o.context_codes), end, end + o.lookahead_codes)
-                elif inp.last and w.kept < len(w.codes):
-                    end = min(end, len(w.codes))
-                    lo = max(0, w.kept - o.context_codes)
-                    self._keep(w, lo, end, min(len(w.codes), end + o.lookahead_codes))
-                else:
-                    break
+            return (0, n, n) if inp.last else None
+        end = w.kept + o.chunk_codes
+        lo = max(0, w.kept - o.context_codes)
+        if end + o.lookahead_codes <= n:
+            return lo, end, end + o.lookahead_codes
+        if inp.last:
+            end = min(end, n)
+            return lo, end, min(n, end + o.lookahead_codes)
+        return None
+
+    def _advance(self, ready: list[tuple[StageInput, _Wave]]) -> Iterator[StageEvent | None]:
+        """Every window the requests have, round by round: one window of each request a
+        round, those of a length sampled together (one forward a solver step for all)."""
+        streamed = self.options.chunk_codes > 0
+        sent: set[str] = set()
+        while plans := [(i, w, s) for i, w in ready if (s := self._window(i, w)) is not None]:
+            self._keep([(w, s) for _, w, s in plans])
+            if not streamed:
+                break
+            for inp, w, _ in plans:
                 wave = self._vocode(w, final=inp.last and w.kept == len(w.codes))
                 if wave.size:
                     yield self._out(inp, w, wave, False)
-                    sent = True
-        if o.chunk_codes == 0 and w.frames:
-            wave = self._vocode(w, final=True)
-            yield self._out(inp, w, wave, inp.last)
-            return
-        if inp.last:
-            yield self._out(inp, w, np.zeros(0, np.float32), True)
-        elif not sent:
-            yield None
+                    sent.add(inp.request_id)
+        for inp, w in ready:
+            if not streamed and w.frames:
+                yield self._out(inp, w, self._vocode(w, final=True), inp.last)
+            elif inp.last:
+                yield self._out(inp, w, np.zeros(0, np.float32), True)
+            elif inp.request_id not in sent:
+                yield None
 
-    def _keep(self, w: _Wave, lo: int, end: int, hi: int) -> None:
-        """Sample the mel of codes [lo, hi) and keep that of [w.kept, end)."""
+    def _keep(self, windows: list[tuple[_Wave, tuple[int, int, int]]]) -> None:
+        """Sample the mel of each window's codes [lo, hi) and keep that of [kept, end);
+        windows of one length and voice reference in one batch."""
         import torch
 
-        frames_hi = hi * self.dit.repeats
-        have = 0 if w.noise is None else w.noise.shape[1]
-        if frames_hi > have:
-            more = torch.randn(
-                (1, frames_hi - have, self.dit.mel_dim), generator=w.generator, dtype=torch.float32
-            )
-            w.noise = more if w.noise is None else torch.cat([w.noise, more], 1)
         r = self.dit.repeats
-        codes = torch.tensor([w.codes[lo:hi]])
-        mel = self.sample(w.voice, codes, w.noise[:, lo * r : hi * r])
-        w.mel.append(mel[:, :, (w.kept - lo) * r : (end - lo) * r])
-        w.frames += (end - w.kept) * r
-        w.kept = end
+        groups: dict[tuple[int, int], list[tuple[_Wave, tuple[int, int, int]]]] = {}
+        for w, (lo, end, hi) in windows:
+            frames_hi = hi * r
+            have = 0 if w.noise is None else w.noise.shape[1]
+            if frames_hi > have:  # each frame's noise drawn once, in frame order
+                more = torch.randn(
+                    (1, frames_hi - have, self.dit.mel_dim),
+                    generator=w.generator,
+                    dtype=torch.float32,
+                )
+                w.noise = more if w.noise is None else torch.cat([w.noise, more], 1)
+            key = (hi - lo, w.voice.ref_mel.shape[1])
+            groups.setdefault(key, []).append((w, (lo, end, hi)))
+        for group in groups.values():
+            mel = self.sample(
+                torch.cat([w.voice.cond for w, _ in group]),
+                torch.cat([w.voice.ref_mel for w, _ in group]),
+                torch.tensor([w.codes[lo:hi] for w, (lo, _, hi) in group]),
+                torch.cat([w.noise[:, lo * r : hi * r] for w, (lo, _, hi) in group]),
+            )
+            for row, (w, (lo, end, _)) in enumerate(group):
+                w.mel.append(mel[row : row + 1, :, (w.kept - lo) * r : (end - lo) * r])
+                w.frames += (end - w.kept) * r
+                w.kept = end
 
-    def sample(self, voice: Voice, codes: Any, noise: Any) -> Any:
-        """The mel (1, mel, frames) of ``codes`` from ``noise``: the flow-matching ODE of
-        the model's own ``sample``, solved by its own RK4 solver."""
+    def sample(self, cond: Any, ref_mel: Any, codes: Any, noise: Any) -> Any:
+        """The mel (B, mel, frames) of ``codes`` (B, n) from ``noise`` (B, frames, mel),
+        each row with its voice's ``cond`` (B, dim) and reference mel: the flow-matching
+        ODE of the model's own ``sample``, solved by its own RK4 solver."""
         import torch
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
         o: Token2WavOptions = self.options
         dit = self.dit
-        cond = voice.cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
-        ref = voice.ref_mel
+        cond = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
+        ref = ref_mel
 
         def velocity(t: Any, x: Any) -> Any:
             if o.guidance_scale < 1e-5:
