@@ -86,26 +86,12 @@ class StepBatch:
         return [(ly.keys[row, :, pad:], ly.values[row, :, pad:]) for ly in self.cache.layers]
 
     def _rebuild(self) -> None:
-        import torch
-        from transformers import DynamicCache
+        from omni_ar.engines.transformers_engine import left_padded
 
         rows = [k for k, m in self.members.items() if not m.done]
         kv = [self._own_kv(k) for k in rows]
-        lengths = [layers[0][0].shape[1] for layers in kv]
-        width = max(lengths, default=0)
-        cache = DynamicCache()
-        for i in range(len(kv[0]) if kv else 0):
-            k0 = kv[0][i][0]
-            shape = (len(kv), k0.shape[0], width, k0.shape[2])
-            keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
-            for row, (layers, n) in enumerate(zip(kv, lengths, strict=True)):
-                keys[row, :, width - n :] = layers[i][0]
-                values[row, :, width - n :] = layers[i][1]
-            cache.update(keys, values, i)
-        mask = torch.zeros((len(kv), width), dtype=torch.long, device=self.device)
-        for row, n in enumerate(lengths):
-            mask[row, width - n :] = 1
-        self.rows, self.lengths, self.cache, self.mask = rows, lengths, cache, mask
+        self.cache, self.mask, self.lengths = left_padded(kv, self.device)
+        self.rows = rows
         self.dirty = False
 
     def step(self) -> None:

@@ -11,6 +11,7 @@ rules of the model's own processor.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,29 +77,7 @@ def parse(
     """(messages, sampling params, speech settings, text to say) of a request, or a
     RequestError naming the field."""
     rest = {k: v for k, v in request.items() if k not in SPEECH_FIELDS and k != "messages"}
-    modalities = request.get("modalities", ["text", "audio"])
-    if (
-        not isinstance(modalities, list)
-        or not modalities
-        or not all(m in MODALITIES for m in modalities)
-    ):
-        raise RequestError(
-            f"field 'modalities': expected a non-empty list of {list(MODALITIES)}, "
-            f"got {modalities!r}"
-        )
-    audio = request.get("audio", {})
-    if not isinstance(audio, dict) or set(audio) - {"voice", "format"}:
-        raise RequestError('field \'audio\': expected {"voice": str, "format": str}')
-    voice = audio.get("voice", request.get("voice", default_voice))
-    where = "audio.voice" if "voice" in audio else "voice"
-    if voice not in voices:
-        raise RequestError(
-            f"field {where!r}: voice {voice!r} is not one of this model's voices: "
-            f"{', '.join(voices)}"
-        )
-    fmt = audio.get("format")
-    if fmt is not None and not isinstance(fmt, str):
-        raise RequestError("field 'audio.format': expected a string")
+    speak, voice, fmt = speech_settings(request, voices, default_voice)
     said = request.get("input")
     if said is not None:
         if not isinstance(said, str) or not said.strip():
@@ -120,8 +99,39 @@ def parse(
         _check_messages(messages)
         rest.setdefault("max_tokens", limits.default_max_tokens)
         _, params = parse_request({"prompt": "-", **rest}, limits.max_tokens_limit)
-    speech = SpeechRequest(speak="audio" in modalities, voice=voice, format=fmt, seed=params.seed)
+    speech = SpeechRequest(speak=speak, voice=voice, format=fmt, seed=params.seed)
     return messages, params, speech, said
+
+
+def speech_settings(
+    request: dict[str, Any], voices: Sequence[str], default_voice: str
+) -> tuple[bool, str, str | None]:
+    """(whether to speak, the voice, the audio format asked for) of a request's
+    ``modalities``, ``audio`` and ``voice``, or a RequestError naming the field."""
+    modalities = request.get("modalities", list(MODALITIES))
+    if (
+        not isinstance(modalities, list)
+        or not modalities
+        or not all(m in MODALITIES for m in modalities)
+    ):
+        raise RequestError(
+            f"field 'modalities': expected a non-empty list of {list(MODALITIES)}, "
+            f"got {modalities!r}"
+        )
+    audio = request.get("audio", {})
+    if not isinstance(audio, dict) or set(audio) - {"voice", "format"}:
+        raise RequestError('field \'audio\': expected {"voice": str, "format": str}')
+    voice = audio.get("voice", request.get("voice", default_voice))
+    if voice not in voices:
+        where = "audio.voice" if "voice" in audio else "voice"
+        raise RequestError(
+            f"field {where!r}: voice {voice!r} is not one of this model's voices: "
+            f"{', '.join(voices)}"
+        )
+    fmt = audio.get("format")
+    if fmt is not None and not isinstance(fmt, str):
+        raise RequestError("field 'audio.format': expected a string")
+    return "audio" in modalities, voice, fmt
 
 
 def _check_messages(messages: Any) -> None:

@@ -31,7 +31,7 @@ from omni_core.errors import UserInputError
 from omni_core.stage import StageContext
 
 from omni_speech.encode import request_format
-from omni_speech.prompt import MAX_INPUT_CHARS, MODALITIES, SPEECH_FIELDS
+from omni_speech.prompt import MAX_INPUT_CHARS, MODALITIES, SPEECH_FIELDS, speech_settings
 from omni_speech.voice import (
     FRAMES_PER_S,
     GAP,
@@ -66,26 +66,7 @@ def speech_fields(
     and a request with ``input`` made the prompt ``say_prompt`` whose reply is held to
     exactly ``input``. A RequestError names a bad field."""
     rest = {k: v for k, v in request.items() if k not in SPEECH_FIELDS}
-    modalities = request.get("modalities", list(MODALITIES))
-    if (
-        not isinstance(modalities, list)
-        or not modalities
-        or not all(m in MODALITIES for m in modalities)
-    ):
-        raise RequestError(
-            f"field 'modalities': expected a non-empty list of {list(MODALITIES)}, "
-            f"got {modalities!r}"
-        )
-    audio = request.get("audio", {})
-    if not isinstance(audio, dict) or set(audio) - {"voice", "format"}:
-        raise RequestError('field \'audio\': expected {"voice": str, "format": str}')
-    voice = audio.get("voice", request.get("voice", VOICES[0]))
-    if voice not in VOICES:
-        where = "audio.voice" if "voice" in audio else "voice"
-        raise RequestError(
-            f"field {where!r}: voice {voice!r} is not one of this model's voices: "
-            + ", ".join(VOICES)
-        )
+    speech_settings(request, VOICES, VOICES[0])
     try:
         request_format(request, "wav")  # speech.audio_encode reads it
     except UserInputError as e:

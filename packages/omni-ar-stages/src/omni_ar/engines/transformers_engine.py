@@ -444,26 +444,10 @@ class _Batch:
         return [(ly.keys[row, :, pad:], ly.values[row, :, pad:]) for ly in self.cache.layers]
 
     def _rebuild(self) -> None:
-        import torch
-        from transformers import DynamicCache
-
         members = [r for r, q in self.requests.items() if not q.done]
         kv = [self._own_kv(r) for r in members]
-        lengths = [layers[0][0].shape[1] for layers in kv]
-        width = max(lengths, default=0)
-        cache = DynamicCache()
-        for i in range(len(kv[0]) if kv else 0):
-            k0 = kv[0][i][0]
-            shape = (len(kv), k0.shape[0], width, k0.shape[2])
-            keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
-            for row, (layers, n) in enumerate(zip(kv, lengths, strict=True)):
-                keys[row, :, width - n :] = layers[i][0]
-                values[row, :, width - n :] = layers[i][1]
-            cache.update(keys, values, i)
-        mask = torch.zeros((len(kv), width), dtype=torch.long, device=self.engine.device)
-        for row, n in enumerate(lengths):
-            mask[row, width - n :] = 1
-        self.members, self.lengths, self.cache, self.mask = members, lengths, cache, mask
+        self.cache, self.mask, self.lengths = left_padded(kv, self.engine.device)
+        self.members = members
         self.dirty = False
 
     def step(self) -> None:
@@ -530,6 +514,30 @@ class _Steps:
 
     def resume(self) -> None:
         self.batch.unpark(self.rid)
+
+
+def left_padded(kv: list[list[tuple[Any, Any]]], device: str) -> tuple[Any, Any, list[int]]:
+    """One cache of several requests' KV (each a list per layer of ``(kv_heads, tokens,
+    head_dim)`` keys and values), each row left-padded to the longest: the cache, the
+    mask of each row's real positions, and each row's length (a batched decode's rows)."""
+    import torch
+    from transformers import DynamicCache
+
+    lengths = [layers[0][0].shape[1] for layers in kv]
+    width = max(lengths, default=0)
+    cache = DynamicCache()
+    for i in range(len(kv[0]) if kv else 0):
+        k0 = kv[0][i][0]
+        shape = (len(kv), k0.shape[0], width, k0.shape[2])
+        keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
+        for row, (layers, n) in enumerate(zip(kv, lengths, strict=True)):
+            keys[row, :, width - n :] = layers[i][0]
+            values[row, :, width - n :] = layers[i][1]
+        cache.update(keys, values, i)
+    mask = torch.zeros((len(kv), width), dtype=torch.long, device=device)
+    for row, n in enumerate(lengths):
+        mask[row, width - n :] = 1
+    return cache, mask, lengths
 
 
 def kv_arrays(cache: Any, row: int = 0, start: int = 0) -> tuple[Any, Any]:
