@@ -4,15 +4,12 @@ processes; text only, and with an image and an audio clip in."""
 
 from __future__ import annotations
 
-import base64
-import io
-import wave
-
 import numpy as np
 import pytest
 import torch
 from omni_core import Pipeline
 from omni_core.stage import StageContext
+from omni_speech.testing import png_part, wav_part
 from omni_speech.thinker import Thinker
 
 MAX_TOKENS = 10
@@ -102,34 +99,13 @@ def staged(result) -> tuple[list, list, np.ndarray]:
     return text, codes, np.concatenate(audio) if audio else np.zeros(0, np.float32)
 
 
-def wav_part(seconds: float = 1.5, rate: int = 16000) -> dict:
-    t = np.arange(int(seconds * rate)) / rate
-    pcm = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    data = base64.b64encode(buf.getvalue()).decode()
-    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
-
-
-def png_part(w: int = 40, h: int = 24) -> dict:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (h, w, 3), np.uint8)).save(
-        buf, format="PNG"
-    )
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
 TEXT = {"prompt": "hello there, how are you today", "max_tokens": MAX_TOKENS, "seed": 11}
 MEDIA = {
     "messages": [
-        {"role": "user", "content": [png_part(), wav_part(), {"type": "text", "text": "what?"}]}
+        {
+            "role": "user",
+            "content": [png_part(seed=0), wav_part(), {"type": "text", "text": "what?"}],
+        }
     ],
     "max_tokens": MAX_TOKENS,
     "seed": 5,

@@ -28,40 +28,8 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torchvi
 
 from omni_core import Pipeline, StageInput  # noqa: E402
 from omni_core.stage import StageContext  # noqa: E402
+from omni_speech.testing import png_part, wav_part  # noqa: E402
 from omni_speech.thinker import Thinker  # noqa: E402
-
-
-def wav_part(seconds: float = 1.5, rate: int = 16000) -> dict:
-    """A 440 Hz tone as an ``input_audio`` part (WAV, base64)."""
-    import base64
-    import io
-    import wave
-
-    t = np.arange(int(seconds * rate)) / rate
-    pcm = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    data = base64.b64encode(buf.getvalue()).decode()
-    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
-
-
-def png_part(w: int = 40, h: int = 24) -> dict:
-    """Random pixels as an ``image_url`` part (PNG data URL)."""
-    import base64
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    pixels = np.random.default_rng(w * h).integers(0, 255, (h, w, 3), np.uint8)
-    Image.fromarray(pixels).save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    return {"type": "image_url", "image_url": {"url": url}}
-
 
 ROW_ATOL = 1e-4  # rows up to ~4.4 in size; measured at most 2.6e-5 apart (tiny model, fp32 CPU)
 MAX_TOKENS = 10

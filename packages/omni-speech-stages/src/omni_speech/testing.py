@@ -239,3 +239,39 @@ def _image_processor() -> Any:
         merge_size=2,
         temporal_patch_size=2,
     )
+
+
+def wav_part(seconds: float = 1.5, rate: int = 16000) -> dict[str, Any]:
+    """A 440 Hz tone as an OpenAI ``input_audio`` content part (WAV, base64)."""
+    import base64
+    import io
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    data = base64.b64encode(buf.getvalue()).decode()
+    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+
+
+def png_part(w: int = 40, h: int = 24, seed: int | None = None) -> dict[str, Any]:
+    """Random pixels (from ``seed``, else ``w * h``) as an ``image_url`` part (PNG data
+    URL)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    rng = np.random.default_rng(w * h if seed is None else seed)
+    Image.fromarray(rng.integers(0, 255, (h, w, 3), np.uint8)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
