@@ -17,11 +17,14 @@ MAX_CODES = 48
 STREAM_ERROR_BOUND = 1e-3  # relative L2, streamed vs exact, tiny model (measured 1.9e-7)
 
 
-def config(model: str, *, inline: bool, sample: bool = False, chunk: int = 0) -> dict:
+def config(
+    model: str, *, inline: bool, sample: bool = False, chunk: int = 0, max_chunk: int = 0
+) -> dict:
     talker = {"model": model, "max_codes": MAX_CODES}
     if not sample:
         talker["sampling"] = {"do_sample": False}
     t2w = {"model": model, "chunk_codes": chunk, "context_codes": 8, "lookahead_codes": 4}
+    t2w["max_chunk_codes"] = max_chunk
     return {
         "name": "speech_test",
         "ready_timeout_s": 120,
@@ -172,6 +175,59 @@ def test_streamed_waveform_close_to_exact(tiny_omni):
     assert error < STREAM_ERROR_BOUND, error
 
 
+def test_growing_windows_double_up_to_their_cap(tiny_omni):
+    """max_chunk_codes: windows of 8, 16, then 24 new codes (the cap), the last what is
+    left; each with its context and lookahead; the audio as long as the exact mode's and
+    as close to it as fixed windows'."""
+    from omni_speech.token2wav import Token2Wav
+
+    codes = {"a": np.random.default_rng(1).integers(0, 60, 60).tolist()}
+    common = {"model": tiny_omni, "context_codes": 8, "lookahead_codes": 4}
+    exact = Token2Wav(StageContext("token2wav", "speech.token2wav", common))
+    exact.load()
+    opts = {**common, "chunk_codes": 8, "max_chunk_codes": 24}
+    stage = Token2Wav(StageContext("token2wav", "speech.token2wav", opts))
+    stage.load()
+    sampled, sample = [], stage.sample
+    stage.sample = lambda cond, ref, c, noise: (
+        sampled.append(c.shape[1]) or sample(cond, ref, c, noise)
+    )
+    want, got = t2w_run(exact, codes, ["a"])["a"], t2w_run(stage, codes, ["a"])["a"]
+    # new codes 8, 16, 24, 12; context 0, 8, 8, 8; lookahead 4, 4, 4, 0
+    assert sampled == [12, 28, 36, 20]
+    assert got.shape == want.shape
+    error = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert error < STREAM_ERROR_BOUND, error
+
+
+def test_window_velocity_equals_the_dit_forward(tiny_omni):
+    """omni_speech.dit.WindowVelocity (what a window's solver steps share built once)
+    gives the module's own forward's velocity, guided and not, for a batch of voices."""
+    from omni_speech.checkpoint import load_part, load_voices
+    from omni_speech.dit import WindowVelocity
+
+    dit = load_part(tiny_omni, "token2wav").code2wav_dit_model
+    voices = list(load_voices(tiny_omni).values())
+    cond = torch.cat([v.cond for v in voices])
+    ref = torch.cat([v.ref_mel for v in voices])
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 64, (len(voices), 20), generator=gen)
+    x = torch.randn(len(voices), 40, dit.mel_dim, generator=gen)
+    speaker = cond.unsqueeze(1).repeat(1, 40, 1)
+    common = {"hidden_states": x, "speaker_embedding": speaker, "condition_vector": ref}
+    with torch.inference_mode():
+        for guidance in (0.5, 0.0):
+            velocity = WindowVelocity(dit, cond, ref, codes, guidance)
+            for t in (torch.tensor(0.0), torch.tensor(0.6)):
+                if guidance:
+                    out = dit(**common, quantized_code=codes, time_step=t, apply_cfg=True)
+                    guided, null = torch.chunk(out, 2)
+                    want = guided + (guided - null) * guidance
+                else:
+                    want = dit(**common, quantized_code=codes, time_step=t, apply_cfg=False)
+                torch.testing.assert_close(velocity(t, x), want, rtol=0, atol=1e-6)
+
+
 def test_bad_inputs_fail_alone_naming_the_field(tiny_omni):
     """Garbage audio, a voice the model lacks, audio over its budget: each request fails
     with an error naming its field; the good request beside them completes."""
@@ -213,6 +269,26 @@ def test_requests_in_flight_together_equal_alone(tiny_omni):
     with Pipeline(cfg) as p:
         together = [staged(out)[:2] for out in p.generate(requests)]
     assert together == alone
+
+
+def t2w_run(stage, codes: dict[str, list[int]], rids: list[str]) -> dict[str, np.ndarray]:
+    """The audio ``stage`` (a loaded ``Token2Wav``) speaks for requests ``rids``, all
+    their ``codes`` handed to one process call."""
+    from omni_core import StageInput
+    from omni_core.dataplane.windows import Piece, Window
+
+    inputs = []
+    for rid in rids:
+        speech = {"speak": True, "voice": "Chelsie", "seed": ord(rid)}
+        window = Window("talker", 0, 0, 0, [Piece(0, codes[rid], {}, {"speech": speech})], True)
+        inputs.append(StageInput(rid, {}, {"talker": window}, first=True, last=True))
+    audio: dict[str, list] = {rid: [] for rid in rids}
+    for ev in stage.process(inputs):
+        if ev is not None and "audio" in getattr(ev, "arrays", {}):
+            audio[ev.request_id].append(ev.arrays["audio"])
+    for rid in rids:
+        stage.end_request(rid)
+    return {rid: np.concatenate(a) for rid, a in audio.items()}
 
 
 class _Input:
@@ -264,39 +340,20 @@ def test_token2wav_batches_windows_of_several_requests(tiny_omni):
     """Two requests' windows handed to one process call: one DiT forward a solver step
     for both (a batch of 2, with guidance 4 rows), and each request's audio the same as
     when it is processed alone."""
-    from omni_core import StageInput
-    from omni_core.dataplane.windows import Piece, Window
     from omni_speech.token2wav import Token2Wav
 
     rng = np.random.default_rng(0)
     codes = {rid: rng.integers(0, 60, 20).tolist() for rid in ("a", "b")}
 
-    def inputs(rids):
-        out = []
-        for rid in rids:
-            speech = {"speak": True, "voice": "Chelsie", "seed": ord(rid)}
-            piece = Piece(0, codes[rid], {}, {"speech": speech})
-            window = Window("talker", 0, 0, 0, [piece], True)
-            out.append(StageInput(rid, {}, {"talker": window}, first=True, last=True))
-        return out
-
     def run(stage, rids):
-        audio = {rid: [] for rid in rids}
-        for ev in stage.process(inputs(rids)):
-            if ev is not None and "audio" in getattr(ev, "arrays", {}):
-                audio[ev.request_id].append(ev.arrays["audio"])
-        for rid in rids:
-            stage.end_request(rid)
-        return {rid: np.concatenate(a) for rid, a in audio.items()}
+        return t2w_run(stage, codes, rids)
 
     opts = {"model": tiny_omni, "chunk_codes": 8, "context_codes": 8, "lookahead_codes": 4}
     stage = Token2Wav(StageContext("token2wav", "speech.token2wav", opts))
     stage.load()
     alone = {**run(stage, ["a"]), **run(stage, ["b"])}
-    batches = []
-    stage.dit.register_forward_hook(
-        lambda m, a, k, out: batches.append(out.shape[0]), with_kwargs=True
-    )
+    batches = []  # the rows of each velocity (its last projection's output)
+    stage.dit.proj_out.register_forward_hook(lambda m, a, out: batches.append(out.shape[0]))
     together = run(stage, ["a", "b"])
     assert max(batches) == 4  # two requests, each conditioned and unconditioned
     for rid in ("a", "b"):

@@ -3,9 +3,12 @@
 
 Exact (``chunk_codes: 0``): one window of every code once the talker ends: the same
 noise, solver and steps as the model's own ``generate``, so the same waveform.
-Streamed: each window of ``chunk_codes`` new codes is sampled with ``context_codes``
-before it and ``lookahead_codes`` after it (so a window waits for that many more
-codes), and only its own frames are kept; the vocoder then runs over the kept frames
+Streamed: the first window of ``chunk_codes`` new codes, each next one twice the last's
+up to ``max_chunk_codes`` (fewer windows, so fewer codes sampled twice as context, once
+the first audio is out), is sampled with ``context_codes`` before it and
+``lookahead_codes`` after it (so a window waits for that many more codes), and only its
+own frames are kept; a round of windows takes the requests' first windows before any
+later one (time to first audio); the vocoder then runs over the kept frames
 with ``vocoder_frames`` of mel on each side, and the samples of the frames whose right
 side has not come yet wait for the next window. The noise of each mel frame is the same
 as the exact mode's (drawn in frame order from the request's seed), so the streams
@@ -26,6 +29,7 @@ import numpy as np
 from omni_core import Stage, StageEvent, StageInput
 
 from omni_speech.checkpoint import Voice, load_part, load_voices, resolve
+from omni_speech.dit import WindowVelocity
 from omni_speech.thinker import TORCH_PRELOAD
 
 SAMPLE_RATE = 24000  # Qwen2.5-Omni's BigVGAN
@@ -40,7 +44,8 @@ class Token2WavOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     guidance_scale: float = 0.5
     sway_coefficient: float = -1.0
     sample_rate: int = SAMPLE_RATE
-    chunk_codes: int = 0  # 0: exact, one window at the end; else codes per window
+    chunk_codes: int = 0  # 0: exact, one window at the end; else the first window's codes
+    max_chunk_codes: int = 0  # later windows' codes at most (each 2x the last's); 0: chunk_codes
     context_codes: int = 24  # codes of left context per window (whole DiT blocks)
     lookahead_codes: int = 12  # codes of right context a window waits for
     vocoder_frames: int = 16  # mel frames on each side of a vocoded window
@@ -48,6 +53,8 @@ class Token2WavOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     def __post_init__(self) -> None:
         if min(self.chunk_codes, self.context_codes, self.lookahead_codes) < 0:
             raise ValueError("chunk_codes, context_codes and lookahead_codes must be >= 0")
+        if self.max_chunk_codes and self.max_chunk_codes < self.chunk_codes:
+            raise ValueError("max_chunk_codes: at least chunk_codes (or 0: windows of chunk_codes)")
         if self.num_steps < 2:
             raise ValueError("num_steps: at least 2 time points")
 
@@ -61,6 +68,7 @@ class _Wave:
     codes: list[int] = field(default_factory=list)
     noise: Any = None  # (1, frames, mel) drawn so far, in frame order
     kept: int = 0  # codes whose mel is final
+    windows: int = 0  # windows sampled
     mel: list[Any] = field(default_factory=list)  # final mel, (1, mel, frames) pieces
     frames: int = 0  # final mel frames
     vocoded: int = 0  # frames whose samples went out
@@ -86,7 +94,7 @@ class Token2Wav(Stage):
         self.voices = load_voices(path)
         self.hop = math.prod(self.vocoder.config.upsample_rates)
         block = self.dit.config.block_size // self.dit.repeats
-        for name in ("chunk_codes", "context_codes", "lookahead_codes"):
+        for name in ("chunk_codes", "max_chunk_codes", "context_codes", "lookahead_codes"):
             if getattr(o, name) % block:
                 raise ValueError(f"{name} {getattr(o, name)}: a multiple of {block} (a DiT block)")
         self.waves: dict[str, _Wave] = {}
@@ -120,7 +128,7 @@ class Token2Wav(Stage):
             return None
         if o.chunk_codes == 0:
             return (0, n, n) if inp.last else None
-        end = w.kept + o.chunk_codes
+        end = w.kept + min(o.chunk_codes << w.windows, o.max_chunk_codes or o.chunk_codes)
         lo = max(0, w.kept - o.context_codes)
         if end + o.lookahead_codes <= n:
             return lo, end, end + o.lookahead_codes
@@ -131,10 +139,12 @@ class Token2Wav(Stage):
 
     def _advance(self, ready: list[tuple[StageInput, _Wave]]) -> Iterator[StageEvent | None]:
         """Every window the requests have, round by round: one window of each request a
-        round, those of a length sampled together (one forward a solver step for all)."""
+        round, those of a length sampled together (one forward a solver step for all); a
+        round of first windows, while any request has one, before the others'."""
         streamed = self.options.chunk_codes > 0
         sent: set[str] = set()
         while plans := [(i, w, s) for i, w in ready if (s := self._window(i, w)) is not None]:
+            plans = [p for p in plans if p[1].kept == 0] or plans
             self._keep([(w, s) for _, w, s in plans])
             if not streamed:
                 break
@@ -181,46 +191,22 @@ class Token2Wav(Stage):
                 w.mel.append(mel[row : row + 1, :, (w.kept - lo) * r : (end - lo) * r])
                 w.frames += (end - w.kept) * r
                 w.kept = end
+                w.windows += 1
 
     def sample(self, cond: Any, ref_mel: Any, codes: Any, noise: Any) -> Any:
         """The mel (B, mel, frames) of ``codes`` (B, n) from ``noise`` (B, frames, mel),
         each row with its voice's ``cond`` (B, dim) and reference mel: the flow-matching
-        ODE of the model's own ``sample``, solved by its own RK4 solver."""
+        ODE of the model's own ``sample``, solved by its own RK4 solver (the DiT's
+        velocity by :class:`~omni_speech.dit.WindowVelocity`)."""
         import torch
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
         o: Token2WavOptions = self.options
-        dit = self.dit
-        cond = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
-        ref = ref_mel
-
-        def velocity(t: Any, x: Any) -> Any:
-            if o.guidance_scale < 1e-5:
-                return dit(
-                    hidden_states=x,
-                    speaker_embedding=cond,
-                    condition_vector=ref,
-                    quantized_code=codes,
-                    time_step=t,
-                    drop_audio_conditioning=False,
-                    drop_code=False,
-                    apply_cfg=False,
-                )
-            out = dit(
-                hidden_states=x,
-                quantized_code=codes,
-                speaker_embedding=cond,
-                condition_vector=ref,
-                time_step=t,
-                apply_cfg=True,
-            )
-            guided, null = torch.chunk(out, 2, dim=0)
-            return guided + (guided - null) * o.guidance_scale
-
         t = torch.linspace(0, 1, o.num_steps, dtype=cond.dtype)
         if o.sway_coefficient is not None:
             t += o.sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
         with torch.inference_mode():
+            velocity = WindowVelocity(self.dit, cond, ref_mel, codes, o.guidance_scale)
             path = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)
         return path[-1].permute(0, 2, 1)
 
