@@ -124,7 +124,7 @@ def test_stop_string_spanning_segments(pipe, reference):
 def test_bad_input_ends_only_its_request(pipe, reference):
     _, expected = reference
     outs = pipe.generate(
-        [{"prompt": "a", "max_tokens": 0}, PROMPTS[1], {"prompt": ""}, {"prompt": "x", "top_k": 3}]
+        [{"prompt": "a", "max_tokens": 0}, PROMPTS[1], {"prompt": ""}, {"prompt": "x", "top_k": -2}]
     )
     assert [o.finish_reason for o in outs] == ["error", "completed", "error", "error"]
     assert "stage 'intake'" in outs[0].error and "field 'max_tokens'" in outs[0].error

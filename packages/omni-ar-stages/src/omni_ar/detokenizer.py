@@ -46,11 +46,29 @@ class StopMatcher:
         return None
 
 
+def detokenizer(tokenizer: Any, params: Any, stop_ids: list[int] | None = None) -> Any:
+    """The request's :class:`IncrementalDetokenizer` by its params (``stop``,
+    ``skip_special_tokens``, ``include_stop_str_in_output``); ``stop_ids``: the tokens
+    that end it (decode's ``stop_ids``), which leave no text unless it includes them."""
+    include = params.include_stop_str_in_output
+    return IncrementalDetokenizer(
+        tokenizer,
+        stop=params.stop,
+        skip_special_tokens=params.skip_special_tokens,
+        include_stop=include,
+        drop_ids=frozenset(() if include else stop_ids or ()),
+    )
+
+
 @dataclass
 class IncrementalDetokenizer:
     tokenizer: Any
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    include_stop: bool = False  # a stop string found stays at the end of the text
+    # tokens that end the request and leave no text (vLLM's: EOS and stop_token_ids, unless
+    # include_stop_str_in_output)
+    drop_ids: frozenset[int] = frozenset()
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0  # ids before this are settled context
     read_offset: int = 0  # ids before this have been turned into text
@@ -68,7 +86,7 @@ class IncrementalDetokenizer:
         """Take new token ids; returns the text they complete (may be empty)."""
         if self.stopped is not None:
             return ""
-        self.ids.extend(new_ids)
+        self.ids.extend(t for t in new_ids if t not in self.drop_ids)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if full.endswith(REPLACEMENT) or len(full) <= len(prefix):
@@ -108,6 +126,8 @@ class IncrementalDetokenizer:
                     first = hit if first is None else min(first, hit)
             if first is not None:
                 pos, self.stopped = first
+                if self.include_stop:
+                    pos += len(self.stopped)
                 self.text = self.text[:pos]
                 end = pos
             else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 import msgspec
@@ -22,6 +23,9 @@ MAX_SCHEMA_CHARS = 65536  # a json_schema's schema as JSON, at most
 MAX_STOP_STRINGS = 16  # a request's stop strings, at most
 MAX_STOP_CHARS = 1024  # characters in one stop string, at most
 MAX_TOP_LOGPROBS = 20  # alternatives per token, at most (OpenAI's limit)
+MAX_LOGIT_BIAS = 300  # logit_bias entries, at most (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids, at most
+MAX_BAD_WORDS = 128  # bad_words, at most (vLLM's VLLM_MAX_NUM_BAD_WORDS, before tokenizing)
 
 
 def template_error(e: Exception) -> RequestError:
@@ -47,6 +51,20 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logprobs: bool = False  # each token's logprob with its text
     top_logprobs: int = 0  # with logprobs: the k most likely alternatives of each token
     ignore_eos: bool = False  # generate max_tokens even past the end-of-sequence token
+    # OpenAI's penalties, as vLLM applies them: minus frequency x (times the token was
+    # generated) and presence x (generated at all), over the generated tokens only
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # vLLM's extras (see omni_ar.logits, where the transformers engine applies them):
+    repetition_penalty: float = 1.0  # > 1: a logit of a token in the prompt or output shrinks
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> added to its logit
+    top_k: int = 0  # the k likeliest tokens only (0 or -1: all)
+    min_p: float = 0.0  # tokens at least this fraction of the likeliest's probability only
+    min_tokens: int = 0  # no EOS nor stop token (nor stop string) before this many tokens
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)  # these end it too
+    bad_words: list[str] = msgspec.field(default_factory=list)  # never generated
+    include_stop_str_in_output: bool = False  # the stop string (or token) stays in the text
+    skip_special_tokens: bool = True  # special tokens leave no text
     # OpenAI's: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
     # {"name", "schema", "strict", "description"}}; checked by parse_request
     response_format: dict[str, Any] | None = None
@@ -180,6 +198,7 @@ def parse_request(
         raise RequestError(
             f"field 'stop': a stop string has at most {MAX_STOP_CHARS} characters, got {longest}"
         )
+    check_extras(params)
     if params.response_format is not None:
         check_response_format(params.response_format)
     if params.structured_outputs is not None:
@@ -192,6 +211,54 @@ def parse_request(
         schema = params.response_format["json_schema"]["schema"]
         check_schema(schema, "response_format.json_schema.schema")  # as a grammar
     return source, params
+
+
+def check_extras(params: SamplingParams) -> None:
+    """The penalties and vLLM's extra sampling fields, in vLLM's ranges. What needs the
+    model (token ids in its vocabulary, bad words that tokenize) is checked by the engine
+    (:func:`omni_ar.logits.check_tokens`)."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(params, name)
+        if not -2.0 <= value <= 2.0:
+            raise RequestError(f"field {name!r}: expected -2..2, got {value}")
+    if not (params.repetition_penalty > 0.0 and math.isfinite(params.repetition_penalty)):
+        raise RequestError(
+            f"field 'repetition_penalty': expected a value > 0, got {params.repetition_penalty}"
+        )
+    if params.top_k < -1:
+        raise RequestError(f"field 'top_k': expected -1, 0 (off) or >= 1, got {params.top_k}")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise RequestError(f"field 'min_p': expected 0..1, got {params.min_p}")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise RequestError(
+            f"field 'min_tokens': expected 0..max_tokens ({params.max_tokens}), "
+            f"got {params.min_tokens}"
+        )
+    bias = params.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"field 'logit_bias': at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise RequestError(
+                f"field 'logit_bias': keys are token ids (decimal strings), got {key[:40]!r}"
+            )
+        if not -100.0 <= value <= 100.0:
+            raise RequestError(f"field 'logit_bias.{key}': expected -100..100, got {value}")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(
+            f"field 'stop_token_ids': at most {MAX_STOP_TOKEN_IDS}, "
+            f"got {len(params.stop_token_ids)}"
+        )
+    if any(t < 0 for t in params.stop_token_ids):
+        raise RequestError("field 'stop_token_ids': token ids are >= 0")
+    if len(params.bad_words) > MAX_BAD_WORDS:
+        raise RequestError(
+            f"field 'bad_words': at most {MAX_BAD_WORDS}, got {len(params.bad_words)}"
+        )
+    if any(not w.strip() or len(w) > MAX_STOP_CHARS for w in params.bad_words):
+        raise RequestError(
+            f"field 'bad_words': each is a non-blank string of at most {MAX_STOP_CHARS} characters"
+        )
 
 
 def check_response_format(fmt: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from omni_core.worker.devices import default_dtype
 from omni_hf import quiet_offline
 
 from omni_ar.engines.cpu_turns import cpu_turn
+from omni_ar.logits import Logits, adjusts, bad_word_ids, check_tokens, ends, warp
 from omni_ar.multimodal.mrope import uses_mrope
 from omni_ar.params import Sampled, SamplingParams
 from omni_ar.structured import Grammars, Matcher
@@ -138,13 +139,40 @@ class TransformersEngine:
             return None
         return self._grammars().matcher(constraint, sampled or [])
 
+    def check_tokens(self, params: SamplingParams) -> None:
+        """A RequestError naming the field where ``params`` name a token outside the
+        model's vocabulary (:func:`omni_ar.logits.check_tokens`; not before the model
+        is loaded)."""
+        if self.model is None:
+            return
+        tokenizer = (self.tokenizer or self.load_tokenizer()) if params.bad_words else None
+        check_tokens(params, int(self.model.config.vocab_size), tokenizer)
+
+    def logits(
+        self, params: SamplingParams, prompt: list[int] | None, output: list[int] | None = None
+    ) -> Logits | None:
+        """The request's logits processing (:class:`omni_ar.logits.Logits`) past its
+        ``output`` so far, or None where its params change nothing."""
+        if not adjusts(params):
+            return None
+        bad = None
+        if params.bad_words:
+            bad = bad_word_ids(self.tokenizer or self.load_tokenizer(), params.bad_words)
+        return Logits(params, prompt or [], self.eos_ids, bad, output)
+
     # -- model ----------------------------------------------------------------------
     def _pick(
-        self, logits: Any, params: SamplingParams, gen: Any, matcher: Matcher | None = None
+        self,
+        logits: Any,
+        params: SamplingParams,
+        gen: Any,
+        matcher: Matcher | None = None,
+        state: Logits | None = None,
     ) -> Sampled:
         """The next token of one request from its logits (only those its grammar allows
-        next, with a ``matcher``, which then advances), with its logprob and, for
-        ``top_logprobs``, the most likely alternatives."""
+        next, with a ``matcher``, which then advances; processed by its ``state``, which
+        then takes the token), with its logprob (before the processing, as vLLM's raw
+        logprobs) and, for ``top_logprobs``, the most likely alternatives."""
         import torch
 
         logits = logits.float()
@@ -156,10 +184,12 @@ class TransformersEngine:
         if params.top_logprobs:
             vals, idx = torch.topk(logprobs, min(params.top_logprobs, logprobs.shape[-1]))
             top = list(zip(idx.tolist(), vals.tolist(), strict=True))
+        if state is not None:
+            logits = state.adjust(logits)
         if params.temperature == 0:
             tok = int(torch.argmax(logits))
         else:
-            probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+            probs = torch.softmax(warp(logits / params.temperature, params), dim=-1)
             if params.top_p < 1.0:
                 sorted_p, idx = torch.sort(probs, descending=True)
                 keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
@@ -167,6 +197,8 @@ class TransformersEngine:
             tok = int(torch.multinomial(probs, 1, generator=gen))
         if matcher is not None:
             matcher.accept(tok)
+        if state is not None:
+            state.accept(tok)
         return Sampled((tok, float(logprobs[tok])), top)
 
     def generator(self, params: SamplingParams, offset: int = 0) -> Any:
@@ -219,7 +251,13 @@ class TransformersEngine:
 
         with self.turn, torch.inference_mode():
             out = self.model(self.tensor([ids]), use_cache=True, **self._last_logits())
-        first = self._pick(out.logits[0, -1], params, self.generator(params), self.matcher(params))
+        first = self._pick(
+            out.logits[0, -1],
+            params,
+            self.generator(params),
+            self.matcher(params),
+            self.logits(params, ids),
+        )
         keys, values = kv_arrays(_cache_of(out))
         return Sampled((*first, keys, values), first.top)
 
@@ -251,7 +289,8 @@ class TransformersEngine:
         self.prefill_forwards += 1
         cache = _cache_of(out)
         for row, (p, pad) in enumerate(zip(params, pads, strict=True)):
-            first = self._pick(out.logits[row, -1], p, self.generator(p), self.matcher(p))
+            state = self.logits(p, prompts[row])
+            first = self._pick(out.logits[row, -1], p, self.generator(p), self.matcher(p), state)
             keys, values = kv_arrays(cache, row, pad)
             yield Sampled((*first, keys, values), first.top)
 
@@ -279,7 +318,7 @@ class TransformersEngine:
         keys: np.ndarray,
         values: np.ndarray,
         params: SamplingParams,
-        prompt: list[int] | None = None,  # not needed here: the KV holds the prompt
+        prompt: list[int] | None = None,  # the prompt's ids: for repetition_penalty only
         priority: int = 0,
     ) -> Iterator[tuple[int, float]]:
         """Tokens after ``first``, one per step, until EOS or ``max_tokens`` in all,
@@ -290,13 +329,14 @@ class TransformersEngine:
         the batch (also before iterating), which frees the request's KV. ``priority`` is
         not read: nothing waits in this engine (every request joins at once), and the
         worker admits requests up to ``max_inflight`` by the stage's policy."""
-        if params.max_tokens <= 1 or (first in self.eos_ids and not params.ignore_eos):
+        if params.max_tokens <= 1 or ends(first, params, self.eos_ids):
             return iter(())
         layers = [
             (self._kv_tensor(keys[i]), self._kv_tensor(values[i])) for i in range(keys.shape[0])
         ]
         req = _Request(params, self.generator(params, offset=1), first, params.max_tokens - 1)
         req.matcher = self.matcher(params, [first])
+        req.logits = self.logits(params, prompt, [first])
         return _Steps(self.batch, self.batch.add(req, layers))
 
     def cache_from(self, keys: Any, values: Any) -> Any:
@@ -319,20 +359,26 @@ class TransformersEngine:
         return torch.tensor(a, device=self.device, dtype=dtype)
 
     def steps(
-        self, first: int, cache: Any, params: SamplingParams, position_offset: int | None = None
+        self,
+        first: int,
+        cache: Any,
+        params: SamplingParams,
+        position_offset: int | None = None,
+        prompt: list[int] | None = None,
     ) -> Iterator[tuple[int, float]]:
         """The tokens after ``first`` (the cache holds everything before it), one per
         step, until EOS or ``max_tokens`` in all: one request alone, in its own cache
         (the multimodal engine's resume; ``decode`` batches). ``position_offset``: each
         token's position is given, its index plus this (an M-RoPE model's delta), instead
-        of left to the model."""
+        of left to the model; ``prompt``: its ids, for ``repetition_penalty``."""
         import torch
 
         gen = self.generator(params, offset=1)
         matcher = self.matcher(params, [first])
+        state = self.logits(params, prompt, [first])
         tok = first
         for _ in range(params.max_tokens - 1):
-            if tok in self.eos_ids and not params.ignore_eos:
+            if ends(tok, params, self.eos_ids):
                 return
             kwargs = {self.cache_kw: cache}
             if position_offset is not None:
@@ -340,7 +386,7 @@ class TransformersEngine:
             with torch.inference_mode():
                 out = self.model(self.tensor([[tok]]), use_cache=True, **kwargs)
             cache = _cache_of(out)
-            s = self._pick(out.logits[0, -1], params, gen, matcher)
+            s = self._pick(out.logits[0, -1], params, gen, matcher, state)
             tok = s[0]
             yield s
 
@@ -371,6 +417,7 @@ class _Request:
     queue: deque[Sampled] = field(default_factory=deque)
     done: bool = False
     matcher: Matcher | None = None  # its grammar's state, for structured output
+    logits: Logits | None = None  # its penalties, biases, bad words... (omni_ar.logits)
 
 
 class _Batch:
@@ -474,10 +521,10 @@ class _Batch:
         self.cache = _cache_of(out)
         self.lengths = [n + 1 for n in self.lengths]
         for row, q in enumerate(reqs):
-            s = e._pick(out.logits[row, -1], q.params, q.gen, q.matcher)
+            s = e._pick(out.logits[row, -1], q.params, q.gen, q.matcher, q.logits)
             q.queue.append(s)
             q.tok, q.left = s[0], q.left - 1
-            if q.left <= 0 or (q.tok in e.eos_ids and not q.params.ignore_eos):
+            if q.left <= 0 or ends(q.tok, q.params, e.eos_ids):
                 q.done = self.dirty = True
 
 

@@ -261,9 +261,10 @@ class VLMEngine(TransformersEngine):
             kwargs["position_ids"] = self.tensor([list(at)])
         with torch.inference_mode():
             out = self.model(self.tensor([rest]), use_cache=True, logits_to_keep=1, **kwargs)
-        first = self._pick(out.logits[0, -1], params, self.generator(params))
+        state = self.logits(params, ids)
+        first = self._pick(out.logits[0, -1], params, self.generator(params), state=state)
         yield first  # as picked: with its top_logprobs alternatives
-        yield from self.steps(first[0], _cache_of(out), params, offset)
+        yield from self.steps(first[0], _cache_of(out), params, offset, ids)
 
 
 def _merge_size(config: Any) -> int | None:

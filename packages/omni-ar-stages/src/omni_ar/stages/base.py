@@ -155,7 +155,12 @@ class ModelStage(Stage):
         """``params`` in a stage that samples: a RequestError naming the constraint's
         field where the request asks for structured output this stage or its engine
         cannot hold to (its grammar compiled for the engine's tokenizer, cached, so
-        that a request fails here, alone, never inside a batch's engine call)."""
+        that a request fails here, alone, never inside a batch's engine call); and where
+        it names a token outside the model's vocabulary (``logit_bias``, ``stop_token_ids``,
+        ``bad_words``: the engine's ``check_tokens``, once its model is loaded)."""
+        check_tokens = getattr(self.engine, "check_tokens", None)
+        if check_tokens is not None:
+            check_tokens(params)
         constraint = params.structured()
         if constraint is None:
             return params

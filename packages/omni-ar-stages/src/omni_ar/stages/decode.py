@@ -9,9 +9,10 @@ from typing import Any
 
 from omni_core import StageContext, StageEvent, StageInput
 
-from omni_ar.detokenizer import IncrementalDetokenizer
+from omni_ar.detokenizer import detokenizer
 from omni_ar.errors import EngineRequestError, HandoffError
 from omni_ar.handoff import Handoff, kv_of_arrays
+from omni_ar.logits import ends
 from omni_ar.params import (
     RequestError,
     Sampled,
@@ -159,12 +160,13 @@ class Decode(ModelStage):
         request the engine ends with an error (:class:`EngineRequestError`) fails alone.
         With ``top_logprobs`` each segment's payload carries its tokens' alternatives
         (``top_ids``, made text by :func:`top_payload`)."""
+        eos = getattr(self.engine, "eos_ids", None) or set()
+        stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos))
         counted = {**params_payload(params), "prompt_tokens": prompt_tokens}
+        counted["stop_ids"] = stop_ids  # the tokens that end it, for the text downstream
         o = self.options
         detok = (
-            IncrementalDetokenizer(self.engine.tokenizer, stop=params.stop)
-            if o.inline_detokenize
-            else None
+            detokenizer(self.engine.tokenizer, params, stop_ids) if o.inline_detokenize else None
         )
         tokens, logprobs = [t for t, _ in tokens_so_far], [lp for _, lp in tokens_so_far]
         tops = [top_ids(s) for s in tokens_so_far]
@@ -223,9 +225,9 @@ class Decode(ModelStage):
 
     def _finish(self, params: SamplingParams, total: int, last_tok: int | None) -> str:
         """Why generation ended: ``length`` when it reached ``max_tokens`` (the request's
-        or the stage's default) without ending at EOS, else ``stop`` (EOS)."""
+        or the stage's default) without ending at EOS or a stop token, else ``stop``."""
         eos = getattr(self.engine, "eos_ids", None) or set()
-        at_eos = last_tok in eos and not params.ignore_eos
+        at_eos = last_tok is not None and ends(last_tok, params, eos)
         return "length" if total >= params.max_tokens and not at_eos else "stop"
 
     @staticmethod

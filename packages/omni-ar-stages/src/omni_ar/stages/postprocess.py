@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from omni_core import StageEvent, StageInput
 
-from omni_ar.detokenizer import IncrementalDetokenizer
+from omni_ar.detokenizer import IncrementalDetokenizer, detokenizer
 from omni_ar.params import carried_params
 from omni_ar.stages.base import ModelStage
 from omni_ar.stages.logprobs import Alternatives, token_texts, top_payload
@@ -30,7 +30,8 @@ class Postprocess(ModelStage):
             d = self.detoks.get(rid)
             if d is None:
                 params = carried_params(inp.window)  # with decode's first segment
-                d = self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
+                stop_ids = next((p["stop_ids"] for p in inp.window.payloads if "stop_ids" in p), [])
+                d = self.detoks[rid] = detokenizer(self.tokenizer, params, stop_ids)
                 self.want_logprobs[rid] = params.logprobs
                 if params.top_logprobs:
                     self.tops[rid] = Alternatives()
