@@ -1,7 +1,8 @@
 """OpenAI request bodies, checked, and mapped onto pipeline requests.
 
 Text: ``{"messages" | "prompt", "max_tokens", "temperature", "top_p", "seed", "stop",
-"logprobs", "top_logprobs"}`` (the AR intake's fields; ``logprobs``: decode's per-token
+"logprobs", "top_logprobs"}`` and :data:`SAMPLING_FIELDS` (the penalties, ``logit_bias``
+and vLLM's extras, as vLLM means them) (the AR intake's fields; ``logprobs``: decode's per-token
 logprobs, which postprocess passes on with each token's text, and with ``top_logprobs: k``
 the k most likely alternatives of each). Chat image parts (``image_url``) go to an
 ``ar.mm_intake`` as ``{"type": "image_url", "image_url": {"url": data URL}}``: data URLs
@@ -42,6 +43,8 @@ from omni_serve.tools import DEFAULT_PARSER, ToolPlan, render_messages
 Int64 = Annotated[int, Field(ge=INT_MIN, le=INT_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT_MAX)]
 Positive = Annotated[int, Field(ge=1, le=INT_MAX)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]  # frequency and presence (OpenAI's range)
+Bias = Annotated[float, Field(ge=-100, le=100)]
 # a list stops at its first bad item: 100,000 bad items cost one error, not 100,000
 # (which pydantic collects with the GIL held, stalling the server)
 Strings = Annotated[list[str], Field(fail_fast=True)]
@@ -91,7 +94,6 @@ _TEXT_UNSUPPORTED = {
     "functions": _TOOLS,
     "function_call": _TOOLS,
     "parallel_tool_calls": _TOOLS,
-    "logit_bias": "not supported by this server",
     "audio": "audio output is not supported by this server",
     "modalities": "only text output is supported by this server",
     "prediction": "predicted outputs are not supported by this server",
@@ -161,9 +163,21 @@ class _TextBody(_Body):
     n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    # token id (a decimal string) -> -100..100, added to its logit (OpenAI's limit: 300)
+    logit_bias: Annotated[dict[str, Bias], _at_most(300)] | None = None
     ignore_eos: bool | None = None  # omni (as vLLM): decode to max_tokens
+    # vLLM's extras (sent with the openai client's extra_body); the pipeline checks
+    # what needs the model (token ids in its vocabulary, min_tokens <= max_tokens)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    top_k: Int64 | None = Field(default=None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    min_tokens: Count | None = None
+    stop_token_ids: Annotated[list[Count], Field(fail_fast=True, max_length=64)] | None = None
+    bad_words: Annotated[list[str], Field(fail_fast=True, max_length=128)] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None
     # vLLM's: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}, checked by
     # the pipeline's intake (omni_ar.structured), a 400 naming the field where it is bad
@@ -361,17 +375,34 @@ def scheduling(req: _Body) -> dict[str, Any]:
     return {PRIORITY_KEY: req.priority} if req.priority else {}
 
 
+# the text fields passed on to the pipeline as they are (the AR intake's names)
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "seed",
+    "ignore_eos",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "repetition_penalty",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "stop_token_ids",
+    "bad_words",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+
+
 def _sampling(req: _TextBody, max_tokens: int | None, limit: TokenLimit | None) -> dict[str, Any]:
     if req.n != 1:
         raise bad_field("n", "only n=1 is supported for text")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name):
-            raise bad_field(name, "not supported (only 0)")
     out: dict[str, Any] = {}
     if max_tokens is not None:
         check_max_tokens(max_tokens, limit)
         out["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "seed", "ignore_eos"):
+    for name in SAMPLING_FIELDS:
         value = getattr(req, name)
         if value is not None:
             out[name] = value
