@@ -54,6 +54,7 @@ from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.engines.vllm_requires_kv import failure, forget_failure
 from omni_ar.errors import EngineRequestError
 from omni_ar.handoff import MMItem, MRope
+from omni_ar.logits import bad_word_ids, check_tokens, ends
 from omni_ar.multimodal.mrope import grid_tokens
 from omni_ar.params import RequestError, Sampled, SamplingParams
 from omni_ar.structured import ConstraintError, Grammars
@@ -279,8 +280,11 @@ class VllmEngine:
             "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
             "scheduling_policy": self.scheduling_policy,
         }
-        if self.kv_role == "kv_consumer":  # decode continues constrained requests
-            args["logits_processors"] = ["omni_ar.engines.vllm_grammar:GrammarLogitsProcessor"]
+        if self.kv_role == "kv_consumer":  # decode continues from another's first token
+            args["logits_processors"] = [
+                "omni_ar.engines.vllm_grammar:GrammarLogitsProcessor",
+                "omni_ar.engines.vllm_carried:FirstTokenLogitsProcessor",
+            ]
         # images only: no video (Qwen2-VL's one tower serves both, and vLLM builds a
         # tower unless every modality it serves has a limit of 0)
         if self.media_free:
@@ -375,6 +379,15 @@ class VllmEngine:
         return int(getattr(config, "image_token_id", None) or config.image_token_index)
 
     # -- streams ------------------------------------------------------------------------
+    def check_tokens(self, params: SamplingParams) -> None:
+        """A RequestError naming the field where ``params`` name a token outside the
+        model's vocabulary (:func:`omni_ar.logits.check_tokens`; not before the engine
+        is loaded)."""
+        if self.llm is None:
+            return
+        tokenizer = (self.tokenizer or self.load_tokenizer()) if params.bad_words else None
+        check_tokens(params, self.engine.model_config.get_vocab_size(), tokenizer)
+
     def check_constraint(
         self, constraint: dict[str, Any], field: str = "structured_outputs"
     ) -> None:
@@ -412,11 +425,14 @@ class VllmEngine:
         grammar_key: str | None = None,
         requires_kv: bool = False,
         record: bool = False,
+        first: int | None = None,
     ) -> Any:
         """vLLM's sampling params of a request; ``grammar_key``: it continues another
         engine's request under its matcher (vllm_grammar), not vLLM's own grammar;
         ``requires_kv``: its media items are covered by the KV (the plugin's flag);
-        ``record``: a producer's connector records the prompt as vLLM rendered it."""
+        ``record``: a producer's connector records the prompt as vLLM rendered it;
+        ``first``: it continues from this token (one of its ``max_tokens`` already: the
+        fields that read the output count it, see vllm_carried)."""
         from vllm import SamplingParams as VllmParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -435,10 +451,31 @@ class VllmEngine:
         if grammar_key is not None:
             extra[ARG] = grammar_key
             structured = None
+        min_tokens = params.min_tokens
+        if first is not None:
+            from omni_ar.engines.vllm_carried import ARG as FIRST
+            from omni_ar.engines.vllm_carried import carried
+
+            min_tokens -= 1
+            bad = bad_word_ids(self.tokenizer or self.load_tokenizer(), params.bad_words)
+            entry = carried(params, first, bad)
+            if entry is not None:
+                extra[FIRST] = entry
         return VllmParams(
             max_tokens=max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias={int(k): v for k, v in params.logit_bias.items()}
+            if params.logit_bias
+            else None,
+            min_tokens=max(0, min(min_tokens, max_tokens)),
+            stop_token_ids=list(params.stop_token_ids),
+            bad_words=list(params.bad_words) or None,
             seed=params.seed if params.temperature > 0 else None,
             ignore_eos=params.ignore_eos,
             logprobs=params.top_logprobs if params.logprobs else None,
@@ -710,7 +747,7 @@ class VllmEngine:
         iterator to abort the request (also before iterating)."""
         if prompt is None:
             raise ValueError("the vLLM engine decodes from the prompt's token ids: pass prompt")
-        if params.max_tokens <= 1 or (first in self.eos_ids and not params.ignore_eos):
+        if params.max_tokens <= 1 or ends(first, params, self.eos_ids):
             return iter(())
         from omni_ar.engines.kv_connector import INBOX, Received
         from omni_ar.engines.vllm_grammar import MATCHERS, Constrained
@@ -733,7 +770,12 @@ class VllmEngine:
                 grammar_key = uuid.uuid4().hex
                 MATCHERS[grammar_key] = Constrained(self._grammars().matcher(constraint, [first]))
             sp = self._sampling(
-                params, params.max_tokens - 1, key, grammar_key, requires_kv=requires_kv
+                params,
+                params.max_tokens - 1,
+                key,
+                grammar_key,
+                requires_kv=requires_kv,
+                first=first,
             )
             rid = self._submit(engine_prompt, sp, priority, params)  # joins the next step
         except BaseException:
