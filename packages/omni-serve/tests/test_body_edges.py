@@ -16,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from omni_serve.app import create_app
 from omni_serve.body import off_loop
+from omni_serve.fair import FairSlot, WorkShares
 from omni_serve.settings import ServeSettings
 
 from .test_app_inprocess import FakePipe, client_of
@@ -175,8 +176,9 @@ def test_a_body_arriving_in_pieces_takes_its_bytes_before_they_are_held():
 
 
 def test_a_body_past_inline_bytes_is_parsed_off_the_event_loop():
-    server = SimpleNamespace(parsing=asyncio.Semaphore(1))
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(server=server)))
+    server = SimpleNamespace(parsing=FairSlot(WorkShares()))
+    app = SimpleNamespace(state=SimpleNamespace(server=server))
+    request = SimpleNamespace(app=app, client=None)
 
     async def threads() -> tuple[int, int, int]:
         here = threading.get_ident()

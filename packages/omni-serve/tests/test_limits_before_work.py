@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import io
 import socket
 import struct
@@ -29,13 +28,11 @@ from omni_serve import media
 from omni_serve.errors import APIError
 from omni_serve.limits import CHARS_PER_TOKEN, prompt_limits
 from omni_serve.media import (
-    B64_PIECE,
     HEADER_BUDGET_S,
     MAX_HEADER_READS,
     RemoteImages,
     Resolver,
     ResolverBusy,
-    b64decode_in_pieces,
     check_pixels,
     fetch_remote,
 )
@@ -253,10 +250,10 @@ def test_image_headers_do_not_hold_the_body_parsing_slot(monkeypatch):
     reading, release = threading.Event(), threading.Event()
     real = media.image_size
 
-    def slow(raw: bytes) -> tuple[int, int]:
+    def slow(image: bytes | str, start: int = 0) -> tuple[int, int]:
         reading.set()
         release.wait(10)
-        return real(raw)
+        return real(image, start)
 
     monkeypatch.setattr(media, "image_size", slow)
     image = image_chat(data_url(PNG + b"\0" * 60_000))  # over 64 KiB: read off the loop
@@ -377,59 +374,3 @@ def test_a_full_resolver_is_a_503_with_retry_after(hung):
     e = asyncio.run(run())
     assert e.status == 503 and e.headers == {"Retry-After": "1"}, e.message
     assert "lookups are all busy" in e.message
-
-
-@pytest.mark.parametrize("n", [0, 3, B64_PIECE * 3 // 4, B64_PIECE * 3 // 4 + 1, 3 * B64_PIECE])
-def test_base64_decoded_in_pieces_is_base64(n: int) -> None:
-    """An image's base64 is decoded a piece at a time (other threads run between pieces,
-    where one call over an image bomb's megabytes held the GIL for tens of ms): the same
-    bytes as one call, at a piece's size and one past it."""
-    raw = bytes(range(256)) * (n // 256) + bytes(n % 256)
-    assert b64decode_in_pieces(base64.b64encode(raw).decode()) == raw
-
-
-@pytest.mark.parametrize("bad", ["ab!d", "abc", "ab=d"])
-def test_base64_in_pieces_refuses_what_one_call_refuses(bad: str) -> None:
-    data = "QUJD" * (B64_PIECE // 4) + bad  # past the first piece
-    with pytest.raises((binascii.Error, ValueError)):
-        base64.b64decode(data, validate=True)
-    with pytest.raises((binascii.Error, ValueError)):
-        b64decode_in_pieces(data)
-
-
-def test_header_slot_holds_each_client_to_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A client that held the image header slot past HEADER_SHARE of the window waits
-    (just long enough to be back under it) before it queues again; another client and
-    the same client once the window has passed do not wait."""
-    clock = [100.0]
-    waits: list[float] = []
-
-    async def sleep(s: float) -> None:
-        waits.append(s)
-        clock[0] += s
-
-    monkeypatch.setattr(media.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(media.asyncio, "sleep", sleep)
-    share = media.HEADER_SHARE * media.HEADER_WINDOW_S
-
-    async def run() -> None:
-        slot = media.HeaderSlot()
-        async with slot.hold("key:attacker"):
-            clock[0] += share + 0.3  # a bomb's header read took past the share
-        async with slot.hold("key:normal"):  # someone else: no wait
-            pass
-        assert waits == []
-        async with slot.hold("key:attacker"):
-            pass
-        assert waits == [pytest.approx(0.3)]
-        clock[0] += media.HEADER_WINDOW_S + 1  # the window forgot it
-        async with slot.hold("key:attacker"):
-            pass
-        assert len(waits) == 1 and "key:attacker" in slot.held
-        async with slot.hold("key:at-the-share"):
-            clock[0] += share  # exactly the share: not over it
-        async with slot.hold("key:at-the-share"):
-            pass
-        assert len(waits) == 1
-
-    asyncio.run(run())

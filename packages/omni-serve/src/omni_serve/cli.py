@@ -21,6 +21,7 @@ from omni_serve.connections import (
     protocol_class,
     raise_fd_limit,
 )
+from omni_serve.fair import GIL_SWITCH_S
 from omni_serve.keys import ApiKey, KeysFileError, load_keys_file
 from omni_serve.settings import (
     BODIES_IN_FLIGHT,
@@ -439,6 +440,7 @@ def main(argv: list[str]) -> int:
         return 2
     sock.listen(2048)  # connections made before uvicorn runs wait in the backlog
     host, port = sock.getsockname()[:2]
+    sys.setswitchinterval(GIL_SWITCH_S)  # the event loop waits less for a body's thread
     with Pipeline(cfg) as pipe:
         app = create_app(pipe, settings)
         shown = f"[{host}]" if ":" in host else host

@@ -8,8 +8,10 @@ connection's start), its body within ``body_timeout_s`` of the end of its head; 
 connection past either deadline is closed (a late head gets a 408 first, a late body's
 request ends as a client that went away). A head over ``max_header_bytes`` is a 431. So a
 client sending a byte at a time (slow loris) holds a connection no longer than the
-deadlines, and an answer being written (a stream) has none. An idle keep-alive connection
-is uvicorn's (``timeout_keep_alive``).
+deadlines, and an answer being written (a stream) has none; nor does a body the server
+itself holds back unread (a client past its fair share, :mod:`omni_serve.fair`), whose
+deadline starts again once the server reads it. An idle keep-alive connection is
+uvicorn's (``timeout_keep_alive``).
 
 With :class:`omni_serve.shares.Shares`, each connection is counted against its address
 until a request on it carries a valid key: one past ``--max-connections-per-address`` is
@@ -23,6 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from omni_serve.fair import BODY_HELD
 from omni_serve.shares import CONNECTION, ConnectionShare, Shares, address_refusal
 
 log = logging.getLogger("omni.serve")
@@ -97,6 +100,16 @@ class _Guard:
         super().on_message_begin()  # type: ignore[misc]
         if self._share is not None:  # for the key's own count (omni_serve.shares)
             self.scope[CONNECTION] = self._share
+        self.scope[BODY_HELD] = self._body_held
+
+    def _body_held(self, held: bool) -> None:
+        """The server holds the body unread (True: no deadline meanwhile) or reads it
+        now (False: the whole body deadline from now)."""
+        if self._phase == "body" and not self.transport.is_closing():
+            if held:
+                self._disarm()
+            else:
+                self._arm(self.limits.body_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self._phase == "idle":  # the next request on a kept-alive connection begins

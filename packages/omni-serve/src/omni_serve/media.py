@@ -22,10 +22,11 @@ failure, never what a host answered. The request's body is no longer held agains
 server's body budget while its images are fetched. Last, each image's format (PNG, JPEG,
 WebP, GIF or BMP only, :data:`~omni_core.media.IMAGE_INPUT_FORMATS`: Pillow never runs a
 decoder such as EPS's Ghostscript) and size are read from its header, off the event loop
-in a slot of their own (never the body parsers'), within a budget of reads
-(:data:`MAX_HEADER_READS`: a PNG of a million empty chunks is parsed chunk by chunk in
-Python) and of time (:data:`HEADER_BUDGET_S`), and its size held to
-``--max-chat-image-pixels``.
+in a slot of their own (never the body parsers'; a client's time in both is held to its
+fair share, :mod:`omni_serve.fair`), decoding no more of its base64 than the header takes,
+within a budget of reads (:data:`MAX_HEADER_READS`: a PNG of a million empty chunks is
+parsed chunk by chunk in Python) and of time (:data:`HEADER_BUDGET_S`), and its size held
+to ``--max-chat-image-pixels``.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -52,9 +52,9 @@ from omni_core.media import IMAGE_INPUT_FORMATS
 
 from omni_serve.body import off_loop
 from omni_serve.errors import APIError, bad_field, server_busy
+from omni_serve.fair import client_name
 from omni_serve.openai_api import REMOTE
 from omni_serve.settings import IPNetwork, ServeSettings
-from omni_serve.shares import CLIENT
 from omni_serve.streams import until_disconnect
 
 log = logging.getLogger("omni.serve")
@@ -64,8 +64,6 @@ MAX_REDIRECTS = 3
 # three, a JPEG marker one or two; a common image takes 4 to 40); past it, a 400
 MAX_HEADER_READS = 2048
 HEADER_BUDGET_S = 1.0  # the wall time one image's header may take to read
-HEADER_SHARE = 0.25  # of the header slot's time, one client may hold (see HeaderSlot)
-HEADER_WINDOW_S = 2.0  # over this last stretch
 DNS_LOOKUPS_PER_SLOT = 8  # host name lookups outstanding at once, per fetch slot
 REDIRECTS = {301, 302, 303, 307, 308}
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -102,6 +100,10 @@ class ResolverBusy(Exception):
 
 class OverBudget(Exception):
     """An image's header took more reads or time than its budget; says which."""
+
+
+class BadBase64(Exception):
+    """An image's base64, where its header was read, is not valid base64."""
 
 
 class Resolver:
@@ -296,51 +298,6 @@ def remote_parts(request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(w, p) for w, p in image_parts(request) if p["url"].startswith(REMOTE)]
 
 
-class HeaderSlot:
-    """The one slot chat images' headers are read in, shared fairly: a client (its API
-    key's name, else its address) that held it more than :data:`HEADER_SHARE` of the
-    last :data:`HEADER_WINDOW_S` waits, before it queues again, until it is back under
-    that share. One client's image bombs then take at most that share of a core, however
-    fast it sends them; a client that sends a few images never waits for its own past."""
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.held: dict[str, deque[tuple[float, float]]] = {}  # client -> (end, seconds)
-
-    def used(self, client: str, now: float) -> float:
-        """The seconds ``client`` held the slot in the window before ``now``."""
-        spans = self.held.get(client)
-        if not spans:
-            return 0.0
-        while spans and spans[0][0] < now - HEADER_WINDOW_S:
-            spans.popleft()
-        if not spans:
-            del self.held[client]
-            return 0.0
-        return sum(s for _, s in spans)
-
-    @contextlib.asynccontextmanager
-    async def hold(self, client: str) -> AsyncIterator[None]:
-        over = self.used(client, time.monotonic()) - HEADER_SHARE * HEADER_WINDOW_S
-        if over > 0:  # past its share: wait until the window forgets enough of it
-            await asyncio.sleep(over)
-        async with self.lock:
-            start = time.monotonic()
-            try:
-                yield
-            finally:
-                end = time.monotonic()
-                self.held.setdefault(client, deque()).append((end, end - start))
-
-
-def client_name(request: Request) -> str:
-    """Who a request is, for fair shares: its API key's name, else its address."""
-    key = CLIENT.get()
-    if key is not None:
-        return f"key:{key.name}"
-    return f"address:{request.client.host if request.client else '?'}"
-
-
 async def check_images(request: Request, preq: dict[str, Any], settings: ServeSettings) -> None:
     """Every check of a chat request's images (see the module), in place: remote URLs
     become data URLs; a 400 names the first part that fails. The client going away
@@ -372,14 +329,77 @@ async def check_images(request: Request, preq: dict[str, Any], settings: ServeSe
     await off_loop(request, size, check, slot)
 
 
-class _Budgeted(io.BytesIO):
-    """An image's bytes for Pillow to read its header from, refused (:class:`OverBudget`)
-    past :data:`MAX_HEADER_READS` reads or its ``deadline`` (``time.monotonic()``)."""
+B64_PIECE = 1 << 18  # base64 characters decoded at once (a multiple of 4): about 1 ms
+B64_FIRST = 1 << 12  # base64 characters decoded for a header's first read (3 KB of image)
 
-    def __init__(self, data: bytes, deadline: float) -> None:
-        super().__init__(data)
+
+def _b64_pieces(data: str, start: int, end: int) -> list[bytes]:
+    """``data[start:end]`` (both multiples of 4) decoded strictly (padding only at the
+    very end of ``data``), :data:`B64_PIECE` characters at a time: one call over
+    megabytes holds the GIL for tens of ms, and every other request's thread waits
+    behind it; between pieces they run."""
+    out = []
+    for i in range(start, end, B64_PIECE):
+        j = min(i + B64_PIECE, end)
+        if j < len(data) and data[j - 1] == "=":
+            raise binascii.Error("base64 padding before the end")
+        out.append(binascii.a2b_base64(data[i:j], strict_mode=True))
+    return out
+
+
+class _Budgeted(io.RawIOBase):
+    """An image for Pillow to read its header from, refused (:class:`OverBudget`) past
+    :data:`MAX_HEADER_READS` reads or its ``deadline`` (``time.monotonic()``). Given
+    base64 (a data URL's), it decodes only as far as Pillow reads (a header is some
+    kilobytes at the start of megabytes), the decoded part at least doubling each time:
+    a chunk bomb costs what its header budget allows, never the decoding of the rest.
+    The base64 is ``image[start:]`` (a data URL's past its comma: never copied); where it
+    is read it must be valid, else :class:`BadBase64`."""
+
+    def __init__(self, image: bytes | str, deadline: float, start: int = 0) -> None:
+        super().__init__()
         self.reads = 0
         self.deadline = deadline
+        self.pos = 0
+        self.b64 = image if isinstance(image, str) else ""
+        self.start = self.done = start if self.b64 else 0  # where it begins, is decoded to
+        self.buf = bytearray() if isinstance(image, str) else bytearray(image)
+        if (len(self.b64) - start) % 4:
+            raise BadBase64("not a multiple of 4 characters long")
+
+    def _have(self, end: int | None) -> None:
+        """Decode until ``buf`` holds ``end`` bytes (None: all) or the base64 ends."""
+        size = len(self.b64)
+        if self.done == size or end is not None and end <= len(self.buf):
+            return
+        need = size - self.start if end is None else -(-end // 3) * 4  # characters for `end`
+        more = max(need, 2 * (self.done - self.start), B64_FIRST)  # at least doubling
+        upto = min(size, self.start + more)
+        try:
+            self.buf += b"".join(_b64_pieces(self.b64, self.done, upto))
+        except (binascii.Error, ValueError) as e:  # ValueError: not ASCII
+            raise BadBase64(str(e)) from None
+        self.done = upto
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_END:
+            self._have(None)
+            offset += len(self.buf)
+        elif whence == io.SEEK_CUR:
+            offset += self.pos
+        if offset < 0:
+            raise ValueError(f"negative seek position {offset}")
+        self.pos = offset
+        return offset
 
     def read(self, size: int | None = -1) -> bytes:
         self.reads += 1
@@ -390,58 +410,51 @@ class _Budgeted(io.BytesIO):
             )
         if time.monotonic() > self.deadline:
             raise OverBudget(f"its header took over {HEADER_BUDGET_S:g} s to read")
-        return super().read(size)
+        end = None if size is None or size < 0 else self.pos + size
+        self._have(end)
+        out = bytes(self.buf[self.pos : end])
+        self.pos += len(out)
+        return out
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
 
 
-def image_size(raw: bytes) -> tuple[int, int]:
-    """(width, height) of an image of :data:`~omni_core.media.IMAGE_INPUT_FORMATS` from
-    its header, within :data:`MAX_HEADER_READS` reads and :data:`HEADER_BUDGET_S`
-    (:class:`OverBudget` past them); Pillow's error where it is not such an image."""
+def image_size(image: bytes | str, start: int = 0) -> tuple[int, int]:
+    """(width, height) of an image of :data:`~omni_core.media.IMAGE_INPUT_FORMATS` (its
+    bytes, or their base64 as ``image[start:]``: decoded only as far as the header goes)
+    from its header, within :data:`MAX_HEADER_READS` reads and :data:`HEADER_BUDGET_S`
+    (:class:`OverBudget` past them); Pillow's error where it is not such an image,
+    :class:`BadBase64` where the base64 read is not valid."""
     from PIL import Image
 
-    stream = _Budgeted(raw, time.monotonic() + HEADER_BUDGET_S)
+    stream = _Budgeted(image, time.monotonic() + HEADER_BUDGET_S, start)
     with Image.open(stream, formats=IMAGE_INPUT_FORMATS) as img:
         return img.size
-
-
-B64_PIECE = 1 << 18  # base64 characters decoded at once (a multiple of 4): about 1 ms
-
-
-def b64decode_in_pieces(data: str) -> bytes:
-    """``base64.b64decode(data, validate=True)`` in pieces of :data:`B64_PIECE`
-    characters: one call over megabytes holds the GIL for tens of milliseconds, and every
-    other request's thread waits behind it; between pieces they run."""
-    if len(data) <= B64_PIECE:
-        return base64.b64decode(data, validate=True)
-    if len(data) % 4:
-        raise binascii.Error("the base64 is not a multiple of 4 characters long")
-    pieces = [
-        binascii.a2b_base64(data[i : i + B64_PIECE], strict_mode=True)
-        for i in range(0, len(data), B64_PIECE)
-    ]
-    return b"".join(pieces)
 
 
 def check_pixels(
     parts: list[tuple[str, dict[str, Any]]], max_pixels: int, fetched: set[str]
 ) -> None:
     """Each data URL image's width x height, from its header, at most ``max_pixels``
-    (``--max-chat-image-pixels``); nothing is decoded, and only the formats of
-    :data:`~omni_core.media.IMAGE_INPUT_FORMATS` are opened. A ``fetched`` part that is
-    none of them is refused here; an inline one is left to the intake, which names what
-    is wrong with it. A header over its budget (:func:`image_size`) is a 400."""
+    (``--max-chat-image-pixels``); nothing but the header is decoded (of the base64 too),
+    and only the formats of :data:`~omni_core.media.IMAGE_INPUT_FORMATS` are opened. A
+    ``fetched`` part that is none of them is refused here; an inline one is left to the
+    intake, which names what is wrong with it (its base64 too). A header over its budget
+    (:func:`image_size`) is a 400."""
     from PIL import Image
 
     for where, part in parts:
-        head, sep, data = part["url"].partition(",")
-        if not sep or not head.endswith(";base64"):
+        url = part["url"]
+        comma = url.find(",")  # the end of its head; its base64 is never copied
+        if comma < 0 or not url.endswith(";base64", 0, comma):
             continue  # the intake names what is wrong with it
         try:
-            raw = b64decode_in_pieces(data)
-        except (binascii.Error, ValueError):
+            w, h = image_size(url, comma + 1)
+        except BadBase64:
             continue
-        try:
-            w, h = image_size(raw)
         except OverBudget as e:
             raise bad_field(where, f"image refused: {e}") from None
         except Image.DecompressionBombError:

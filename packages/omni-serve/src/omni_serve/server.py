@@ -3,7 +3,6 @@ pipeline serves; read by routes through the :func:`server_of` dependency."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,8 +15,8 @@ from omni_core.scheduling import PRIORITY_KEY, check_priority
 
 from omni_serve.body import BodyBudget
 from omni_serve.errors import APIError, bad_field, user_input
+from omni_serve.fair import FairSlot, WorkShares
 from omni_serve.limits import PromptLimits, TokenLimit, prompt_limits, token_limit
-from omni_serve.media import HeaderSlot
 from omni_serve.metrics import ServerMetrics
 from omni_serve.settings import ServeSettings
 from omni_serve.shares import CLIENT, SharedPipeline, Shares
@@ -80,10 +79,12 @@ class Server:
     bodies: BodyBudget = field(init=False)  # request bodies held at once, server-wide
     shares: Shares = field(init=False)  # what each client holds (omni_serve.shares)
     created: int = field(default_factory=lambda: int(time.time()))
+    # each client's heavy body work (both slots below), held to its share (omni_serve.fair)
+    work: WorkShares = field(default_factory=WorkShares)
     # big bodies are parsed off the event loop one at a time (omni_serve.body.off_loop)
-    parsing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    parsing: FairSlot = field(init=False)
     # chat images' headers are read in a slot of their own (omni_serve.media.check_images)
-    image_headers: HeaderSlot = field(default_factory=HeaderSlot)
+    image_headers: FairSlot = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.pipe)
@@ -96,6 +97,7 @@ class Server:
         self.prompt_limits = prompt_limits(self.pipe.config.stages, self.pipe.config.edges)
         assert self.settings.max_body_bytes_in_flight is not None  # set by ServeSettings
         self.bodies = BodyBudget(self.settings.max_body_bytes_in_flight)
+        self.parsing, self.image_headers = FairSlot(self.work), FairSlot(self.work)
         self.metrics.body_bytes.set_function(lambda: self.bodies.used)
         s = self.settings
         self.shares = Shares(s.keys, s.max_connections_per_address, self.metrics)

@@ -1,0 +1,285 @@
+"""Each client's fair share of the heavy body work (``omni_serve.fair``), and what that
+work costs: a client at its share goes on and one past it waits, before its next big body
+is read, just until the window forgets enough of its work, while another client's big
+body is read at once and its own small bodies never wait; the body parsing slot and the
+image header slot count to one share; an image's header check decodes no more of its
+base64 than the header takes (a chunk bomb's megabytes are never decoded)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import math
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from omni_serve import body as body_module
+from omni_serve import connections, media
+from omni_serve.body import COUNT_PIECE, INLINE_BYTES, _structural
+from omni_serve.errors import APIError
+from omni_serve.fair import BODY_HELD, SHARE, WINDOW_S, FairSlot, WorkShares, body_turn
+from omni_serve.keys import ApiKey
+from omni_serve.media import B64_FIRST, B64_PIECE, MAX_HEADER_READS, BadBase64, check_pixels
+
+from .test_app_inprocess import FakePipe, client_of
+from .test_limits_before_work import WHERE, data_url, png_with_chunks, reads_of
+from .test_remote_image_ssrf import PNG
+
+ALLOWANCE = SHARE * WINDOW_S  # the seconds of heavy work a client may have in the window
+KEYS = {name: f"{name}-{'k' * 40}" for name in ("a", "b")}
+BIG = {"prompt": "hi", "stop": "y" * 70_000}  # over INLINE_BYTES: parsed in the slot
+
+
+class Clock:
+    """A clock that sleeps by moving on, noting each wait."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.waits: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.now += seconds
+
+
+def test_a_client_at_its_share_goes_on_and_one_past_waits_until_the_window_forgets():
+    clock = Clock()
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
+
+    async def run() -> None:
+        shares.add("key:a", ALLOWANCE)  # exactly its share, ending at 1000
+        await shares.turn("key:a")
+        assert clock.waits == []
+        clock.now += 0.5
+        shares.add("key:a", 0.01)  # one past it, ending at 1000.5
+        await shares.turn("key:b")  # another client: at once
+        assert clock.waits == []
+        await shares.turn("key:a")  # until the first span leaves the window
+        assert clock.waits == [pytest.approx(WINDOW_S - 0.5)]
+        await shares.turn("key:a")  # within it again: at once
+        assert len(clock.waits) == 1 and shares.used("key:a", clock.now) == 0.01
+
+    asyncio.run(run())
+
+
+def test_both_slots_count_to_one_share():
+    """Time in the image header slot makes the same client wait for the parsing slot
+    (and is counted even though the work raised)."""
+    clock = Clock()
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
+    parsing, headers = FairSlot(shares), FairSlot(shares)
+
+    async def run() -> None:
+        with pytest.raises(RuntimeError):
+            async with headers.hold("key:a"):
+                clock.now += ALLOWANCE + 0.01  # a bomb's header read past the share
+                raise RuntimeError("refused")
+        async with parsing.hold("key:b"):  # another client: at once
+            pass
+        assert clock.waits == []
+        async with parsing.hold("key:a"):
+            pass
+        assert clock.waits == [pytest.approx(WINDOW_S)]
+
+    asyncio.run(run())
+
+
+def test_clients_gone_are_swept():
+    clock = Clock()
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
+    for i in range(64):
+        shares.add(f"address:10.0.0.{i}", 0.001)
+    clock.now += WINDOW_S
+    shares.add("address:10.0.1.1", 0.001)  # the 65th: the 64 others left the window
+    assert list(shares.held) == ["address:10.0.1.1"]
+
+
+def test_a_client_past_its_share_waits_unread_while_another_is_served(monkeypatch):
+    """Key a, past its share, waits before its big body is read (its bytes unread), while
+    key b's big body is read and answered, and a's small bodies are never held; once the
+    window forgets a's work its body is read and answered. At its share, a waits not."""
+    reads: list[str] = []
+    real = body_module.read_body
+
+    async def read_body(request: Any, limit: int, lease: Any = None) -> bytearray:
+        if int(request.headers.get("content-length", 0)) > INLINE_BYTES:
+            reads.append(request.headers["authorization"][7])  # the key's name
+        return await real(request, limit, lease)
+
+    monkeypatch.setattr(body_module, "read_body", read_body)
+    waiting, release = threading.Event(), threading.Event()
+    keys = tuple(ApiKey(name, key) for name, key in KEYS.items())
+    answers: list[httpx.Response] = []
+    with client_of(FakePipe(), api_keys=keys) as client:
+        server = client.app.state.server  # type: ignore[attr-defined]
+
+        async def sleep(seconds: float) -> None:
+            waiting.set()
+            await asyncio.to_thread(release.wait, 10)
+            server.work.held.pop("key:a", None)  # the window forgot a's work
+
+        server.work.sleep = sleep
+
+        def post(key: str, body: dict[str, Any]) -> httpx.Response:
+            auth = {"Authorization": f"Bearer {KEYS[key]}"}
+            return client.post("/v1/completions", json=body, headers=auth)
+
+        server.work.add("key:a", ALLOWANCE)  # at its share
+        assert post("a", BIG).is_success and not waiting.is_set()
+        assert reads == ["a"] and server.work.used("key:a", server.work.clock()) > ALLOWANCE
+        t = threading.Thread(target=lambda: answers.append(post("a", BIG)))
+        t.start()
+        try:
+            assert waiting.wait(10)
+            assert post("b", BIG).is_success  # served while a waits
+            assert post("a", {"prompt": "hi"}).is_success  # a small body never waits
+            assert reads == ["a", "b"] and not answers  # a's big body: still unread
+        finally:
+            release.set()
+            t.join(15)
+    assert answers and answers[0].is_success, answers
+    assert reads == ["a", "b", "a"]
+
+
+# ---- what the heavy work costs ----
+
+
+@pytest.fixture
+def decoded(monkeypatch) -> list[int]:
+    """The base64 characters each header check decodes, piece by piece."""
+    out: list[int] = []
+    real = media._b64_pieces
+
+    def counting(data: str, start: int, end: int) -> list[bytes]:
+        out.append(end - start)
+        return real(data, start, end)
+
+    monkeypatch.setattr(media, "_b64_pieces", counting)
+    return out
+
+
+def test_a_header_check_decodes_only_what_the_header_takes(decoded):
+    check_pixels([(WHERE, {"url": data_url(PNG + bytes(3 << 20))})], 10, set())
+    assert sum(decoded) == B64_FIRST  # of 4 MB of base64
+    # a header at its read budget passes, one past is refused: each decodes at most
+    # twice the base64 of the header at the budget (a 6 MB chunk bomb included)
+    at = png_with_chunks((MAX_HEADER_READS - 6) // 2)
+    assert reads_of(at) == MAX_HEADER_READS
+    most = 2 * len(base64.b64encode(at))
+    decoded.clear()
+    check_pixels([(WHERE, {"url": data_url(at + bytes(3 << 20))})], 10, set())
+    assert sum(decoded) <= most
+    decoded.clear()
+    bomb = data_url(png_with_chunks(500_000))
+    with pytest.raises(APIError) as e:
+        check_pixels([(WHERE, {"url": bomb})], 10, set())
+    assert f"{MAX_HEADER_READS} reads" in e.value.message
+    assert sum(decoded) <= most < len(bomb) // 100
+
+
+@pytest.mark.parametrize(
+    "n",
+    [
+        0,
+        3,
+        *(B64_FIRST * 3 // 4 + d for d in (0, 1)),
+        *(B64_PIECE * 3 // 4 + d for d in (0, 1)),
+        3 * B64_PIECE,
+    ],
+)
+def test_an_image_read_through_its_base64_is_its_bytes(n: int):
+    """Decoded as it is read (the first read: B64_FIRST characters, then at least twice
+    as many each time), at a piece's size and one past it."""
+    raw = bytes(range(256)) * (n // 256) + bytes(n % 256)
+    url = data_url(raw)
+    stream = media._Budgeted(url, math.inf, url.index(",") + 1)
+    first = stream.read(7)
+    assert first + stream.read() == raw
+    stream.seek(0)
+    assert stream.read(n + 1) == raw and stream.seek(0, 2) == n and stream.read(1) == b""
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        "QUJD" * (B64_PIECE // 4) + bad  # past the first piece
+        for bad in ("ab!d", "abc", "ab=d", "QQ==QUJD")
+    ]
+    + ["QUJD" * (B64_PIECE // 4 - 1) + "QQ==" + "QUJD"],  # padding at a piece's end
+)
+def test_base64_that_one_call_refuses_is_refused_where_it_is_read(data: str):
+    with pytest.raises((binascii.Error, ValueError)):
+        base64.b64decode(data, validate=True)
+    with pytest.raises(BadBase64):
+        media._Budgeted(data, math.inf).read()
+
+
+def test_base64_broken_where_the_header_is_not_read_is_left_to_the_intake():
+    tail_broken = data_url(PNG + bytes(3 << 20))[:-4] + "!!!!"
+    head_broken = "data:image/png;base64,!!!!" + data_url(PNG)[22:]
+    check_pixels([(WHERE, {"url": tail_broken})], 10, set())  # its header is fine
+    check_pixels([(WHERE, {"url": head_broken})], 10, set())  # the intake names it
+
+
+@pytest.mark.parametrize("at", [0, COUNT_PIECE - 2, COUNT_PIECE - 1, 3 * COUNT_PIECE + 5])
+def test_commas_and_brackets_are_counted_across_pieces(at: int):
+    raw = bytearray(b"x" * (4 * COUNT_PIECE))
+    raw[at : at + 3] = b",[{"
+    assert _structural(raw) == _structural(bytes(raw)) == 3
+    assert _structural(b"") == 0
+
+
+# ---- the body deadline while the server holds a body back ----
+
+
+def test_a_body_held_by_the_server_has_no_deadline_meanwhile():
+    """The connection's body deadline stops while the server holds the body unread and
+    starts again, whole, when it reads it; a body not awaited (or done) is untouched."""
+    armed: list[float] = []
+    handles: list[SimpleNamespace] = []
+
+    def call_later(delay: float, _callback: Any) -> SimpleNamespace:
+        armed.append(delay)
+        handles.append(SimpleNamespace(cancelled=False))
+        handles[-1].cancel = lambda h=handles[-1]: setattr(h, "cancelled", True)
+        return handles[-1]
+
+    guard = connections._Guard()
+    guard.limits = connections.ConnectionLimits(1.0, 7.0, 100)  # type: ignore[misc]
+    guard.loop = SimpleNamespace(call_later=call_later)  # type: ignore[assignment]
+    guard.transport = SimpleNamespace(is_closing=lambda: False)  # type: ignore[assignment]
+    guard._phase = "body"
+    guard._arm(7.0)
+    guard._body_held(True)
+    assert handles[0].cancelled and guard._timer is None
+    guard._body_held(False)
+    assert armed == [7.0, 7.0] and guard._timer is handles[1] and not handles[1].cancelled
+    guard._phase = "busy"  # the body arrived: nothing to hold
+    guard._disarm()
+    guard._body_held(True)
+    guard._body_held(False)
+    assert len(armed) == 2
+
+
+def test_body_turn_holds_the_deadline_only_while_it_waits():
+    clock = Clock()
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
+    told: list[bool] = []
+    request = SimpleNamespace(client=None, scope={BODY_HELD: told.append})
+
+    async def run() -> None:
+        shares.add("address:?", ALLOWANCE)  # at its share: read at once
+        await body_turn(request, shares)  # type: ignore[arg-type]
+        assert told == [] and clock.waits == []
+        shares.add("address:?", 0.01)  # one past
+        await body_turn(request, shares)  # type: ignore[arg-type]
+        assert told == [True, False] and clock.waits == [pytest.approx(WINDOW_S)]
+
+    asyncio.run(run())
