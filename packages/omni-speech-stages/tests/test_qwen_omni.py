@@ -271,24 +271,53 @@ def test_requests_in_flight_together_equal_alone(tiny_omni):
     assert together == alone
 
 
-def t2w_run(stage, codes: dict[str, list[int]], rids: list[str]) -> dict[str, np.ndarray]:
-    """The audio ``stage`` (a loaded ``Token2Wav``) speaks for requests ``rids``, all
-    their ``codes`` handed to one process call."""
+def t2w_inputs(codes: dict[str, list[int]], last: bool = True, new: bool = True) -> list:
+    """Token2wav's inputs: each request's ``codes`` in one window (its first: with the
+    talker's speech payload, when ``new``)."""
     from omni_core import StageInput
     from omni_core.dataplane.windows import Piece, Window
 
-    inputs = []
-    for rid in rids:
-        speech = {"speak": True, "voice": "Chelsie", "seed": ord(rid)}
-        window = Window("talker", 0, 0, 0, [Piece(0, codes[rid], {}, {"speech": speech})], True)
-        inputs.append(StageInput(rid, {}, {"talker": window}, first=True, last=True))
+    out = []
+    for rid, cs in codes.items():
+        payload = {"speech": {"speak": True, "voice": "Chelsie", "seed": ord(rid)}} if new else {}
+        window = Window("talker", 0, 0, 0, [Piece(0, cs, {}, payload)], last)
+        out.append(StageInput(rid, {}, {"talker": window}, first=new, last=last))
+    return out
+
+
+def t2w_run(stage, codes: dict[str, list[int]], rids: list[str]) -> dict[str, np.ndarray]:
+    """The audio ``stage`` (a loaded ``Token2Wav``) speaks for requests ``rids``, all
+    their ``codes`` handed to one process call."""
     audio: dict[str, list] = {rid: [] for rid in rids}
-    for ev in stage.process(inputs):
+    for ev in stage.process(t2w_inputs({rid: codes[rid] for rid in rids})):
         if ev is not None and "audio" in getattr(ev, "arrays", {}):
             audio[ev.request_id].append(ev.arrays["audio"])
     for rid in rids:
         stage.end_request(rid)
     return {rid: np.concatenate(a) for rid, a in audio.items()}
+
+
+def test_token2wav_samples_first_windows_first(tiny_omni):
+    """A request's first window is sampled, alone, before a request's later window that
+    was ready with it (time to first audio); the later windows of both then share one
+    batch."""
+    from omni_speech.token2wav import Token2Wav
+
+    opts = {"model": tiny_omni, "chunk_codes": 8, "context_codes": 8, "lookahead_codes": 4}
+    stage = Token2Wav(StageContext("token2wav", "speech.token2wav", opts))
+    stage.load()
+    shapes, sample = [], stage.sample
+    stage.sample = lambda cond, ref, c, noise: (
+        shapes.append(tuple(c.shape)) or sample(cond, ref, c, noise)
+    )
+    list(stage.process(t2w_inputs({"a": list(range(24))}, last=False)))
+    assert shapes == [(1, 12), (1, 20)]  # a: [0, 8) and [8, 16); [16, 24) waits for 28
+    shapes.clear()
+    later = t2w_inputs({"a": list(range(8))}, last=False, new=False)
+    list(stage.process(later + t2w_inputs({"b": list(range(20))}, last=False)))
+    # b's first window [0, 8) (with 4 of lookahead) alone; then a's [16, 24) and b's
+    # [8, 16), 8 of context and 4 of lookahead each, in one batch
+    assert shapes == [(1, 12), (2, 20)]
 
 
 class _Input:

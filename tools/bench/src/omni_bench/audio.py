@@ -8,15 +8,17 @@ sampled``: generate's default sampling, from each request's seed), at most
 ``--max-codes`` (the config's ``max_codes``); the voice is the checkpoint's first.
 
 * staged: ``configs/omni_speech.yaml`` in worker processes as shipped (each model stage
-  pins torch to one thread; token2wav streams windows of 24 codes), with token2wav's
-  events streamed to the caller too, for the order and loss check. At each concurrency
-  ``c`` the requests run as ``c`` clients that each send the next once theirs ended. Time
-  to first audio (TTFA): submit to the first encoded audio bytes the caller receives.
+  pins torch to one thread; token2wav streams windows of 24 codes, growing to 96), with
+  token2wav's events streamed to the caller too, for the order and loss check. At each
+  concurrency ``c`` the requests run as ``c`` clients that each send the next once
+  theirs ended. Time to first audio (TTFA): submit to the first encoded audio bytes the
+  caller receives.
 * baseline: ``Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)`` in
   this process, torch's default threads (every core). ``sequential``: one request per
   call, in waves of ``c`` that arrive together (its default use); ``batched``: each wave
   as one call of ``c`` left-padded prompts (transformers' batched generate; sampled codes
-  come from the wave's first seed, so not the sequential ones). Its first audio is the
+  come from the wave's first seed, so not the sequential ones); ``batched_1_thread``:
+  the same at one torch thread (its best setting here, some runs). Its first audio is the
   whole waveform: TTFA is its whole latency. A call that raises (generate's token2wav
   refuses a reply of one or two codes) is reported under ``errors``, its requests silent.
 
@@ -52,7 +54,9 @@ from omni_bench.report import emit, run_arms
 from omni_bench.serve import percentile, session_cpu
 
 CONFIG = Path(__file__).resolve().parents[4] / "configs" / "omni_speech.yaml"
-BASELINES = ("sequential", "batched")  # the baseline's ways of serving a wave
+# the baseline's ways of serving a wave; "_1_thread": torch at one thread (on a shared
+# machine, two threads' spin-waits can cost more than they give)
+BASELINES = ("sequential", "batched", "batched_1_thread")
 
 
 @dataclass
@@ -298,9 +302,12 @@ def baseline_arm(
     b.run(ids[0:1], 0, pad)  # warm up
     res: dict[str, Any] = {"torch_threads": b.torch.get_num_threads(), "replies": {}}
     runs = [(name, c) for name in BASELINES for c in levels if c > 1 or name == "sequential"]
+    threads = b.torch.get_num_threads()
     for name, c in runs:
         b.parts = dict.fromkeys(b.parts, 0.0)
-        replies, wall = baseline_level(b, ids, c, name == "batched", pad, SAMPLE_RATE)
+        b.torch.set_num_threads(1 if name.endswith("_1_thread") else threads)
+        batched = name.startswith("batched")
+        replies, wall = baseline_level(b, ids, c, batched, pad, SAMPLE_RATE)
         seconds = {k: round(v, 2) for k, v in b.parts.items()}
         res.setdefault(name, {})[f"c{c}"] = {**level(replies, wall), "seconds_by_part": seconds}
         res["replies"][(name, c)] = replies
@@ -313,7 +320,7 @@ def baseline_arm(
 def ratios(staged: dict[str, Any], base: dict[str, Any], levels: list[int]) -> dict[str, Any]:
     """Staged over baseline: TTFA p50 over whole latency p50 (sequential: one request
     per call) per concurrency; throughput at the highest over the baseline's default
-    (sequential) and best (the faster of sequential and batched)."""
+    (sequential) and best (the fastest of :data:`BASELINES`)."""
     out: dict[str, Any] = {}
     for c in levels:
         seq = base["sequential"][f"c{c}"]
@@ -322,7 +329,9 @@ def ratios(staged: dict[str, Any], base: dict[str, Any], levels: list[int]) -> d
         )
     top = f"c{max(levels)}"
     rate = staged[top]["throughput_audio_s_per_s"]
-    arms = {k: base[k][top]["throughput_audio_s_per_s"] for k in BASELINES if top in base[k]}
+    arms = {
+        k: base[k][top]["throughput_audio_s_per_s"] for k in BASELINES if top in base.get(k, {})
+    }
     best = max(arms, key=lambda k: arms[k])
     out[f"throughput_vs_baseline_default_{top}"] = round(rate / arms["sequential"], 3)
     out[f"throughput_vs_baseline_best_{top}"] = round(rate / arms[best], 3)
