@@ -241,8 +241,16 @@ def test_bad_inputs_fail_alone_naming_the_field(tiny_omni):
     too_long = {"prompt": "x" * (16 * 8192 + 1), "max_tokens": 4}
     many = {"messages": [{"role": "user", "content": [garbage] * 9}], "max_tokens": 4}
     eight = {"messages": [{"role": "user", "content": [garbage] * 8}], "max_tokens": 4}
+    unsampled = [{**TEXT, "top_k": 5}, {**TEXT, "frequency_penalty": 0.5}]
+    off = {**TEXT, "top_k": -1, "logit_bias": {}, "response_format": {"type": "text"}}
     with Pipeline(config(tiny_omni, inline=True)) as p:
         outs = p.generate([bad_audio, TEXT, bad_voice, long_audio, too_long, many, eight])
+        refused = p.generate(unsampled)
+        assert p.generate([off])[0].ok  # fields set to what they are without them
+    # fields the thinker's sampler does not apply: refused, never dropped silently
+    assert [r.ok for r in refused] == [False, False]
+    assert "field 'top_k': not supported by speech.thinker" in refused[0].error
+    assert "field 'frequency_penalty'" in refused[1].error
     assert outs[1].ok
     assert not outs[0].ok and "messages[0].content[0].input_audio.data" in outs[0].error
     assert not outs[2].ok and "audio.voice" in outs[2].error

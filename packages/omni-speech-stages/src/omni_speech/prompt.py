@@ -99,8 +99,48 @@ def parse(
         _check_messages(messages)
         rest.setdefault("max_tokens", limits.default_max_tokens)
         _, params = parse_request({"prompt": "-", **rest}, limits.max_tokens_limit)
+    _refuse_unsampled(params)
     speech = SpeechRequest(speak=speak, voice=voice, format=fmt, seed=params.seed)
     return messages, params, speech, said
+
+
+# the AR fields the thinker's sampler does not apply (it samples by temperature, top_p and
+# seed, to max_tokens, ignore_eos; the text stage after it applies stop strings): each
+# refused when set, never silently dropped
+UNSAMPLED = (
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "stop_token_ids",
+    "bad_words",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "structured_outputs",
+)
+_DEFAULTS = SamplingParams()
+
+
+def _refuse_unsampled(params: SamplingParams) -> None:
+    for name in UNSAMPLED:
+        value = getattr(params, name)
+        if name in ("response_format", "structured_outputs"):
+            used = params.structured() is not None  # (type "text": free text, as without)
+        elif name == "top_k":
+            used = value not in (0, -1)  # (both: every token)
+        else:
+            used = (
+                bool(value) if isinstance(value, list | dict) else value != getattr(_DEFAULTS, name)
+            )
+        if used:
+            raise RequestError(
+                f"field {name!r}: not supported by speech.thinker (it samples by "
+                "temperature, top_p and seed)"
+            )
 
 
 def speech_settings(
