@@ -2,8 +2,9 @@
 work costs: a client at its share goes on and one past it waits, before its next big body
 is read, just until the window forgets enough of its work, while another client's big
 body is read at once and its own small bodies never wait; the body parsing slot and the
-image header slot count to one share; an image's header check decodes no more of its
-base64 than the header takes (a chunk bomb's megabytes are never decoded)."""
+image header slot count to one share; the connection's body deadline is held while the
+server holds a body back; an image's header check decodes no more of its base64 than
+the header takes (a chunk bomb's megabytes are never decoded)."""
 
 from __future__ import annotations
 

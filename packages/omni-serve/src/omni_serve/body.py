@@ -10,10 +10,10 @@ Python's ``json`` accepts) and strings with lone surrogates (``"\\ud800"``).
 No body holds the event loop: a body of more than :data:`INLINE_BYTES` is parsed and
 checked (and turned into the pipeline request) in a worker thread, one at a time, each
 client within its fair share of that work (:mod:`omni_serve.fair`: one past it waits
-before its next big body is read), and a
-body of more than :data:`MAX_VALUES` JSON values is refused before it is parsed, which
-bounds both the time a parse holds the GIL (msgspec, ~50 ns a value: a few ms) and the
-memory it takes (some 100 bytes a value past the body itself). Such a body is parsed by
+before its next big body is read), and a body of more than :data:`MAX_VALUES` JSON
+values is refused before it is parsed, which bounds both the time a parse holds the GIL
+(msgspec, ~50 ns a value: a few ms) and the memory it takes (some 100 bytes a value past
+the body itself). Such a body is parsed by
 msgspec alone: when it is not valid JSON its error (with the byte position) is the
 answer, never a second, slower parse by Python's ``json`` for a nicer one.
 
