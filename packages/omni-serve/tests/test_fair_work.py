@@ -25,6 +25,7 @@ from omni_serve.errors import APIError
 from omni_serve.fair import BODY_HELD, SHARE, WINDOW_S, FairSlot, WorkShares, body_turn
 from omni_serve.keys import ApiKey
 from omni_serve.media import B64_FIRST, B64_PIECE, MAX_HEADER_READS, BadBase64, check_pixels
+from omni_serve.settings import ServeSettings
 
 from .test_app_inprocess import FakePipe, client_of
 from .test_limits_before_work import WHERE, data_url, png_with_chunks, reads_of
@@ -284,3 +285,21 @@ def test_body_turn_holds_the_deadline_only_while_it_waits():
         assert told == [True, False] and clock.waits == [pytest.approx(WINDOW_S)]
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.01])
+def test_a_body_work_share_out_of_range_is_refused(share: float):
+    with pytest.raises(ValueError, match="--body-work-share"):
+        ServeSettings(model_name="fake", body_work_share=share)
+
+
+@pytest.mark.parametrize("share", [0.001, 0.5, 1.0])
+def test_the_body_work_share_is_the_servers(share: float):
+    """``--body-work-share`` (at its edges too) is what the server holds clients to."""
+    with client_of(FakePipe(), body_work_share=share) as client:
+        work = client.app.state.server.work  # type: ignore[attr-defined]
+        assert work.share == share
+        work.add("key:a", share * work.window_s)  # at its share: goes on
+        assert work.wait_s("key:a") == 0
+        work.add("key:a", 0.01)  # one past
+        assert work.wait_s("key:a") > 0

@@ -25,6 +25,7 @@ from omni_serve.fair import GIL_SWITCH_S
 from omni_serve.keys import ApiKey, KeysFileError, load_keys_file
 from omni_serve.settings import (
     BODIES_IN_FLIGHT,
+    BODY_WORK_SHARE,
     MAX_BODY_BYTES,
     MAX_CHAT_IMAGE_PIXELS,
     MAX_TIMEOUT_S,
@@ -150,6 +151,14 @@ def parser() -> argparse.ArgumentParser:
         default=MAX_BODY_BYTES,
         help="request body limit, images as data URLs included; a bigger body is a 413 "
         f"(default: {MAX_BODY_BYTES} = 20 MiB)",
+    )
+    p.add_argument(
+        "--body-work-share",
+        type=float,
+        default=BODY_WORK_SHARE,
+        help="the share of the server's time one client's heavy body work (parsing big "
+        "bodies, reading image headers) may take over the last 2 s; past it its next big "
+        f"body waits, unread (default: {BODY_WORK_SHARE}; 1: the whole window)",
     )
     p.add_argument(
         "--max-body-bytes-in-flight",
@@ -367,6 +376,7 @@ def settings_of(
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+        body_work_share=args.body_work_share,
         max_image_pixels=args.max_image_pixels,
         max_chat_image_pixels=args.max_chat_image_pixels,
         max_images=args.max_images,

@@ -80,7 +80,7 @@ class Server:
     shares: Shares = field(init=False)  # what each client holds (omni_serve.shares)
     created: int = field(default_factory=lambda: int(time.time()))
     # each client's heavy body work (both slots below), held to its share (omni_serve.fair)
-    work: WorkShares = field(default_factory=WorkShares)
+    work: WorkShares = field(init=False)
     # big bodies are parsed off the event loop one at a time (omni_serve.body.off_loop)
     parsing: FairSlot = field(init=False)
     # chat images' headers are read in a slot of their own (omni_serve.media.check_images)
@@ -97,6 +97,7 @@ class Server:
         self.prompt_limits = prompt_limits(self.pipe.config.stages, self.pipe.config.edges)
         assert self.settings.max_body_bytes_in_flight is not None  # set by ServeSettings
         self.bodies = BodyBudget(self.settings.max_body_bytes_in_flight)
+        self.work = WorkShares(self.settings.body_work_share)
         self.parsing, self.image_headers = FairSlot(self.work), FairSlot(self.work)
         self.metrics.body_bytes.set_function(lambda: self.bodies.used)
         s = self.settings

@@ -8,6 +8,7 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
+from omni_serve.fair import SHARE as BODY_WORK_SHARE
 from omni_serve.keys import SINGLE_KEY_NAME, ApiKey
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout past a week is a mistake, not a wish
@@ -68,6 +69,10 @@ class ServeSettings:
     max_body_bytes_in_flight: int | None = None
     """Bytes of request bodies held at once in the whole server (past it: 503 with
     ``Retry-After``); None: ``BODIES_IN_FLIGHT`` x ``max_body_bytes``."""
+    body_work_share: float = BODY_WORK_SHARE
+    """The share of the server's time (over the last ``omni_serve.fair.WINDOW_S``) one
+    client's heavy body work (parsing big bodies, reading image headers) may take; past
+    it the client's next big body waits, unread (``omni_serve.fair``)."""
     max_image_pixels: int = 1024 * 1024
     """The largest image (width x height) an image request may ask for (``size``)."""
     max_chat_image_pixels: int = MAX_CHAT_IMAGE_PIXELS
@@ -125,6 +130,8 @@ class ServeSettings:
             for item in self.remote_images_allow
             for n in (networks(item) if isinstance(item, str) else (item,))
         )
+        if not 0 < self.body_work_share <= 1:
+            raise ValueError(f"--body-work-share {self.body_work_share}: expected (0, 1]")
         if self.max_body_bytes_in_flight is None:
             self.max_body_bytes_in_flight = BODIES_IN_FLIGHT * self.max_body_bytes
         if self.max_body_bytes_in_flight < self.max_body_bytes:
