@@ -19,7 +19,7 @@ from omni_core import Pipeline
 
 from omni_serve import handlers
 from omni_serve.middleware import RequestContext
-from omni_serve.routes import images, operations, speech, text
+from omni_serve.routes import images, operations, speech, text, tokenize
 from omni_serve.server import Server, endpoints
 from omni_serve.settings import ServeSettings
 from omni_serve.shares import ClientShares
@@ -31,7 +31,8 @@ def create_app(pipe: Pipeline, settings: ServeSettings) -> FastAPI:
     """The ASGI app serving ``pipe`` (started, and closed, by the caller)."""
     app = FastAPI(title="omni serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server = Server(pipe, settings)
-    routers = (text.router, images.router, speech.router, operations.guarded, operations.public)
+    routers = (text.router, tokenize.router, images.router, speech.router)
+    routers = (*routers, operations.guarded, operations.public)
     for router in routers:
         app.include_router(router)
     handlers.install(app)
