@@ -114,7 +114,7 @@ class MMIntake(_MMStage):
         o = self.options
         for inp in batch:
             try:
-                source, params = self._parse(inp)
+                source, params = self.read(inp.request)
                 # a response_format that asks for structured output fails here already
                 self._check_sampling(params)
                 messages = source if isinstance(source, list) else None

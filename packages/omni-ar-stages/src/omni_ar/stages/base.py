@@ -120,12 +120,12 @@ class ModelStage(Stage):
             return p.device, "auto"
         return p.device, p.dtype
 
-    def _parse(self, inp: StageInput) -> tuple[Any, SamplingParams]:
+    def read(self, request: dict[str, Any]) -> tuple[Any, SamplingParams]:
         """(prompt or messages, sampling params) of a request entering the family: parsed
         and checked here, once, by the options of this (intake) stage; the params travel
-        on with the request's events (:func:`omni_ar.params.params_payload`)."""
+        on with the request's events (:func:`omni_ar.params.params_payload`). Public: the
+        server's ``/tokenize`` reads a request the way the intake does."""
         o = self.options
-        request = inp.request
         if "max_tokens" not in request:
             request = {**request, "max_tokens": o.default_max_tokens}
         own = request.get("structured_outputs") or request.get("response_format")

@@ -21,7 +21,7 @@ class Intake(ModelStage):
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         for inp in batch:
             try:
-                source, params = self._parse(inp)
+                source, params = self.read(inp.request)
                 ids = self.engine.encode(source)
             except RequestError as e:
                 yield inp.fail(e)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import types
 from typing import Any, ClassVar
 
 from fastapi import APIRouter, Depends, Request
@@ -90,8 +89,7 @@ class Tokenizer:
 
     def source(self, preq: dict[str, Any]) -> Any:
         """The prompt (a str) or the chat (messages) the intake reads from ``preq``."""
-        inp = types.SimpleNamespace(request={**preq, "max_tokens": 1})
-        return self.stage._parse(inp)[0]
+        return self.stage.read({**preq, "max_tokens": 1})[0]
 
     def prompt_ids(self, preq: dict[str, Any], special: bool) -> list[int]:
         source = self.source(preq)
