@@ -8,17 +8,14 @@ development guide), and are skipped elsewhere; the plugin's own tests run wherev
 is installed.
 """
 
-import importlib.util
 import os
 import re
 
 import numpy as np
 import pytest
+from omni_ar.testing import require_vllm
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("CI"):
-        pytest.fail("vLLM is not installed, and CI must run the vLLM tests", pytrace=False)
-    pytest.skip("vLLM is not installed", allow_module_level=True)
+require_vllm()
 
 from omni_ar.engines import vllm_requires_kv as plugin  # noqa: E402
 from omni_ar.params import SamplingParams  # noqa: E402

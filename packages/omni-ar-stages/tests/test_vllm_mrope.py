@@ -10,15 +10,12 @@ processed tensor and no vision tower is there. Runs where vLLM's Qwen2-VL import
 """
 
 import copy
-import importlib.util
 import os
 
 import pytest
+from omni_ar.testing import require_vllm
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("CI"):
-        pytest.fail("vLLM is not installed, and CI must run the vLLM tests", pytrace=False)
-    pytest.skip("vLLM is not installed", allow_module_level=True)
+require_vllm()
 
 from omni_ar.errors import EngineRequestError  # noqa: E402
 from omni_ar.handoff import MRope  # noqa: E402

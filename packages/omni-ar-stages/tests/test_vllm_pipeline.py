@@ -5,21 +5,15 @@ recompute), decode streams share engine steps, closing a stream frees its KV blo
 Skipped when vLLM is not installed, except under CI (env ``CI`` set), where that fails.
 """
 
-import importlib.util
 import json
-import os
 import time
 import warnings
 
 import numpy as np
 import pytest
+from omni_ar.testing import require_vllm
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("CI"):
-        pytest.fail("vLLM is not installed, and CI must run the vLLM tests", pytrace=False)
-    pytest.skip(
-        "vLLM is not installed (pip install 'omni-ar-stages[vllm]')", allow_module_level=True
-    )
+require_vllm()
 
 import torch  # noqa: E402
 from omni_ar.engines.vllm_engine import VllmEngine  # noqa: E402

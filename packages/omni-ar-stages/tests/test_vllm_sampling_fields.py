@@ -7,18 +7,12 @@ so the fields that read the output need :mod:`omni_ar.engines.vllm_carried`.
 Skipped when vLLM is not installed, except under CI (env ``CI`` set), where that fails.
 """
 
-import importlib.util
 import json
-import os
 
 import pytest
+from omni_ar.testing import require_vllm
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("CI"):
-        pytest.fail("vLLM is not installed, and CI must run the vLLM tests", pytrace=False)
-    pytest.skip(
-        "vLLM is not installed (pip install 'omni-ar-stages[vllm]')", allow_module_level=True
-    )
+require_vllm()
 
 from omni_ar.engines.vllm_engine import VllmEngine  # noqa: E402
 from omni_ar.logits import bad_word_ids  # noqa: E402

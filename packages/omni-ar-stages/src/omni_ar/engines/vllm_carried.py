@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from omni_ar.engines.vllm_rows import RowLogitsProcessor
 
 ARG = "omni_first"  # the extra_args key: the first token and the fields that read it
 
@@ -46,32 +47,12 @@ def carried(params: Any, first: int, bad: list[list[int]]) -> dict[str, Any] | N
     }
 
 
-class FirstTokenLogitsProcessor(LogitsProcessor):
+class FirstTokenLogitsProcessor(RowLogitsProcessor[_Row]):
     """The first token's penalties and the bad words that span it (see the module)."""
 
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        self.rows: dict[int, _Row] = {}  # persistent batch index -> its request
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index, params, _prompt, output in batch_update.added:
-            entry = ((params.extra_args or {}) if params is not None else {}).get(ARG)
-            if isinstance(entry, dict):
-                self.rows[index] = _Row(entry, output)
-            else:
-                self.rows.pop(index, None)
-        for index in batch_update.removed:
-            self.rows.pop(index, None)
-        for a, b, direction in batch_update.moved:
-            row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
-            if row_a is not None:
-                self.rows[b] = row_a
-            if row_b is not None and direction == MoveDirectionality.SWAP:
-                self.rows[a] = row_b
+    def row(self, extra_args: dict[str, Any], output: list[int]) -> _Row | None:
+        entry = extra_args.get(ARG)
+        return _Row(entry, output) if isinstance(entry, dict) else None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for index, row in self.rows.items():

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from omni_ar.engines.vllm_rows import RowLogitsProcessor
 from omni_ar.structured import Matcher
 
 ARG = "omni_grammar"  # the extra_args key naming a request's matcher in MATCHERS
@@ -45,32 +45,13 @@ class _Row:
     output: list[int]  # vLLM's live list of the request's output tokens
 
 
-class GrammarLogitsProcessor(LogitsProcessor):
+class GrammarLogitsProcessor(RowLogitsProcessor[_Row]):
     """Masks the logits of the requests that name a matcher in :data:`MATCHERS`."""
 
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        self.rows: dict[int, _Row] = {}  # persistent batch index -> its request
-
-    def is_argmax_invariant(self) -> bool:
-        return False  # it changes which token is likeliest
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is not None:
-            for index, params, _prompt, output in batch_update.added:
-                key = ((params.extra_args or {}) if params is not None else {}).get(ARG)
-                state = MATCHERS.get(key) if isinstance(key, str) else None
-                if state is not None:
-                    self.rows[index] = _Row(state, output)
-                else:
-                    self.rows.pop(index, None)
-            for index in batch_update.removed:
-                self.rows.pop(index, None)
-            for a, b, direction in batch_update.moved:
-                row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
-                if row_a is not None:
-                    self.rows[b] = row_a
-                if row_b is not None and direction == MoveDirectionality.SWAP:
-                    self.rows[a] = row_b
+    def row(self, extra_args: dict[str, Any], output: list[int]) -> _Row | None:
+        key = extra_args.get(ARG)
+        state = MATCHERS.get(key) if isinstance(key, str) else None
+        return _Row(state, output) if state is not None else None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row advanced by the tokens sampled since its last mask, then masked. Here,
