@@ -11,12 +11,11 @@ import warnings
 
 import numpy as np
 import pytest
-from omni_ar.testing import require_vllm
+from omni_ar.testing import kv_engine_pair, require_vllm
 
 require_vllm()
 
 import torch  # noqa: E402
-from omni_ar.engines.vllm_engine import VllmEngine  # noqa: E402
 from omni_ar.params import SamplingParams  # noqa: E402
 from omni_ar.testing import run_oracle  # noqa: E402
 from omni_core import Pipeline  # noqa: E402
@@ -203,13 +202,8 @@ def test_fused_vllm_generate_equals_llm_generate_and_cancels(vllm_model, referen
 
 @pytest.fixture(scope="module")
 def engines(vllm_model):
-    """(prefill engine as KV producer, decode engine as KV consumer)."""
-    out = []
-    for role in ("kv_producer", "kv_consumer"):
-        e = VllmEngine(vllm_model, kv_role=role, engine_args=ENGINE_ARGS)
-        e.load_model()
-        out.append(e)
-    return out
+    """(prefill's engine, a KV producer that also runs whole requests; decode's)."""
+    return kv_engine_pair(vllm_model, ENGINE_ARGS)
 
 
 def prompt(n, salt):

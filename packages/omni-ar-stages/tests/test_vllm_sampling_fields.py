@@ -10,11 +10,10 @@ Skipped when vLLM is not installed, except under CI (env ``CI`` set), where that
 import json
 
 import pytest
-from omni_ar.testing import require_vllm
+from omni_ar.testing import kv_engine_pair, require_vllm
 
 require_vllm()
 
-from omni_ar.engines.vllm_engine import VllmEngine  # noqa: E402
 from omni_ar.logits import bad_word_ids  # noqa: E402
 from omni_ar.params import RequestError, SamplingParams  # noqa: E402
 from omni_ar.testing import run_oracle  # noqa: E402
@@ -46,13 +45,7 @@ def prompt(n, salt):
 @pytest.fixture(scope="module")
 def engines(vllm_model):
     """(prefill's engine, a KV producer that also runs whole requests; decode's)."""
-    out = []
-    for role in ("kv_producer", "kv_consumer"):
-        e = VllmEngine(vllm_model, kv_role=role, engine_args=ENGINE_ARGS)
-        e.load_model()
-        e.load_tokenizer()
-        out.append(e)
-    return out
+    return kv_engine_pair(vllm_model, ENGINE_ARGS)
 
 
 def fused(engine, ids, params):

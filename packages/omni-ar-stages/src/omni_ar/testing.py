@@ -123,3 +123,17 @@ def require_vllm() -> None:
     pytest.skip(
         "vLLM is not installed (pip install 'omni-ar-stages[vllm]')", allow_module_level=True
     )
+
+
+def kv_engine_pair(model: str, engine_args: dict[str, Any]) -> list[Any]:
+    """Two loaded vLLM engines on ``model``: prefill's (a KV producer, which runs whole
+    requests too) and decode's (a KV consumer), each with its tokenizer."""
+    from omni_ar.engines.vllm_engine import VllmEngine
+
+    out = []
+    for role in ("kv_producer", "kv_consumer"):
+        e = VllmEngine(model, kv_role=role, engine_args=engine_args)
+        e.load_model()
+        e.load_tokenizer()
+        out.append(e)
+    return out
