@@ -63,9 +63,10 @@ class Combination:
 
 
 VLLM_ONLY = ("omni_ar.engines.kv_connector", "needs the vllm extra (vLLM's KV connector API)")
-VLLM_GRAMMAR = (
-    "omni_ar.engines.vllm_grammar",
-    "needs the vllm extra (vLLM's logits processor API)",
+# omni's logits processors for vLLM (and the base they share)
+VLLM_PROCESSORS = tuple(
+    (f"omni_ar.engines.{name}", "needs the vllm extra (vLLM's logits processor API)")
+    for name in ("vllm_grammar", "vllm_carried", "vllm_rows")
 )
 
 # The families (the issue's "core alone; core + AR with the transformers engine; core +
@@ -78,7 +79,7 @@ COMBINATIONS: tuple[Combination, ...] = (
         "ar",
         "omni-ar-stages",
         ("omni-ar-stages[transformers,test]",),
-        skip_modules=(VLLM_ONLY, VLLM_GRAMMAR),
+        skip_modules=(VLLM_ONLY, *VLLM_PROCESSORS),
     ),
     Combination("dit", "omni-dit-stages", ("omni-dit-stages[test]",)),
     Combination(
