@@ -5,8 +5,12 @@ scripted stage writes down every step (``"a1"``: request a's step 1), pause, res
 close and ``end_request``; see :mod:`omni_testing.stage_thread`."""
 
 import threading
+import types
 
 import pytest
+from omni_core.stage import StageInput
+from omni_core.worker.host import WorkItem
+from omni_core.worker.scheduler import _Active
 from omni_testing.faults import wait_for
 from omni_testing.stage_thread import Rig, slot
 
@@ -476,6 +480,45 @@ def test_an_idle_stage_thread_stays_until_its_deadline_passed():
         rig.state.deadline = 1.0  # passed
         rig.state.work.notify()
     rig.join()
+
+
+def test_an_idle_stage_thread_waits_on_its_condition_polling_every_200_ms():
+    """Idle, it sleeps on ``work`` (an arrival or a stop notifies it), waking every 0.2 s
+    to look at its deadline: it neither spins nor sleeps longer."""
+    rig = Rig()
+    waits: list[float | None] = []
+    real = rig.state.work.wait
+
+    def wait(timeout=None):
+        waits.append(timeout)
+        return real(timeout)
+
+    rig.state.work.wait = wait  # type: ignore[method-assign]
+    rig.start()
+    try:
+        wait_for(lambda: rig.queue.idle_stage, 5, "the stage thread waiting")
+    finally:
+        rig.stop()
+        rig.join()
+    assert waits and set(waits) == {0.2}
+
+
+@pytest.mark.parametrize(("windows", "index"), [((3, 5), 3), ((0, 5), 0), ((None, 5), 0)])
+def test_a_traced_batchs_span_names_the_window_of_its_first_request(windows, index):
+    rig = Rig(trace=True)
+    items = [
+        WorkItem(
+            StageInput(
+                rid, {}, {} if i is None else {"e": types.SimpleNamespace(index=i)}, True, True
+            ),
+            [],
+        )
+        for rid, i in zip("ab", windows, strict=True)
+    ]
+    a = _Active(iter(()), items, {"a", "b"}, [], started=1.0, outputs=2)
+    rig.scheduler._finish(a, failed=True)
+    (span,) = rig.state.spans
+    assert (span.requests, span.start, span.outputs, span.window) == (["a", "b"], 1.0, 2, index)
 
 
 def test_end_request_runs_between_the_steps_of_a_long_request_not_after_it():
