@@ -23,7 +23,8 @@ pytest.importorskip("transformers")
 
 HOLD_S = 1.5  # the stage holds each request this long
 PER_ADDRESS = 4
-KEYS = {name: f"{name}-{'k' * 40}" for name in ("a", "b", "c", "m")}
+KEYS = {name: f"{name}-{'k' * 40}" for name in ("a", "b", "c", "m", "h")}
+HELD_S = 2.0  # key h's refusal_delay_s
 KEYS_FILE = f"""
 [[keys]]
 name = "a"
@@ -44,6 +45,12 @@ max_queued = 2
 [[keys]]
 name = "m"
 key = "{KEYS["m"]}"
+
+[[keys]]
+name = "h"
+key = "{KEYS["h"]}"
+max_inflight = 1
+refusal_delay_s = {HELD_S}
 """
 COMPLETIONS = "/v1/completions"
 PRIORITY = {"mrs": {"defaults": {"scheduler_policy": "priority"}}, "heartbeat_interval_s": 0.05}
@@ -158,14 +165,41 @@ def test_a_key_at_its_max_queued_gets_429(server):
         "key c never had 2 pipeline requests open",
     )
     for stream in (False, True):
+        sent = time.monotonic()
         r = httpx.post(url, json={"prompt": "x", "stream": stream}, headers=auth("c"), timeout=30)
         refused(r, "max_queued")
+        assert time.monotonic() - sent >= 1.0  # held for the default refusal_delay_s
     other = httpx.post(url, json={"prompt": "b"}, headers=auth("b"), timeout=60)
     assert other.status_code == 200, other.text
     assert all(r.status_code == 200 for r in held.join())
     text = metrics(server)
     assert sample(text, "omni_http_refusals_total", key="c", reason="queued") == 2
     assert sample(text, "omni_http_key_queued", key="c") == 0
+
+
+def test_a_keys_refusal_is_held_for_its_delay_while_other_keys_are_answered(server):
+    url = f"{server.url}{COMPLETIONS}"
+    served, held = Background(), Background()
+    served.post(url, auth("h"), {"prompt": "h"})  # at its max_inflight of 1
+    wait_for(
+        lambda: sample(metrics(server), "omni_http_key_inflight", key="h") == 1,
+        "key h never had its request in flight",
+    )
+    sent = time.monotonic()
+    held.post(url, auth("h"), {"prompt": "x"})  # one past: refused, and held
+    wait_for(
+        lambda: sample(metrics(server), "omni_http_key_held_refusals", key="h") == 1,
+        "key h's refusal was never held",
+    )
+    other = httpx.get(f"{server.url}/v1/models", headers=auth("b"), timeout=10)
+    assert other.status_code == 200, other.text
+    # (b was answered while h's 429 was still held)
+    assert sample(metrics(server), "omni_http_key_held_refusals", key="h") == 1
+    (r,) = held.join()
+    refused(r, "max_inflight")
+    assert time.monotonic() - sent >= HELD_S
+    assert sample(metrics(server), "omni_http_key_held_refusals", key="h") == 0
+    assert all(r.status_code == 200 for r in served.join())
 
 
 def test_a_key_at_its_max_connections_gets_429_and_the_connection_closed(server):

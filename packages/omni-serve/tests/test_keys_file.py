@@ -75,6 +75,13 @@ def test_a_json_file(tmp_path):
         ({"name": "a", "key": KEY_A, "best_priority": 1}, "keys[0] ('a').best_priority"),
         ({"name": "a", "key": KEY_A, "best_priority": -(2**63) - 1}, "best_priority"),
         ({"name": "a", "key": KEY_A, "priority": 1}, "keys[0].priority: unknown field"),
+        ({"name": "a", "key": KEY_A, "refusal_delay_s": 10.001}, "('a').refusal_delay_s"),
+        ({"name": "a", "key": KEY_A, "refusal_delay_s": 11}, "('a').refusal_delay_s"),
+        ({"name": "a", "key": KEY_A, "refusal_delay_s": -0.001}, "('a').refusal_delay_s"),
+        ({"name": "a", "key": KEY_A, "refusal_delay_s": "1"}, "('a').refusal_delay_s"),
+        ({"name": "a", "key": KEY_A, "refusal_delay_s": True}, "('a').refusal_delay_s"),
+        ({"name": "a", "key": KEY_A, "refusal_delay_s": float("nan")}, "refusal_delay_s"),
+        ({"name": "a", "key": KEY_A, "refusal_delay_s": float("inf")}, "refusal_delay_s"),
     ],
 )
 def test_a_bad_entry_is_refused_naming_its_field(entry, names):
@@ -88,6 +95,12 @@ def test_limits_at_their_edge_pass():
         {"keys": [{"name": "a", "key": KEY_A, "max_inflight": 1, "best_priority": -(2**63)}]}
     )
     assert key.max_inflight == 1 and key.best_priority == -(2**63)
+    assert key.refusal_delay_s == DEFAULTS["refusal_delay_s"] == 1.0
+    for edge in (0, 10, 10.0, 0.25):
+        (key,) = parse_keys({"keys": [{"name": "a", "key": KEY_A, "refusal_delay_s": edge}]})
+        assert key.refusal_delay_s == float(edge) and isinstance(key.refusal_delay_s, float)
+    (key,) = parse_keys({"defaults": {"refusal_delay_s": 0}, "keys": [{"name": "a", "key": KEY_A}]})
+    assert key.refusal_delay_s == 0.0
 
 
 def test_names_and_keys_are_unique_and_the_file_well_formed():

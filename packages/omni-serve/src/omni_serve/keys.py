@@ -1,7 +1,8 @@
 """API keys: one (``--api-key``, ``--api-key-file``, ``$OMNI_API_KEY``: named
 ``default``, no limits of its own) or several from a keys file (``--api-keys-file``), each
 named and with its own share of the server: open connections, requests in flight,
-queued pipeline requests and the best priority it may ask for.
+queued pipeline requests, the best priority it may ask for, and how long its refusals
+are held before they are answered.
 
 The file is TOML (``.toml``) or JSON (``.json``)::
 
@@ -10,6 +11,7 @@ The file is TOML (``.toml``) or JSON (``.json``)::
     max_inflight = 16
     max_queued = 64
     best_priority = 0
+    refusal_delay_s = 1.0
 
     [[keys]]
     name = "alice"      # in logs and metrics labels (the key never is)
@@ -18,13 +20,14 @@ The file is TOML (``.toml``) or JSON (``.json``)::
 
 It is read strictly: a file that group or others may read, an unknown field, a name twice,
 a key twice or too short, a limit that is not a positive integer, a ``best_priority``
-above 0 is a :class:`KeysFileError` naming the file and the field (and the line, for a
-file that does not parse)."""
+above 0, a ``refusal_delay_s`` outside 0..10 is a :class:`KeysFileError` naming the file
+and the field (and the line, for a file that does not parse)."""
 
 from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
 import re
 import stat
@@ -38,15 +41,19 @@ SINGLE_KEY_NAME = "default"  # the one key of --api-key, --api-key-file, $OMNI_A
 MIN_KEY_CHARS = 32
 MAX_FILE_BYTES = 1 << 20
 INT64_MIN = -(2**63)
+MAX_REFUSAL_DELAY_S = 10.0
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 KEY = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no space: a bearer token
 LIMITS = ("max_connections", "max_inflight", "max_queued")
 # a key's share where the file gives none (best_priority: the default priority or worse)
-DEFAULTS: dict[str, int] = {
+# (refusal_delay_s: a client that asks again at once after its 429 waits about as long as
+# its Retry-After tells it to)
+DEFAULTS: dict[str, float] = {
     "max_connections": 64,
     "max_inflight": 16,
     "max_queued": 64,
     "best_priority": 0,
+    "refusal_delay_s": 1.0,
 }
 
 
@@ -68,6 +75,11 @@ class ApiKey:
     """Pipeline requests of this key open at once (``n`` images: ``n``)."""
     best_priority: int | None = None
     """The lowest (best) ``priority`` its requests may ask for (lower runs first)."""
+    refusal_delay_s: float = 0.0
+    """How long a 429 of this key (over its connections, in flight or queued) is held
+    before it is sent: a client that floods past its share waits instead of costing the
+    server an answer at once each time. Bounded: every held refusal sits on a connection
+    its key's (or its address's) connection cap already counts."""
 
 
 def identify(keys: Sequence[ApiKey], authorization: str) -> ApiKey | None:
@@ -166,7 +178,7 @@ def parse_keys(doc: Any, where: str = "keys file") -> tuple[ApiKey, ...]:
             n: _share(entry[n], n, where, f"{at}.{n}") if n in entry else defaults[n]
             for n in DEFAULTS
         }
-        out.append(ApiKey(name, key, **shares))
+        out.append(ApiKey(name, key, **shares))  # type: ignore[arg-type]
     return tuple(out)
 
 
@@ -178,8 +190,16 @@ def _no_unknown(table: dict[str, Any], known: set[str], where: str, prefix: str)
             )
 
 
-def _share(value: Any, name: str, where: str, at: str) -> int:
-    """A limit (a positive integer) or ``best_priority`` (an integer in -2^63..0)."""
+def _share(value: Any, name: str, where: str, at: str) -> float:
+    """A limit (a positive integer), ``best_priority`` (an integer in -2^63..0) or
+    ``refusal_delay_s`` (seconds in 0..MAX_REFUSAL_DELAY_S)."""
+    if name == "refusal_delay_s":
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and math.isfinite(value) and 0 <= value <= MAX_REFUSAL_DELAY_S:
+            return float(value)
+        raise KeysFileError(
+            f"{where}: {at}: expected seconds in 0..{MAX_REFUSAL_DELAY_S:g}, got {value!r}"
+        )
     if isinstance(value, int) and not isinstance(value, bool):
         if name == "best_priority" and INT64_MIN <= value <= 0:
             return value

@@ -123,8 +123,9 @@ KEY_GAUGES = (
     ("omni_http_key_connections", "connections counted against an API key, by key name"),
     ("omni_http_key_inflight", "HTTP requests of an API key being answered, by key name"),
     ("omni_http_key_queued", "pipeline requests of an API key open, by key name"),
+    ("omni_http_key_held_refusals", "429s of an API key held before they are sent, by key name"),
 )
-Usage = Callable[[], dict[str, tuple[int, int, int]]]
+Usage = Callable[[], dict[str, tuple[int, int, int, int]]]
 
 
 class SharesCollector(Collector):

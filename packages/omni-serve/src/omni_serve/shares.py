@@ -14,10 +14,18 @@ hold of the server, so that no client can starve the others.
   ``best_priority`` is a 400 naming ``priority`` (:meth:`omni_serve.server.Server.check_priority`).
 
 Each refusal is a 429 with ``Retry-After`` and an OpenAI-shaped body naming the limit,
-counted in ``omni_http_refusals_total{key, reason}``; other clients are untouched."""
+counted in ``omni_http_refusals_total{key, reason}``; other clients are untouched. A
+key's refusals are held for its ``refusal_delay_s`` before they are sent (a tarpit): a
+client flooding past its share gets its answers at the pace its ``Retry-After`` asks for,
+instead of costing the server's event loop an answer each time it asks again at once.
+What that holds is bounded by the caps above: each held refusal is on a connection its
+key (over ``max_inflight`` or ``max_queued``) or its address (over ``max_connections``:
+the connection was never counted against the key) already counts. The per-address
+refusal at connect is never held (that connection is counted nowhere)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import json
@@ -73,6 +81,7 @@ class KeyUse:
     connections: int = 0
     inflight: int = 0
     queued: int = 0
+    held: int = 0  # refusals being held (Shares.hold_refusal)
 
 
 @dataclass
@@ -139,29 +148,51 @@ class Shares:
         """A request :meth:`admit` let in has ended."""
         self.use[key.name].inflight -= 1
 
-    @contextlib.contextmanager
-    def queued(self, key: ApiKey | None) -> Iterator[None]:
-        """One pipeline request of ``key`` open; a 429 over its ``max_queued``."""
-        if key is None:
-            yield
+    async def hold_refusal(self, key: ApiKey) -> None:
+        """Wait ``key``'s ``refusal_delay_s`` before one of its 429s is sent (counted in
+        ``held`` while it waits)."""
+        if key.refusal_delay_s <= 0:
             return
         use = self.use[key.name]
+        use.held += 1
+        try:
+            await asyncio.sleep(key.refusal_delay_s)
+        finally:
+            use.held -= 1
+
+    def queue_refusal(self, key: ApiKey) -> APIError | None:
+        """The 429 of one more pipeline request of ``key`` over its ``max_queued``."""
+        use = self.use[key.name]
         if key.max_queued is not None and use.queued >= key.max_queued:
-            raise over_share(
+            return over_share(
                 f"key {key.name!r} has {use.queued} pipeline requests open, its max_queued",
                 key.name,
                 "queued",
                 self.metrics,
             )
+        return None
+
+    @contextlib.contextmanager
+    def queued(self, key: ApiKey | None) -> Iterator[None]:
+        """One pipeline request of ``key`` open; a 429 over its ``max_queued`` (at once:
+        :class:`SharedPipeline` holds it first)."""
+        if key is None:
+            yield
+            return
+        err = self.queue_refusal(key)
+        if err is not None:
+            raise err
+        use = self.use[key.name]
         use.queued += 1
         try:
             yield
         finally:
             use.queued -= 1
 
-    def usage(self) -> dict[str, tuple[int, int, int]]:
-        """Per key name: (connections, requests in flight, pipeline requests open)."""
-        return {n: (u.connections, u.inflight, u.queued) for n, u in self.use.items()}
+    def usage(self) -> dict[str, tuple[int, int, int, int]]:
+        """Per key name: (connections, requests in flight, pipeline requests open, refusals
+        held)."""
+        return {n: (u.connections, u.inflight, u.queued, u.held) for n, u in self.use.items()}
 
 
 class SharedPipeline:
@@ -179,7 +210,13 @@ class SharedPipeline:
     async def astream(
         self, request: dict[str, Any], request_id: str | None = None, timeout_s: float | None = None
     ) -> AsyncIterator[Any]:
-        with self._shares.queued(CLIENT.get()):
+        key = CLIENT.get()
+        if key is not None:
+            err = self._shares.queue_refusal(key)
+            if err is not None:
+                await self._shares.hold_refusal(key)
+                raise err
+        with self._shares.queued(key):
             async for ev in self._pipe.astream(request, request_id, timeout_s):
                 yield ev
 
@@ -238,6 +275,7 @@ class ClientShares:
         key: ApiKey,
         close: bool = False,
     ) -> None:
+        await self.shares.hold_refusal(key)
         rid = str(scope.get("state", {}).get("request_id", ""))
         log.info(
             "refused a request of key %r: %s", key.name, err.message, extra={"request_id": rid}
