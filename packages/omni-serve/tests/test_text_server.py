@@ -81,7 +81,7 @@ def test_completion_and_stop(client):
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),  # past --max-n
         ({"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
         ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, "model"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),

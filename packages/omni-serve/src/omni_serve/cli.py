@@ -28,6 +28,7 @@ from omni_serve.settings import (
     BODY_WORK_SHARE,
     MAX_BODY_BYTES,
     MAX_CHAT_IMAGE_PIXELS,
+    MAX_N,
     MAX_TIMEOUT_S,
     IPNetwork,
     ServeSettings,
@@ -225,6 +226,12 @@ def parser() -> argparse.ArgumentParser:
         "--max-images", type=positive_int, default=4, help="limit of an image request's n"
     )
     p.add_argument(
+        "--max-n",
+        type=positive_int,
+        default=MAX_N,
+        help=f"limit of a chat or completion request's n (choices; default: {MAX_N})",
+    )
+    p.add_argument(
         "--max-connections",
         type=positive_int,
         default=None,
@@ -380,6 +387,7 @@ def settings_of(
         max_image_pixels=args.max_image_pixels,
         max_chat_image_pixels=args.max_chat_image_pixels,
         max_images=args.max_images,
+        max_n=args.max_n,
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
         cors_origins=tuple(args.cors_origin),
         allow_remote_images=args.allow_remote_images,

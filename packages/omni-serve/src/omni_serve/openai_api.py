@@ -1,10 +1,13 @@
-"""OpenAI request bodies, checked, and mapped onto pipeline requests.
+"""OpenAI request bodies (their models: :mod:`omni_serve.openai_bodies`), checked, and
+mapped onto pipeline requests.
 
 Text: ``{"messages" | "prompt", "max_tokens", "temperature", "top_p", "seed", "stop",
 "logprobs", "top_logprobs"}`` and :data:`SAMPLING_FIELDS` (the penalties, ``logit_bias``
 and vLLM's extras, as vLLM means them) (the AR intake's fields; ``logprobs``: decode's per-token
 logprobs, which postprocess passes on with each token's text, and with ``top_logprobs: k``
-the k most likely alternatives of each). Chat image parts (``image_url``) go to an
+the k most likely alternatives of each). ``n`` choices of one prompt are ``n`` pipeline
+requests (:func:`text_choices`; choice ``i`` seeded ``seed + i``). Chat image parts
+(``image_url``) go to an
 ``ar.mm_intake`` as ``{"type": "image_url", "image_url": {"url": data URL}}``: data URLs
 always, http(s) URLs only when the operator allows them (the server fetches them and
 passes them on as data URLs: no stage ever touches the network), file paths never. Images:
@@ -20,294 +23,62 @@ the pipeline does not speak they are refused, naming the field), and text to spe
 Every body may carry ``priority`` (vLLM's extra field: an int64, default 0, lower runs
 first), passed on as the request's :data:`omni_core.scheduling.PRIORITY_KEY` when not 0.
 Unknown fields are refused, naming the field; fields the OpenAI API has that change the
-answer in ways a pipeline cannot (the legacy ``functions``, n > 1 for text, URLs for
-images) are refused too rather than ignored, naming the field and saying it is not
-supported.
+answer in ways a pipeline cannot (the legacy ``functions``, ``best_of``, URLs for images)
+are refused too rather than ignored, naming the field and saying it is not supported.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+import secrets
+from typing import Any
 
 from omni_core.scheduling import PRIORITY_KEY
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from omni_serve.body import INT_MAX, INT_MIN
-from omni_serve.errors import APIError, bad_field
+from omni_serve.body import INT_MAX
+from omni_serve.errors import bad_field
 from omni_serve.limits import NO_PROMPT_LIMITS, PromptLimits, TokenLimit, check_max_tokens
-from omni_serve.settings import MAX_TIMEOUT_S
+from omni_serve.openai_bodies import (
+    CHAT_AUDIO_FORMATS,
+    Body,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    ImagePart,
+    ImageRequest,
+    InputAudioPart,
+    SpeechRequest,
+    TextBody,
+    TextPart,
+    Tool,
+    parse,
+)
 from omni_serve.tools import DEFAULT_PARSER, ToolPlan, render_messages
 
-# every integer a stage gets fits in 64 bits (a float such as 1e30 is refused too)
-Int64 = Annotated[int, Field(ge=INT_MIN, le=INT_MAX)]
-Count = Annotated[int, Field(ge=0, le=INT_MAX)]
-Positive = Annotated[int, Field(ge=1, le=INT_MAX)]
-Penalty = Annotated[float, Field(ge=-2, le=2)]  # frequency and presence (OpenAI's range)
-Bias = Annotated[float, Field(ge=-100, le=100)]
-# a list stops at its first bad item: 100,000 bad items cost one error, not 100,000
-# (which pydantic collects with the GIL held, stalling the server)
-Strings = Annotated[list[str], Field(fail_fast=True)]
-
-
-def _at_most(n: int) -> BeforeValidator:
-    """A mapping of at most ``n`` entries, counted before its values are checked."""
-
-    def check(value: Any) -> Any:
-        if isinstance(value, dict) and len(value) > n:
-            raise ValueError(f"at most {n} entries, got {len(value)}")
-        return value
-
-    return BeforeValidator(check)
-
+# what the routes read here: the mapping, and the bodies (defined in openai_bodies)
+__all__ = [
+    "IMAGE_PARAMS",
+    "REMOTE",
+    "SAMPLING_FIELDS",
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "ImageRequest",
+    "SpeechRequest",
+    "Tool",
+    "chat_request",
+    "check_chat_chars",
+    "check_choices",
+    "completion_request",
+    "image_requests",
+    "parse",
+    "scheduling",
+    "speech_fields",
+    "speech_request",
+    "text_choices",
+]
 
 _SIZE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})")  # ASCII digits only: not "²x16"
-
-
-class _Model(BaseModel):
-    # strict, as OpenAI's API is: "10" is not a number nor 1 a boolean (an int is a
-    # float, though)
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-    # OpenAI fields this endpoint does not support -> why (a 400 naming the field, not
-    # "unknown field"); sent as null, [] or {} they are taken as absent
-    unsupported: ClassVar[dict[str, str]] = {}
-
-
-class _Body(_Model):
-    model: str | None = None
-    user: str | None = None
-    # omni: this request's timeout; it may lower the server's cap, never raise it
-    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
-    # vLLM's extra field: lower runs first; not 0 only where some stage schedules by
-    # priority (Server.check_priority)
-    priority: Int64 = 0
-
-
-class StreamOptions(_Model):
-    include_usage: bool = False
-
-
-_TOOLS = "tool and function calling is not supported by this server"
-_TEXT_UNSUPPORTED = {
-    "tools": _TOOLS,
-    "tool_choice": _TOOLS,
-    "functions": _TOOLS,
-    "function_call": _TOOLS,
-    "parallel_tool_calls": _TOOLS,
-    "audio": "audio output is not supported by this server",
-    "modalities": "only text output is supported by this server",
-    "prediction": "predicted outputs are not supported by this server",
-    "web_search_options": "web search is not supported by this server",
-    "reasoning_effort": "not supported by this server",
-    "best_of": "not supported by this server (only one completion per request)",
-}
-
-
-# chat takes tools (omni_serve.tools) and, where the pipeline speaks, audio output
-# (chat_request); the legacy functions API stays refused
-_CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "audio", "modalities")
-_LEGACY = "the legacy functions API is not supported by this server; use 'tools'"
-_CHAT_UNSUPPORTED = {
-    **{k: v for k, v in _TEXT_UNSUPPORTED.items() if k not in _CHAT_FIELDS},
-    "functions": _LEGACY,
-    "function_call": _LEGACY,
-}
-# a function's name, as OpenAI allows it
-FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-
-
-class FunctionDef(_Model):
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema (omni_serve.tools.check_schema)
-    strict: bool | None = None  # accepted: required and named calls are held to the schema
-
-
-class Tool(_Model):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionRef(_Model):
-    name: str
-
-
-class NamedToolChoice(_Model):
-    type: Literal["function"]
-    function: FunctionRef
-
-
-class CallFunction(_Model):
-    name: FunctionName
-    arguments: str
-
-
-class ToolCall(_Model):
-    id: str = Field(min_length=1, max_length=256)
-    type: Literal["function"]
-    function: CallFunction
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # json_schema: {"json_schema": {...}}
-    type: str
-
-
-class _TextBody(_Body):
-    unsupported: ClassVar[dict[str, str]] = _TEXT_UNSUPPORTED
-    max_tokens: Positive | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: Int64 | None = None
-    stop: str | Strings | None = None
-    n: Int64 = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
-    # token id (a decimal string) -> -100..100, added to its logit (OpenAI's limit: 300)
-    logit_bias: Annotated[dict[str, Bias], _at_most(300)] | None = None
-    ignore_eos: bool | None = None  # omni (as vLLM): decode to max_tokens
-    # vLLM's extras (sent with the openai client's extra_body); the pipeline checks
-    # what needs the model (token ids in its vocabulary, min_tokens <= max_tokens)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    top_k: Int64 | None = Field(default=None, ge=-1)  # -1 or 0: off
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    min_tokens: Count | None = None
-    stop_token_ids: Annotated[list[Count], Field(fail_fast=True, max_length=64)] | None = None
-    bad_words: Annotated[list[str], Field(fail_fast=True, max_length=128)] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    response_format: ResponseFormat | None = None
-    # vLLM's: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}, checked by
-    # the pipeline's intake (omni_ar.structured), a 400 naming the field where it is bad
-    structured_outputs: dict[str, Any] | None = None
-    store: bool | None = None  # accepted (OpenAI's stored completions): nothing is stored
-    # with store: accepted, unused (OpenAI's limit: 16 pairs)
-    metadata: Annotated[dict[str, str], _at_most(16)] | None = None
-    service_tier: str | None = None  # accepted, unused: one tier here
-
-
-class TextPart(_Model):
-    type: Literal["text"]
-    text: str
-
-
-class ImageURL(_Model):
-    url: str = Field(min_length=1)
-    # accepted, unused: the vision tower's processor has one resolution
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-class ImagePart(_Model):
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-class InputAudio(_Model):
-    data: str = Field(min_length=1)  # base64; its bytes and budgets are the stage's to check
-    format: str = Field(min_length=1, max_length=16)  # "wav", "mp3", ...
-
-
-class InputAudioPart(_Model):
-    type: Literal["input_audio"]
-    input_audio: InputAudio
-
-
-ContentPart = Annotated[TextPart | ImagePart | InputAudioPart, Field(discriminator="type")]
-
-
-class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    # None: only an assistant message with tool_calls (checked by chat_request)
-    content: str | Annotated[list[ContentPart], Field(fail_fast=True)] | None = None
-    name: str | None = None
-    tool_calls: Annotated[list[ToolCall], Field(fail_fast=True, max_length=128)] | None = None
-    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
-    refusal: str | None = None  # accepted (an assistant's earlier answer), unused
-    # an earlier audio answer by id: refused (chat_request), nothing is kept to refer to
-    audio: dict[str, Any] | None = None
-
-
-# chat's audio formats (OpenAI's names) -> the pipeline's (omni_speech's OUTPUT_FORMATS)
-CHAT_AUDIO_FORMATS = {f: f for f in ("wav", "mp3", "flac", "opus", "aac")} | {"pcm16": "pcm"}
-Voice = Annotated[str, Field(min_length=1, max_length=256)]
-
-
-class ChatAudio(_Model):
-    """``audio`` of a chat that asks for speech: the voice (default: the pipeline's) and
-    the format (default: wav)."""
-
-    voice: Voice | None = None
-    format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"] | None = None
-
-
-class ChatRequest(_TextBody):
-    unsupported: ClassVar[dict[str, str]] = _CHAT_UNSUPPORTED
-    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
-    tools: Annotated[list[Tool], Field(fail_fast=True)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    max_completion_tokens: Positive | None = None
-    logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    modalities: (
-        Annotated[list[Literal["text", "audio"]], Field(min_length=1, max_length=2)] | None
-    ) = None
-    audio: ChatAudio | None = None
-
-    @property
-    def speak(self) -> bool:
-        """The answer is to be spoken too (``modalities`` has ``audio``)."""
-        return "audio" in (self.modalities or ())
-
-
-class CompletionRequest(_TextBody):
-    prompt: str | Strings
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: bool = False
-    suffix: str | None = None
-
-
-MAX_SPEECH_INPUT = 4096  # OpenAI's limit on the text to speak
-SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")  # OpenAI's response_format
-
-
-class SpeechRequest(_Body):
-    """OpenAI's text to speech (``/v1/audio/speech``)."""
-
-    unsupported: ClassVar[dict[str, str]] = {
-        "instructions": "voice instructions are not supported by this server",
-    }
-    input: str = Field(min_length=1, max_length=MAX_SPEECH_INPUT)
-    voice: Voice
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
-    speed: float | None = Field(default=None, ge=0.25, le=4.0)
-    stream_format: Literal["audio", "sse"] = "audio"
-    seed: Int64 | None = None  # omni: the same seed, the same audio
-
-
-class ImageRequest(_Body):
-    prompt: str = Field(min_length=1)
-    n: Int64 = 1
-    size: str | None = None  # "WIDTHxHEIGHT" or "auto"
-    response_format: Literal["b64_json", "url"] | None = None
-    output_format: Literal["png", "jpeg", "webp"] | None = None
-    output_compression: Int64 | None = Field(default=None, ge=0, le=100)
-    quality: Literal["auto", "low", "medium", "high", "standard", "hd"] | None = None
-    background: Literal["auto", "opaque", "transparent"] | None = None
-    style: str | None = None
-    moderation: str | None = None
-    stream: bool = False
-    partial_images: Count | None = None
-    # omni: the DiT's own fields
-    steps: Int64 | None = None
-    seed: Int64 | None = None
-    guidance: float | None = None
-    true_cfg_scale: float | None = None  # Flux: classifier-free guidance
-    negative_prompt: str | None = None
-    preview_every: Int64 | None = None
-    max_tokens: Positive | None = None  # the AR stages of a mixed pipeline
 
 
 # pipeline field names (as stages report them) -> the request's
@@ -321,56 +92,7 @@ IMAGE_PARAMS = {
 }
 
 
-T = TypeVar("T", bound=BaseModel)
-
-
-def parse(model: type[T], body: Any) -> T:
-    """``body`` as ``model``, or a 400 naming the first bad field."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    for name, why in model.unsupported.items():  # type: ignore[attr-defined]
-        if name in body:
-            if body[name] is None or body[name] == [] or body[name] == {}:
-                body = {k: v for k, v in body.items() if k != name}
-            else:
-                raise bad_field(name, why)
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        errors = e.errors()
-        # a union (``content: str | list[part]``) fails once per member: the deepest
-        # error of the first bad field says what is wrong (the part, not "not a string")
-        top = errors[0]["loc"][:1]
-        err = max((x for x in errors if x["loc"][:1] == top), key=lambda x: len(x["loc"]))
-        param = _param(err["loc"])
-        what = (
-            "not supported by this server (unknown field)"
-            if err["type"] == "extra_forbidden"
-            else err["msg"]
-        )
-        raise bad_field(param, what) from None
-
-
-def _param(loc: tuple[Any, ...]) -> str:
-    """``("messages", 0, "content", "list[tagged-union[...]]", 1, "image_url", "image_url",
-    "url")`` -> ``messages[0].content[1].image_url.url``: pydantic's names of union
-    members, and the tag of a tagged union's member, are not fields."""
-    out = ""
-    tagged = tag_next = False
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-            tag_next, tagged = tagged, False
-        elif part == "str" or "[" in str(part):
-            tagged = "tagged-union" in str(part)
-        elif tag_next:
-            tag_next = False
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "body"
-
-
-def scheduling(req: _Body) -> dict[str, Any]:
+def scheduling(req: Body) -> dict[str, Any]:
     """The pipeline request's scheduling fields: its priority, when not the default."""
     return {PRIORITY_KEY: req.priority} if req.priority else {}
 
@@ -395,9 +117,7 @@ SAMPLING_FIELDS = (
 )
 
 
-def _sampling(req: _TextBody, max_tokens: int | None, limit: TokenLimit | None) -> dict[str, Any]:
-    if req.n != 1:
-        raise bad_field("n", "only n=1 is supported for text")
+def _sampling(req: TextBody, max_tokens: int | None, limit: TokenLimit | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if max_tokens is not None:
         check_max_tokens(max_tokens, limit)
@@ -421,6 +141,29 @@ def _sampling(req: _TextBody, max_tokens: int | None, limit: TokenLimit | None) 
     if req.structured_outputs is not None:
         out["structured_outputs"] = req.structured_outputs
     return out
+
+
+def check_choices(req: TextBody, max_n: int) -> None:
+    """A 400 naming ``n`` outside ``1..max_n`` (the server's ``--max-n``), or naming
+    ``seed`` where a choice's seed (``seed + n - 1``) would not fit in 64 bits."""
+    if not 1 <= req.n <= max_n:
+        raise bad_field("n", f"expected 1..{max_n} (this server's --max-n), got {req.n}")
+    if req.seed is not None and req.seed + req.n - 1 > INT_MAX:
+        raise bad_field("seed", f"seed + n - 1 must fit in 64 bits (at most {INT_MAX})")
+
+
+def text_choices(req: TextBody, preq: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pipeline requests of a text body's ``n`` choices (checked by
+    :func:`check_choices`), as vLLM's ``n``: ``n`` requests of the one prompt ``preq``
+    (an engine with a prefix cache shares their prefill). With a ``seed``, choice ``i``
+    samples with ``seed + i``: it is what a request of its own with that seed answers.
+    Without one (and ``n > 1``) the choices get ``base + i`` from a random ``base``, so
+    each is drawn apart on every engine (the transformers engine samples a request without
+    a seed with seed 0: its choices would all be the same)."""
+    if req.n == 1:
+        return [preq]
+    base = req.seed if req.seed is not None else secrets.randbelow(INT_MAX - req.n + 2)
+    return [{**preq, "seed": base + i} for i in range(req.n)]
 
 
 REMOTE = ("http://", "https://")

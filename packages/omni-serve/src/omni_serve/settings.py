@@ -16,6 +16,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout past a week is a mistake, not a wis
 MAX_BODY_BYTES = 20 << 20
 BODIES_IN_FLIGHT = 4  # the default server-wide budget of bodies: this many of the largest
 MAX_CHAT_IMAGE_PIXELS = 16_000_000  # as the multimodal intake's max_image_pixels
+MAX_N = 16  # choices of one text request (n)
 
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -79,6 +80,9 @@ class ServeSettings:
     """The largest chat image (width x height, read from its header)."""
     max_images: int = 4
     """The most images one image request may ask for (``n``)."""
+    max_n: int = MAX_N
+    """The most choices one chat or completion request may ask for (``n``: that many
+    pipeline requests, each counted against the client's share)."""
     allowed_hosts: tuple[str, ...] | None = None
     """``Host`` header names answered (any port); None: every ``Host`` (see
     ``omni_serve.middleware``)."""
@@ -148,6 +152,7 @@ class ServeSettings:
             "max_image_pixels",
             "max_chat_image_pixels",
             "max_images",
+            "max_n",
             "max_connections",
             "max_header_bytes",
         ):

@@ -1,5 +1,8 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: one pipeline request per
-answer, read with ``Pipeline.astream``; ``stream: true`` answers with SSE chunks. A chat
+choice (``n`` of them: vLLM's ``n``, see :func:`omni_serve.openai_api.text_choices`), read
+with ``Pipeline.astream`` and merged into one answer; ``stream: true`` answers with SSE
+chunks, each carrying its choice's ``index``. One choice failing (or the client going
+away) cancels the others and the answer is that error, never the choices that did end. A chat
 that asks for audio (``modalities: ["text", "audio"]``, a pipeline that speaks) answers
 as OpenAI's API does: ``message.audio`` (``id``, ``data``, ``transcript``, ``expires_at``;
 ``content`` null), streamed as ``delta.audio`` chunks (``transcript`` deltas, ``data``
@@ -16,21 +19,25 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from omni_core.events import AnyEvent
+from omni_core.events import AnyEvent, Completed
 
 from omni_serve.audio import AudioAnswer
 from omni_serve.auth import require_api_key
 from omni_serve.body import check_values, json_body, off_loop, parse_json
+from omni_serve.errors import bad_field
 from omni_serve.media import check_images
 from omni_serve.middleware import request_id_of, started_at
 from omni_serve.openai_api import (
     ChatRequest,
     CompletionRequest,
     chat_request,
+    check_choices,
     completion_request,
     parse,
+    text_choices,
 )
 from omni_serve.server import Server, ServerDep, pipeline_id
+from omni_serve.shares import CLIENT
 from omni_serve.sse import SSEAnswer, merged, sse
 from omni_serve.streams import TextState, TokenLogprob, collect, first_event
 from omni_serve.tools import ToolAnswer, ToolPlan, delta_calls, parser_of
@@ -54,8 +61,8 @@ async def completions(request: Request, server: ServerDep) -> Response:
 
 @dataclass
 class TextChunks:
-    """A text request's SSE chunks: OpenAI's ``chat.completion.chunk`` (chat) or
-    ``text_completion`` objects, and the usage chunk when asked for."""
+    """One choice's SSE chunks: OpenAI's ``chat.completion.chunk`` (chat) or
+    ``text_completion`` objects with its ``index`` (the usage chunk: :class:`TextChoices`)."""
 
     head: dict[str, Any]  # id, created, model
     rid: str
@@ -64,6 +71,7 @@ class TextChunks:
     include_usage: bool
     logprobs: bool = False
     top_logprobs: bool = False  # completions: top_logprobs is a list (else null)
+    index: int = 0  # the choice's
     state: TextState = field(default_factory=TextState)
     opening: list[bytes] = field(default_factory=list)  # chat: the role, before any text
     offset: int = 0  # completions: the text offset of the next chunk's first token
@@ -81,7 +89,7 @@ class TextChunks:
         finish: str | None,
         logprobs: dict[str, Any] | None = None,
     ) -> bytes:
-        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+        c: dict[str, Any] = {"index": self.index, "finish_reason": finish, "logprobs": logprobs}
         c["delta" if self.chat else "text"] = delta
         extra = {"usage": None} if self.include_usage else {}
         return sse({**self.head, "object": self.object, "choices": [c], **extra})
@@ -129,7 +137,8 @@ class TextChunks:
         self.opening.clear()
         return out
 
-    def closing(self) -> list[bytes]:
+    def finish(self) -> list[bytes]:
+        """The choice's last chunks: what its readers held back, then its finish reason."""
         finish = self.state.finish_reason
         out, self.opening = self.opening, []
         if self.tools is not None:
@@ -141,38 +150,85 @@ class TextChunks:
         if self.audio is not None:
             out.extend(self._audio({"expires_at": self.audio.expires_at}))
         out.append(self.chunk({} if self.chat else "", finish))
-        if self.include_usage:
-            usage = self.state.usage()
-            out.append(sse({**self.head, "object": self.object, "choices": [], "usage": usage}))
-        log.info("%s: request completed", self.path, extra={"request_id": self.rid})
         return out
+
+
+@dataclass
+class TextChoices:
+    """A text request's SSE chunks: each choice's (:class:`TextChunks`), its finish reason
+    as soon as it ends, and after the last one the usage chunk of them all, when asked for
+    (:func:`usage`)."""
+
+    choices: list[TextChunks]
+    ended: set[int] = field(default_factory=set)
+
+    def chunks(self, index: int, ev: AnyEvent) -> list[bytes]:
+        choice = self.choices[index]
+        out = choice.chunks(index, ev)
+        if isinstance(ev, Completed) and index not in self.ended:
+            self.ended.add(index)
+            out.extend(choice.finish())
+        return out
+
+    def closing(self) -> list[bytes]:
+        out = []
+        for i, choice in enumerate(self.choices):
+            if i not in self.ended:  # its stream ended without saying so
+                out.extend(choice.finish())
+        first = self.choices[0]
+        if first.include_usage:
+            total = usage([c.state for c in self.choices])
+            out.append(sse({**first.head, "object": first.object, "choices": [], "usage": total}))
+        log.info("%s: request completed", first.path, extra={"request_id": first.rid})
+        return out
+
+
+def usage(states: list[TextState]) -> dict[str, int]:
+    """The usage of a request's choices, as vLLM counts it: the prompt once (every
+    choice's is the same), the completions' tokens summed."""
+    prompt = states[0].prompt_tokens
+    completion = sum(s.usage()["completion_tokens"] for s in states)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     t0 = started_at(request)
     path = CHAT if chat else COMPLETIONS
     req, preq, tools = await received(request, server, chat)
+    preqs = text_choices(req, preq)
+    n = len(preqs)
     rid = request_id_of(request)
     pid = pipeline_id(request)
+    pids = [pid if n == 1 else f"{pid}-{i}" for i in range(n)]
     oid = f"{'chatcmpl' if chat else 'cmpl'}-{pid}"
-    log.info("%s: request started (pipeline id %s)", path, pid, extra={"request_id": rid})
-    stream = merged(server.pipe, [preq], [pid], server.timeout_of(req.timeout_s))
+    many = f"n={n}, " if n > 1 else ""
+    log.info("%s: request started (%spipeline id %s)", path, many, pid, extra={"request_id": rid})
+    stream = merged(server.pipe, preqs, pids, server.timeout_of(req.timeout_s))
     head = {"id": oid, "created": int(time.time()), "model": server.settings.model_name}
     wants_logprobs = bool(preq.get("logprobs"))
     top = "top_logprobs" in preq
     # a forced call's schema is the tools': the intake's error about it names them
     params = {"structured_outputs.json": "tools"} if tools is not None and tools.forced else {}
-    reader = tools.answer() if tools is not None and tools.mode != "none" else None
-    audio = AudioAnswer() if isinstance(req, ChatRequest) and req.speak else None
+    # each choice reads its own tool calls and gathers its own audio
+    readers = [
+        tools.answer() if tools is not None and tools.mode != "none" else None for _ in preqs
+    ]
+    speak = isinstance(req, ChatRequest) and req.speak
+    audios = [AudioAnswer() if speak else None for _ in preqs]
     if not req.stream:
-        events = (await collect(request, stream, 1, rid, params))[0]
+        per = await collect(request, stream, n, rid, params)
         return complete(
-            server, path, t0, rid, head, events, chat, wants_logprobs, top, reader, audio
+            server, path, t0, rid, head, per, chat, wants_logprobs, top, readers, audios
         )
     first = await first_event(request, stream, rid, params)
-    usage = bool(req.stream_options and req.stream_options.include_usage)
-    writer = TextChunks(
-        head, rid, path, chat, usage, wants_logprobs, top, tools=reader, audio=audio
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    flags = (head, rid, path, chat, include_usage, wants_logprobs, top)
+    writer = TextChoices(
+        [TextChunks(*flags, i, tools=readers[i], audio=audios[i]) for i in range(n)]
     )
     return SSEAnswer(server, path, t0, rid, params).response(first, stream, writer)
 
@@ -208,6 +264,7 @@ def prepare(
         req = parse(ChatRequest, body)
         server.check_model(req.model, CHAT)
         server.check_priority(req.priority)
+        check_n(server, req)
         remote = server.settings.allow_remote_images
         limits = server.prompt_limits
         parser = parser_of(server.pipe.config)
@@ -227,11 +284,27 @@ def prepare(
         req = parse(CompletionRequest, body)
         server.check_model(req.model, COMPLETIONS)
         server.check_priority(req.priority)
+        check_n(server, req)
         preq = completion_request(req, server.max_tokens_limit, server.prompt_limits)
         if server.audio_in:  # a speech source speaks unless told not to
             preq["modalities"] = ["text"]
     check_values(preq)
     return req, preq, tools
+
+
+def check_n(server: Server, req: ChatRequest | CompletionRequest) -> None:
+    """A 400 naming ``n`` outside ``1..--max-n`` (:func:`check_choices`), or past the
+    request's key's ``max_queued``: ``n`` choices are ``n`` pipeline requests, each counted
+    against the key's share as a request of its own would be, so more than that share
+    could never all be open at once (a 429 would invite a retry that cannot pass)."""
+    check_choices(req, server.settings.max_n)
+    key = CLIENT.get()
+    if key is not None and key.max_queued is not None and req.n > key.max_queued:
+        raise bad_field(
+            "n",
+            f"{req.n} choices are {req.n} pipeline requests, over the {key.max_queued} "
+            f"key {key.name!r} may have open at once (its max_queued)",
+        )
 
 
 def complete(
@@ -240,22 +313,53 @@ def complete(
     t0: float,
     rid: str,
     head: dict[str, Any],
-    events: list[AnyEvent],
+    per: list[list[AnyEvent]],
     chat: bool,
     logprobs: bool = False,
     top_logprobs: bool = False,
-    tools: ToolAnswer | None = None,
-    audio: AudioAnswer | None = None,
+    tools: list[ToolAnswer | None] | None = None,
+    audio: list[AudioAnswer | None] | None = None,
 ) -> Response:
-    """The non-streaming answer: the whole text (and with ``tools`` the calls read from
-    it, with ``audio`` the audio, the text its transcript), its finish reason and usage."""
+    """The non-streaming answer: each choice's (``per``: its events) whole text, its
+    finish reason (and its ``tools`` calls, its ``audio``), and the :func:`usage` of all."""
+    choices, states = [], []
+    for i, events in enumerate(per):
+        one, state = choice(
+            i,
+            events,
+            chat,
+            logprobs,
+            top_logprobs,
+            tools[i] if tools else None,
+            audio[i] if audio else None,
+        )
+        choices.append(one)
+        states.append(state)
+    log.info("%s: request completed", path, extra={"request_id": rid})
+    obj = "chat.completion" if chat else "text_completion"
+    server.observe(path, 200, t0)
+    return JSONResponse({**head, "object": obj, "choices": choices, "usage": usage(states)})
+
+
+def choice(
+    index: int,
+    events: list[AnyEvent],
+    chat: bool,
+    logprobs: bool,
+    top_logprobs: bool,
+    tools: ToolAnswer | None,
+    audio: AudioAnswer | None,
+) -> tuple[dict[str, Any], TextState]:
+    """One choice of a non-streaming answer: the whole text (and with ``tools`` the calls
+    read from it, with ``audio`` the audio, the text its transcript), its finish reason;
+    and its text's state (its usage)."""
     state = TextState()
     for ev in events:
         state.add(ev)
         if audio is not None:
             audio.add(ev)
-    choice: dict[str, Any] = {
-        "index": 0,
+    out: dict[str, Any] = {
+        "index": index,
         "finish_reason": state.finish_reason,
         "logprobs": None,
     }
@@ -266,22 +370,17 @@ def complete(
         message["content"] = tools.text
         if tools.calls:
             message["tool_calls"] = tools.calls
-        choice["finish_reason"] = tools.finish_reason(state.finish_reason)
+        out["finish_reason"] = tools.finish_reason(state.finish_reason)
     if audio is not None:
         message.update(content=None, audio=audio.message(state.text))
     if logprobs:
         lps = state.logprobs
-        choice["logprobs"] = (
-            chat_logprobs(lps) if chat else completion_logprobs(lps, 0, top_logprobs)
-        )
+        out["logprobs"] = chat_logprobs(lps) if chat else completion_logprobs(lps, 0, top_logprobs)
     if chat:
-        choice["message"] = message
+        out["message"] = message
     else:
-        choice["text"] = state.text
-    log.info("%s: request completed", path, extra={"request_id": rid})
-    obj = "chat.completion" if chat else "text_completion"
-    server.observe(path, 200, t0)
-    return JSONResponse({**head, "object": obj, "choices": [choice], "usage": state.usage()})
+        out["text"] = state.text
+    return out, state
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
