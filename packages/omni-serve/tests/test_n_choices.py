@@ -305,33 +305,34 @@ def test_the_default_cap_on_a_real_server(text_server, client):
     assert e.value.body["param"] == "n" and "--max-n" in e.value.body["message"]
 
 
-def scrape_cancelled(server) -> tuple[float, float]:
-    """(requests cancelled, requests in flight) as the server's metrics count them."""
+def ended(server) -> tuple[float, float, float]:
+    """(requests cancelled, completed, in flight) as the server's metrics count them."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     values = {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name in ('omni_requests_total{outcome="cancelled"}', "omni_requests_in_flight"):
-            values[name] = float(value)
+        values[name] = float(value) if name.startswith("omni_requests_") else 0.0
     return (
         values.get('omni_requests_total{outcome="cancelled"}', 0.0),
+        values.get('omni_requests_total{outcome="completed"}', 0.0),
         values["omni_requests_in_flight"],
     )
 
 
-def test_a_client_going_away_cancels_every_choice(text_server, client):
-    before, _ = scrape_cancelled(text_server)
+def test_a_client_going_away_mid_stream_cancels_every_choice(text_server, client):
+    cancelled0, completed0, _ = ended(text_server)
     body = {"prompt": PROMPT, "max_tokens": 256, "ignore_eos": True, "n": 3, "stream": True}
     url = f"{text_server.url}/v1/completions"
     with httpx.stream("POST", url, json=body, timeout=30) as r:
         assert r.status_code == 200
         next(r.iter_lines())  # the first chunk: the choices run; now hang up
     end = time.monotonic() + 20
-    cancelled, in_flight = scrape_cancelled(text_server)
-    while (cancelled, in_flight) != (before + 3, 0) and time.monotonic() < end:
+    cancelled, completed, in_flight = ended(text_server)
+    while (cancelled, in_flight) != (cancelled0 + 3, 0):
+        assert time.monotonic() < end, (cancelled, completed, in_flight)
         time.sleep(0.05)  # the pipeline's counters: read until they settle
-        cancelled, in_flight = scrape_cancelled(text_server)
-    assert (cancelled, in_flight) == (before + 3, 0)
+        cancelled, completed, in_flight = ended(text_server)
+    assert completed == completed0
     assert client.completions.create(model="tiny_chat", prompt="ok", max_tokens=2, n=2).choices
 
 
@@ -421,6 +422,24 @@ def test_each_choice_counts_against_the_keys_max_queued(gated):
     assert sorted(len(r.json()["choices"]) for r in held) == [1, 3]
     assert post("c", n=2).status_code == 200  # at its share
     assert metric(server, "omni_http_key_queued", key="c") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_going_away_cancels_every_held_choice(gated, stream):
+    server, gate = gated
+    if os.path.exists(gate.path):  # the choices are held until the client has gone
+        os.remove(gate.path)
+    cancelled = metric(server, "omni_requests_total", outcome="cancelled")
+    url = f"{server.url}/v1/completions"
+    body = {"prompt": "x", "n": 3, "stream": stream}
+    headers = {"Authorization": f"Bearer {KEYS['d']}"}
+    with pytest.raises(httpx.ReadTimeout):  # nothing comes: the client hangs up
+        httpx.post(url, json=body, headers=headers, timeout=1.0)
+    wait_for(
+        lambda: metric(server, "omni_requests_total", outcome="cancelled") == cancelled + 3,
+        "not every choice was cancelled",
+    )
+    wait_for(lambda: metric(server, "omni_http_key_queued", key="d") == 0, "d holds choices")
 
 
 # -- the vLLM engine ------------------------------------------------------------------------
