@@ -119,3 +119,41 @@ def test_a_long_stop_string_is_matched_across_many_chunks():
         d.add([ord(c) for c in ("x" + "ab" * 50 if i == 0 else "ab" * 50)]) for i in range(200)
     )
     assert out == "x" and d.stopped == stop
+
+
+def _first_token_ending(tok, ids, stop):
+    """How many tokens of ``ids`` it takes until their text holds ``stop``."""
+    return next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+
+
+@pytest.mark.parametrize("cuts", [[], "each", [2, 5, 11]])
+def test_a_stop_string_counts_only_past_min_tokens(tok, cuts):
+    text = "say stop, then more words and stop again"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    k = _first_token_ending(tok, ids, "stop")  # the first "stop" ends in token k
+    cut = list(range(1, len(ids))) if cuts == "each" else cuts
+
+    def run(min_tokens):
+        d = IncrementalDetokenizer(tok, stop=["stop"], min_tokens=min_tokens)
+        out, lo = "", 0
+        for hi in [*cut, len(ids)]:
+            out += d.add(ids[lo:hi])
+            lo = hi
+        return out + d.flush(), d.stopped
+
+    first, second = text.index("stop"), text.index("stop", text.index("stop") + 1)
+    assert run(0) == (text[:first], "stop")
+    assert run(k - 1) == (text[:first], "stop")  # token k is past min_tokens: it stops
+    assert run(k) == (text[:second], "stop")  # token k is not: passed over, the next counts
+    assert run(len(ids)) == (text, None)  # never past min_tokens: no stop at all
+
+
+def test_a_passed_over_match_leaves_the_matcher_ready_for_an_overlapping_one():
+    from omni_ar.detokenizer import StopMatcher
+
+    m = StopMatcher("aa")
+    assert m.feed("aa", armed=False) is None and m.state == 1
+    assert m.feed("a") == 1  # "aa" ends at the new "a" (its first "a" passed over)
+    m = StopMatcher("abab")
+    assert m.feed("abab", armed=False) is None and m.state == 2
+    assert m.feed("ab") == 2

@@ -146,3 +146,38 @@ def test_token_ids_outside_the_vocabulary_are_refused(engines):
     ]:
         with pytest.raises(RequestError, match=f"field '{field}': token id 320 is not in"):
             engines[1].check_tokens(params)
+
+
+STOP_ORACLE = """
+import json, sys
+from vllm import LLM, SamplingParams
+model, args, cases = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = LLM(model=model, enforce_eager=True, dtype="float32", **args)
+inputs = [{"prompt_token_ids": ids} for ids, _ in cases]
+params = [SamplingParams(temperature=0.0, **kw) for _, kw in cases]
+outs = llm.generate(inputs, params, use_tqdm=False)
+print("ORACLE" + json.dumps([o.outputs[0].text for o in outs]))
+"""
+
+
+def test_stop_strings_count_only_past_min_tokens_as_vllms(engines, vllm_model):
+    """Our detokenizer over our engine's tokens gives vLLM's text for ``stop`` with
+    ``min_tokens`` on both sides of the token whose text ends the stop string."""
+    from omni_ar.detokenizer import detokenizer
+
+    ids, tok = prompt(40, 3), engines[0].tokenizer
+    greedy = fused(engines[0], ids, SamplingParams(max_tokens=N))
+    pieces = [tok.decode(greedy[:k]) for k in range(N + 1)]
+    # a stop string: 2 whole characters of the text past its start (then k: the first
+    # token whose text holds it)
+    full = pieces[N]
+    stop = next(full[i : i + 2] for i in range(2, len(full)) if "\ufffd" not in full[i : i + 2])
+    k = next(j for j in range(1, N + 1) if stop in pieces[j])
+    rows = [(ids, {"max_tokens": N, "stop": [stop], "min_tokens": m}) for m in (0, k - 1, k, N)]
+    expected = run_oracle(STOP_ORACLE, vllm_model, json.dumps(ENGINE_ARGS), json.dumps(rows))
+    for (_, kw), want in zip(rows, expected, strict=True):
+        params = SamplingParams(**kw)
+        d = detokenizer(tok, params)
+        text = "".join(d.add([t]) for t in fused(engines[0], ids, params)) + d.flush()
+        assert text == want, kw
+    assert len(set(expected)) >= 2  # min_tokens moved the stop

@@ -5,7 +5,9 @@ stable: a multi-byte character split across tokens (or across segments) is held 
 until it is complete, and stop strings are found even when they span segments. Stop
 matching is linear in the text: each stop string is a Knuth-Morris-Pratt automaton fed
 each new character once, whose state (the longest prefix of the stop string that ends the
-text) is also how much text must be held back.
+text) is also how much text must be held back. As in vLLM, a stop string counts only once
+more than ``min_tokens`` tokens were generated: one that ends in the text of an earlier
+token is passed over (the text is held back all the same).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ class StopMatcher:
                 k += 1
             self.fail[i] = k
 
-    def feed(self, text: str) -> int | None:
-        """Advance over ``text``; the index just past the first full match in it, if any."""
+    def feed(self, text: str, armed: bool = True) -> int | None:
+        """Advance over ``text``; the index just past the first full match in it, if any
+        (not ``armed``: matches are passed over, the state goes on past them)."""
         stop, fail, k, n = self.stop, self.fail, self.state, len(self.stop)
         for i, ch in enumerate(text):
             while k and stop[k] != ch:
@@ -40,16 +43,19 @@ class StopMatcher:
             if stop[k] == ch:
                 k += 1
                 if k == n:
-                    self.state = k
-                    return i + 1
+                    if armed:
+                        self.state = k
+                        return i + 1
+                    k = fail[k - 1]
         self.state = k
         return None
 
 
 def detokenizer(tokenizer: Any, params: Any, stop_ids: list[int] | None = None) -> Any:
     """The request's :class:`IncrementalDetokenizer` by its params (``stop``,
-    ``skip_special_tokens``, ``include_stop_str_in_output``); ``stop_ids``: the tokens
-    that end it (decode's ``stop_ids``), which leave no text unless it includes them."""
+    ``skip_special_tokens``, ``include_stop_str_in_output``, ``min_tokens``);
+    ``stop_ids``: the tokens that end it (decode's ``stop_ids``), which leave no text
+    unless it includes them."""
     include = params.include_stop_str_in_output
     return IncrementalDetokenizer(
         tokenizer,
@@ -57,6 +63,7 @@ def detokenizer(tokenizer: Any, params: Any, stop_ids: list[int] | None = None) 
         skip_special_tokens=params.skip_special_tokens,
         include_stop=include,
         drop_ids=frozenset(() if include else stop_ids or ()),
+        min_tokens=getattr(params, "min_tokens", 0),
     )
 
 
@@ -69,7 +76,11 @@ class IncrementalDetokenizer:
     # tokens that end the request and leave no text (vLLM's: EOS and stop_token_ids, unless
     # include_stop_str_in_output)
     drop_ids: frozenset[int] = frozenset()
+    # a stop string ending in the text of token ``min_tokens`` or earlier is passed over
+    # (vLLM: stop strings are checked once more than ``min_tokens`` tokens were generated)
+    min_tokens: int = 0
     ids: list[int] = field(default_factory=list)
+    generated: int = 0  # tokens taken, dropped ones included (vLLM's output token count)
     prefix_offset: int = 0  # ids before this are settled context
     read_offset: int = 0  # ids before this have been turned into text
     text: str = ""  # stable text so far (cut at a stop string)
@@ -84,8 +95,13 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> str:
         """Take new token ids; returns the text they complete (may be empty)."""
+        if self.matchers and self.generated < self.min_tokens < self.generated + len(new_ids):
+            # the ids cross the min_tokens line: the text of each up to it, unarmed
+            cut = self.min_tokens - self.generated
+            return self.add(new_ids[:cut]) + self.add(new_ids[cut:])
         if self.stopped is not None:
             return ""
+        self.generated += len(new_ids)
         self.ids.extend(t for t in new_ids if t not in self.drop_ids)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
@@ -119,8 +135,9 @@ class IncrementalDetokenizer:
             # the earliest-starting match; a stop string can only start at or after
             # ``emitted``: the tail that could begin one is always held back
             first: tuple[int, str] | None = None
+            armed = self.generated > self.min_tokens
             for m in self.matchers:
-                past = m.feed(delta)
+                past = m.feed(delta, armed)
                 if past is not None:
                     hit = (start + past - len(m.stop), m.stop)
                     first = hit if first is None else min(first, hit)
