@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
@@ -204,3 +204,52 @@ def test_bad_tools_are_400s_naming_the_field(client):
     assert body["param"] == "tools" and "multipleOf" in body["message"]
     body = bad(client, tool_choice="required")
     assert body["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("streamed_turn", [False, True])
+def test_a_langchain_agent_loop(server, streamed_turn):
+    """An agent loop as a user writes it with langchain-openai (not ours): the chat model
+    bound to a Python tool calls it with arguments its schema takes, the tool runs, its
+    result goes back as a ToolMessage, and the model answers from it."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    ran: list[tuple[str, str]] = []
+
+    @tool
+    def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+        """The current weather in a city."""
+        ran.append((city, unit))
+        return json.dumps({"temperature": 21, "sky": "clear", "unit": unit})
+
+    llm = ChatOpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="unused",
+        model="ar_chat",
+        temperature=0,
+        max_tokens=80,
+        max_retries=0,
+    )
+    messages: list[Any] = [HumanMessage("What is the weather like in Paris today?")]
+    agent = llm.bind_tools([get_weather], tool_choice="get_weather")
+    if streamed_turn:  # the chunks add up to the calls (langchain merges tool_call_chunks)
+        ai: Any = None
+        for chunk in agent.stream(messages):
+            ai = chunk if ai is None else ai + chunk
+    else:
+        ai = agent.invoke(messages)
+    assert isinstance(ai, AIMessage) and ai.tool_calls and not ai.invalid_tool_calls
+    messages.append(ai)
+    for call in ai.tool_calls:  # each call run by the tool itself: its arguments validated
+        assert call["name"] == "get_weather" and call["id"].startswith("call_")
+        messages.append(get_weather.invoke(call))  # a ToolMessage with the call's id
+    assert len(ran) == len(ai.tool_calls) and all(u in ("celsius", "fahrenheit") for _, u in ran)
+    answer = llm.bind_tools([get_weather], tool_choice="none")
+    final = answer.invoke(messages)
+    assert final.content and not final.tool_calls
+    assert final.response_metadata["finish_reason"] in ("stop", "length")
+    used = final.response_metadata["token_usage"]["prompt_tokens"]
+    asked = answer.invoke(messages[:1]).response_metadata["token_usage"]["prompt_tokens"]
+    assert used > asked + 20  # the call and the tool's result were read
