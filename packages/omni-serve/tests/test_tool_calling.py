@@ -7,6 +7,7 @@ naming the field."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -211,7 +212,8 @@ def test_a_langchain_agent_loop(server, streamed_turn):
     """An agent loop as a user writes it with langchain-openai (not ours): the chat model
     bound to a Python tool calls it with arguments its schema takes, the tool runs, its
     result goes back as a ToolMessage, and the model answers from it."""
-    pytest.importorskip("langchain_openai")
+    if os.environ.get("CI") is None:  # (CI installs it: there the test must run)
+        pytest.importorskip("langchain_openai")
     from langchain_core.messages import AIMessage, HumanMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
