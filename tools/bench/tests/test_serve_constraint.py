@@ -10,15 +10,12 @@ import pytest
 from omni_bench.prompts import PROMPTS
 from omni_bench.serve import (
     OMNI_STRUCTURED_OUTPUTS,
-    PERSON_SCHEMA,
-    classify,
     compare,
-    count_verdicts,
     parse_args,
-    request_body,
     valid_share,
     vllm_command,
 )
+from omni_bench.serve_load import PERSON_SCHEMA, classify, count_verdicts, request_body
 
 
 def test_constraint_argument():

@@ -51,7 +51,8 @@ from omni_core import Pipeline, load_config
 from omni_bench.prefill_burst import cpu_model
 from omni_bench.prompts import PROMPTS
 from omni_bench.report import emit, run_arms
-from omni_bench.serve import percentile, session_cpu
+from omni_bench.serve import session_cpu
+from omni_bench.serve_load import percentile
 
 CONFIG = Path(__file__).resolve().parents[4] / "configs" / "omni_speech.yaml"
 # the baseline's ways of serving a wave; "_1_thread": torch at one thread (on a shared

@@ -55,7 +55,7 @@ import numpy as np
 from omni_core import Pipeline
 
 from omni_bench.report import emit
-from omni_bench.serve import percentile
+from omni_bench.serve_load import percentile
 
 LARGE = (4032, 3024)
 SMALL = (640, 480)

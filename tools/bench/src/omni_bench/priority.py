@@ -53,7 +53,7 @@ from omni_testing.configs import chain
 from omni_bench.dit import CONFIGS
 from omni_bench.prompts import PROMPTS
 from omni_bench.report import emit
-from omni_bench.serve import percentile
+from omni_bench.serve_load import percentile
 
 PROBE_PRIORITY = -1  # the probes' priority under the priority policy; the load's is 0
 TARGET_RATIO = 2.0

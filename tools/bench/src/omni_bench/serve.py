@@ -7,9 +7,12 @@ serve`` on each generated vLLM pipeline of ``--layouts`` (``fused``: intake ->
 ``ar.generate`` -> postprocess, the one compared; ``split``: intake -> prefill -> decode ->
 postprocess, reported against fused), or on ``--omni-config``. Ports are free-picked.
 
-One load generator drives both: the ``openai`` client's ``AsyncOpenAI``, streaming chat
-completions of fixed prompts, ``max_tokens`` N with ``ignore_eos`` (both servers accept
-it), ``--requests-per-level`` requests per concurrency level, at most ``c`` open at once.
+One load generator drives both (``--client``, :mod:`omni_bench.serve_load`): ``openai``
+(the default), the ``openai`` client's ``AsyncOpenAI``, streaming chat completions of
+fixed prompts, ``max_tokens`` N with ``ignore_eos`` (both servers accept it); or
+``vllm-bench``, vLLM's own serving benchmark client, unmodified (its random dataset of
+``--input-len`` tokens, streamed completions, its own figures). ``--requests-per-level``
+requests per concurrency level, at most ``c`` open at once.
 Per server and level: output tokens per second (completion tokens over the level's wall
 time), TTFT p50/p99 (request start to the first content chunk) and the inter-token
 latency p50 (per request (last chunk - first chunk) / (tokens - 1), so servers that send
@@ -46,32 +49,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from omni_bench.prompts import PROMPTS
 from omni_bench.report import emit
+from omni_bench.serve_load import (
+    CLIENTS,
+    CONSTRAINTS,
+    SERVED_NAME,
+    drive,
+    vllm_bench_level,
+)
 
-SERVED_NAME = "bench"
 SPLITS = ("split", "split_turns", "split_local")  # the layouts compared with fused
 # split_local: prompts up to this many tokens are prefilled by the decode engine
 LOCAL_PREFILL_MAX_TOKENS = 512
 OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
-CONSTRAINTS = ("none", "json_schema")
-# the structured arm's schema: a small object whose every string, number and array is
-# bounded, so that a small model's greedy answer is whole well within 64 tokens
-PERSON_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {
-            "type": "array",
-            "items": {"type": "string", "minLength": 1, "maxLength": 12},
-            "minItems": 1,
-            "maxItems": 3,
-        },
-    },
-    "required": ["name", "age", "tags"],
-    "additionalProperties": False,
-}
 # vLLM's structured outputs as omni's vLLM engine sets them (``load_model`` of
 # omni_ar.engines.vllm_engine): the "same settings" vLLM server gets these
 OMNI_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -214,101 +204,6 @@ class Server:
             self.proc.wait(10)
 
 
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def request_body(i: int, max_tokens: int, constraint: str = "none") -> dict[str, Any]:
-    """The keyword arguments of request ``i``'s ``chat.completions.create``, the same for
-    every server. ``none``: a fixed prompt, ``max_tokens`` with ``ignore_eos`` (every
-    request makes ``max_tokens`` tokens); ``json_schema``: the prompt asks for
-    :data:`PERSON_SCHEMA`'s object, which ``response_format`` holds it to, no
-    ``ignore_eos`` (the answer ends where the grammar does)."""
-    if constraint not in CONSTRAINTS:
-        raise ValueError(f"constraint {constraint!r}: expected one of {list(CONSTRAINTS)}")
-    prompt = PROMPTS[i % len(PROMPTS)]
-    body: dict[str, Any] = {
-        "model": SERVED_NAME,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if constraint == "none":
-        body["messages"] = [{"role": "user", "content": prompt}]
-        body["extra_body"] = {"ignore_eos": True}
-        return body
-    ask = f"Reply with a JSON object (name, age, tags) for a person this brings to mind: {prompt}"
-    body["messages"] = [{"role": "user", "content": ask}]
-    body["response_format"] = {
-        "type": "json_schema",
-        "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
-    }
-    return body
-
-
-def classify(text: str, finish_reason: str | None, schema: dict[str, Any]) -> str:
-    """``valid`` (parses as JSON and validates against ``schema``), ``cut`` (not valid, and
-    stopped at ``max_tokens``: ``finish_reason`` ``length``) or ``invalid``."""
-    import jsonschema
-
-    try:
-        jsonschema.validate(json.loads(text), schema)
-        return "valid"
-    except (ValueError, jsonschema.ValidationError):
-        return "cut" if finish_reason == "length" else "invalid"
-
-
-async def one_request(
-    client: Any, i: int, max_tokens: int, constraint: str = "none"
-) -> tuple[float, float, int, str | None]:
-    """(TTFT s, inter-token latency s, completion tokens, the answer's :func:`classify`
-    under ``constraint``, None without one) of one streamed chat completion."""
-    t0 = time.monotonic()
-    first = last = None
-    chunks = 0
-    usage = None
-    parts: list[str] = []
-    finish: str | None = None
-    stream = await client.chat.completions.create(**request_body(i, max_tokens, constraint))
-    # a tiny test model's tokens may decode to no text: then any chunk of a choice counts
-    any_first = any_last = None
-    async for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage.completion_tokens
-        if chunk.choices:
-            now = time.monotonic()
-            any_first = any_first if any_first is not None else now
-            any_last = now
-            finish = chunk.choices[0].finish_reason or finish
-            if chunk.choices[0].delta.content:
-                first = first if first is not None else now
-                last = now
-                chunks += 1
-                parts.append(chunk.choices[0].delta.content)
-    tokens = usage if usage is not None else chunks
-    if first is None or last is None:
-        first, last = any_first, any_last
-    if first is None or last is None or tokens == 0:
-        raise RuntimeError(f"request {i} produced no tokens")
-    itl = (last - first) / (tokens - 1) if tokens > 1 else math.nan
-    verdict = None if constraint == "none" else classify("".join(parts), finish, PERSON_SCHEMA)
-    return first - t0, itl, tokens, verdict
-
-
-def count_verdicts(verdicts: list[str | None]) -> dict[str, int]:
-    """How many answers were ``valid``, ``invalid`` and ``cut`` (empty without a
-    constraint: no verdicts)."""
-    if all(v is None for v in verdicts):
-        return {}
-    return {k: sum(v == k for v in verdicts) for k in ("valid", "invalid", "cut")}
-
-
 def valid_share(levels: dict[str, dict[str, Any]]) -> dict[str, float]:
     """A server's answers over all its levels: the share that validated, was cut at
     ``max_tokens``, and the share of those not cut that validated."""
@@ -319,38 +214,6 @@ def valid_share(levels: dict[str, dict[str, Any]]) -> dict[str, float]:
         "valid_share": round(n["valid"] / total, 3) if total else math.nan,
         "cut_share": round(n["cut"] / total, 3) if total else math.nan,
         "valid_share_of_uncut": round(n["valid"] / whole, 3) if whole else math.nan,
-    }
-
-
-async def drive(
-    url: str, concurrency: int, requests: int, max_tokens: int, constraint: str = "none"
-) -> dict[str, float]:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
-    try:
-        sem = asyncio.Semaphore(concurrency)
-
-        async def limited(i: int) -> tuple[float, float, int, str | None]:
-            async with sem:
-                return await one_request(client, i, max_tokens, constraint)
-
-        t0 = time.monotonic()
-        results = await asyncio.gather(*(limited(i) for i in range(requests)))
-        wall = time.monotonic() - t0
-    finally:
-        await client.close()
-    ttfts = [r[0] * 1000 for r in results]
-    itls = [r[1] * 1000 for r in results if not math.isnan(r[1])]
-    tokens = sum(r[2] for r in results)
-    return {
-        "tok_per_s": round(tokens / wall, 2),
-        "ttft_p50_ms": round(percentile(ttfts, 50), 1),
-        "ttft_p99_ms": round(percentile(ttfts, 99), 1),
-        "itl_p50_ms": round(percentile(itls, 50), 2),
-        "tokens": tokens,
-        "requests": requests,
-        **count_verdicts([r[3] for r in results]),
     }
 
 
@@ -402,7 +265,22 @@ def measure(
     per_level: int | None,
     max_tokens: int,
     constraint: str = "none",
+    client: str = "openai",
+    tokenizer: str = "",
+    input_len: int = 64,
 ) -> dict[str, dict[str, Any]]:
+    """Each level's figures by ``client`` (:mod:`omni_bench.serve_load`), after a warm-up
+    with the openai client."""
+
+    async def level_by_openai(c: int, n: int) -> dict[str, Any]:
+        return await drive(server.url, c, n, max_tokens, constraint)
+
+    async def level_by_vllm(c: int, n: int) -> dict[str, Any]:
+        args = (server.url, tokenizer, c, n, input_len, max_tokens)
+        return await asyncio.to_thread(vllm_bench_level, *args)
+
+    one_level = level_by_vllm if client == "vllm-bench" else level_by_openai
+
     async def run() -> dict[str, dict[str, Any]]:
         # warm up (under the constraint: its grammar compiled before any level)
         await drive(server.url, min(levels), min(levels), 4, constraint)
@@ -411,7 +289,7 @@ def measure(
         for c in levels:
             n = per_level or max(2 * c, 8)
             before = session_cpu(pid)
-            out[f"c{c}"] = level = await drive(server.url, c, n, max_tokens, constraint)
+            out[f"c{c}"] = level = await one_level(c, n)
             after = session_cpu(pid)
             level["cpu_ms_per_token"] = cpu_per_token(before, after, pid, int(level["tokens"]))
         return out
@@ -426,7 +304,14 @@ def run_server(
     try:
         server.wait_ready(args.ready_timeout)
         return measure(
-            server, args.levels, args.requests_per_level, args.max_tokens, args.constraint
+            server,
+            args.levels,
+            args.requests_per_level,
+            args.max_tokens,
+            args.constraint,
+            args.client,
+            args.tokenizer,
+            args.input_len,
         )
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
@@ -488,8 +373,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="json_schema: every request held to a JSON schema (response_format), vLLM "
         "at its defaults and with omni's structured-output settings",
     )
+    ap.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="openai",
+        help="the load generator: the openai client (chat), or vLLM's own benchmark client "
+        "(vllm.benchmarks.serve: its random dataset, completions)",
+    )
+    ap.add_argument(
+        "--input-len", type=int, default=64, help="vllm-bench: prompt tokens (random ids)"
+    )
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds per server start")
     args = ap.parse_args(argv)
+    if args.client == "vllm-bench" and args.constraint != "none":
+        ap.error("--client vllm-bench measures without --constraint")
     try:
         args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     except ValueError:
@@ -529,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     from omni_ar.models import resolve_model
 
     model = str(resolve_model(args.model))
+    args.tokenizer = model  # (vllm-bench: its random prompts are token ids of this tokenizer)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     vllm_env = {
         **base_env,
@@ -572,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "concurrency": args.levels,
         "constraint": args.constraint,
+        "client": args.client,
         "omni_config": args.omni_config or f"generated ({', '.join(layouts)})",
     }
     if structured:
