@@ -177,7 +177,7 @@ def engines(llava):
 
 
 def _handoff(engines, intake, px, max_tokens=12):
-    from omni_ar.engines.vllm_engine import MMContinuation
+    from omni_ar.engines.vllm_mm import MMContinuation
 
     prefill, _ = engines
     ids, items = intake(px)
@@ -220,7 +220,7 @@ def _fails(decode, done, params, ids, mm, keys=None, values=None):
 def test_each_kv_that_does_not_cover_the_placeholders_fails_the_request_closed(
     engines, intake, images, reference
 ):
-    from omni_ar.engines.vllm_engine import MMContinuation
+    from omni_ar.engines.vllm_mm import MMContinuation
 
     _, decode = engines
     px = images[0][0]

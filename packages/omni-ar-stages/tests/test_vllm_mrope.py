@@ -120,7 +120,7 @@ def _input(request, ev=None, rid="r"):
 def prefilled(intake, engines):
     """Every request through ar.mm_intake and the prefill engine, in one batch:
     (ids, items, MMPrefilled, params) each."""
-    from omni_ar.engines.vllm_engine import MMPrompt
+    from omni_ar.engines.vllm_mm import MMPrompt
 
     prompts, params = [], []
     for r in REQUESTS:
@@ -135,7 +135,7 @@ def prefilled(intake, engines):
 
 
 def _continuation(items, done, mrope=None):
-    from omni_ar.engines.vllm_engine import MMContinuation
+    from omni_ar.engines.vllm_mm import MMContinuation
 
     return MMContinuation(items, done.block_hashes, mrope=mrope or done.mrope)
 
@@ -255,7 +255,7 @@ def test_each_altered_position_field_fails_only_that_request(engines, prefilled,
             with pytest.raises(RequestError) as e:
                 _decode(decode, ids, items, done, params, bad)
             assert needle in str(e.value)
-        from omni_ar.engines.vllm_engine import MMContinuation
+        from omni_ar.engines.vllm_mm import MMContinuation
 
         with pytest.raises(RequestError, match="mrope: missing"):
             decode.decode(

@@ -86,7 +86,7 @@ class StepBatch:
         return [(ly.keys[row, :, pad:], ly.values[row, :, pad:]) for ly in self.cache.layers]
 
     def _rebuild(self) -> None:
-        from omni_ar.engines.transformers_engine import left_padded
+        from omni_ar.engines.transformers_kv import left_padded
 
         rows = [k for k, m in self.members.items() if not m.done]
         kv = [self._own_kv(k) for k in rows]

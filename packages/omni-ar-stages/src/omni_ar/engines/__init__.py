@@ -1,9 +1,12 @@
-"""AR engines behind one interface: tokenize, prefill (first token + KV), decode steps."""
+"""AR engines behind one interface (:class:`~omni_ar.engines.protocol.Engine`): tokenize,
+prefill (first token + KV), decode steps."""
 
 from __future__ import annotations
 
 import importlib.util
 from typing import Any
+
+from omni_ar.engines.protocol import Engine
 
 ENGINES = ("transformers", "vllm")
 
@@ -27,7 +30,7 @@ def load_engine(
     device: str = "cpu",
     cpu_turns: str | None = None,
     **vllm_options: Any,
-) -> Any:
+) -> Engine:
     """An engine by name, for a model on ``device`` (``"cpu"`` or ``"cuda:0"``, see
     :func:`omni_core.worker.devices.place`) in ``dtype`` (``"auto"``: float32 on the CPU; on a
     GPU bfloat16 or float16 for transformers, vLLM's own choice for vLLM); a missing

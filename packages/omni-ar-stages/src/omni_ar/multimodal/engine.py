@@ -23,7 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from omni_ar.engines.transformers_engine import TransformersEngine, _cache_of, kv_arrays
+from omni_ar.engines.transformers_engine import TransformersEngine
+from omni_ar.engines.transformers_kv import cache_of, kv_arrays
+from omni_ar.engines.transformers_sampling import pick
 from omni_ar.handoff import MRope
 from omni_ar.multimodal.handoff import (
     AdmissionError,
@@ -189,7 +191,7 @@ class VLMEngine(TransformersEngine):
     ) -> tuple[Any, Any, int, MRope | None]:
         """(keys, values, cached positions, M-RoPE fields): the KV of ``ids[:-1]``, the
         positions decode does not recompute, on the CPU (numpy; a CPU torch tensor for
-        bfloat16, see :func:`~omni_ar.engines.transformers_engine.to_host`). Blocks found
+        bfloat16, see :func:`~omni_ar.engines.transformers_kv.to_host`). Blocks found
         in ``cache`` are reused (the vision encoder then skips the images they cover);
         computed full blocks are added to it. The M-RoPE fields are None on a model
         without M-RoPE."""
@@ -220,7 +222,7 @@ class VLMEngine(TransformersEngine):
             out = self.model(
                 input_ids=self.tensor([ids[start:]]), use_cache=True, logits_to_keep=1, **kwargs
             )
-        keys, values = kv_arrays(_cache_of(out))
+        keys, values = kv_arrays(cache_of(out))
         if cache is not None:
             cache.put(hashes[: n // block_size], keys, values, block_size)
         return keys[:, :, : n - 1], values[:, :, : n - 1], start, mrope
@@ -262,9 +264,9 @@ class VLMEngine(TransformersEngine):
         with torch.inference_mode():
             out = self.model(self.tensor([rest]), use_cache=True, logits_to_keep=1, **kwargs)
         state = self.logits(params, ids)
-        first = self._pick(out.logits[0, -1], params, self.generator(params), state=state)
+        first = pick(out.logits[0, -1], params, self.generator(params), state=state)
         yield first  # as picked: with its top_logprobs alternatives
-        yield from self.steps(first[0], _cache_of(out), params, offset, ids)
+        yield from self.steps(first[0], cache_of(out), params, offset, ids)
 
 
 def _merge_size(config: Any) -> int | None:

@@ -229,7 +229,7 @@ class MMPrefill(_MMStage):
         """The batch's prompts prefilled on vLLM in the same engine steps: each one's
         ``MMPrefilled``, or why it failed (a ``str``). A prompt vLLM refuses (it raises
         for the whole call) is found by prefilling them one by one, so it fails alone."""
-        from omni_ar.engines.vllm_engine import MMPrompt
+        from omni_ar.engines.vllm_mm import MMPrompt
 
         prompts, params = [], []
         for inp in batch:
@@ -334,7 +334,7 @@ class MMDecode(_MMStage, Decode):
         """On vLLM: admit (:func:`~omni_ar.multimodal.handoff.admit_paged`), then continue
         from prefill's first token; the engine checks the block names, and ends a
         request whose KV stops short of a placeholder (omni's vLLM plugin)."""
-        from omni_ar.engines.vllm_engine import MMContinuation
+        from omni_ar.engines.vllm_mm import MMContinuation
 
         for inp in batch:
             messages = self._messages(inp)

@@ -10,6 +10,7 @@ from omni_core import Stage, StageInput
 from omni_core.worker.devices import place
 
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
+from omni_ar.engines.protocol import Engine, require_engine
 from omni_ar.models import resolve_model
 from omni_ar.params import RequestError, SamplingParams, carried_params, parse_request
 from omni_ar.structured import check_constraint
@@ -79,6 +80,7 @@ class ModelStage(Stage):
     kv_role: ClassVar[str | None] = None  # the vLLM engine's KV connector role
     # why this stage cannot sample under a constraint ("": it can, on either engine)
     unstructured: ClassVar[str] = ""
+    engine: Engine  # set by load (:meth:`_engine`)
 
     @classmethod
     def preload_modules(cls, options: dict[str, Any]) -> tuple[str, ...]:
@@ -88,14 +90,16 @@ class ModelStage(Stage):
             return ("torch", "transformers.models.auto.tokenization_auto")
         return cls.preload
 
-    def _engine(self, model: bool = True, **vllm_options: Any):  # type: ignore[no-untyped-def]
+    def _engine(self, model: bool = True, **vllm_options: Any) -> Engine:
         """The stage's engine; ``model``: it will load the model, on the device and in
         the dtype of the stage's placement (else only a tokenizer, on the CPU);
         ``vllm_options``: more options of the vLLM engine
-        (:class:`~omni_ar.engines.vllm_engine.VllmEngine`)."""
+        (:class:`~omni_ar.engines.vllm_engine.VllmEngine`). An object that is not an
+        :class:`~omni_ar.engines.protocol.Engine` is refused (a TypeError naming what
+        it lacks)."""
         o = self.options
         device, dtype = self._placement() if model else ("cpu", "float32")
-        return load_engine(
+        engine = load_engine(
             o.engine,
             resolve_model(o.model),
             dtype,
@@ -109,6 +113,7 @@ class ModelStage(Stage):
             scheduling_policy=self.ctx.scheduler_policy,
             **vllm_options,
         )
+        return require_engine(engine)
 
     def _placement(self) -> tuple[str, str]:
         """(device, dtype) of the stage's model: :func:`omni_core.worker.devices.place` of its
@@ -158,9 +163,7 @@ class ModelStage(Stage):
         that a request fails here, alone, never inside a batch's engine call); and where
         it names a token outside the model's vocabulary (``logit_bias``, ``stop_token_ids``,
         ``bad_words``: the engine's ``check_tokens``, once its model is loaded)."""
-        check_tokens = getattr(self.engine, "check_tokens", None)
-        if check_tokens is not None:
-            check_tokens(params)
+        self.engine.check_tokens(params)
         constraint = params.structured()
         if constraint is None:
             return params

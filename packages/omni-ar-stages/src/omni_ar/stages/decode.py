@@ -10,6 +10,7 @@ from typing import Any
 from omni_core import StageContext, StageEvent, StageInput
 
 from omni_ar.detokenizer import detokenizer
+from omni_ar.engines.protocol import Closable, Preemptible, StreamingEngine
 from omni_ar.errors import EngineRequestError, HandoffError
 from omni_ar.handoff import Handoff, kv_of_arrays
 from omni_ar.logits import ends
@@ -47,26 +48,27 @@ class Decode(ModelStage):
         # on the transformers engine a paused request leaves the decode batch (its KV
         # kept) and joins it again on resume; vLLM preempts by its own rules
         self.preemptible = self.options.engine == "transformers"
-        self.streams: dict[str, Any] = {}  # request id -> its engine steps (to pause)
+        # request id -> its engine steps (to pause)
+        self.streams: dict[str, Iterable[Sampled | None]] = {}
 
     def pause(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            pause = getattr(self.streams.get(rid), "pause", None)
-            if pause is not None:
-                pause()
+            steps = self.streams.get(rid)
+            if isinstance(steps, Preemptible):
+                steps.pause()
 
     def resume(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            resume = getattr(self.streams.get(rid), "resume", None)
-            if resume is not None:
-                resume()
+            steps = self.streams.get(rid)
+            if isinstance(steps, Preemptible):
+                steps.resume()
 
     def end_request(self, request_id: str) -> None:
         # cancelled while paused (its generator waits for its batch to resume): its KV
         # leaves the engine now, not when the batch runs again
-        close = getattr(self.streams.pop(request_id, None), "close", None)
-        if close is not None:
-            close()
+        steps = self.streams.pop(request_id, None)
+        if isinstance(steps, Closable):
+            steps.close()
 
     def load(self) -> None:
         self.engine = self._engine()
@@ -108,20 +110,21 @@ class Decode(ModelStage):
 
     def _close(self, request_id: str, steps: Iterable[Any]) -> None:
         self.streams.pop(request_id, None)
-        close = getattr(steps, "close", None)
-        if close is not None:
-            close()
+        if isinstance(steps, Closable):
+            steps.close()
 
     def _generate(
         self, inp: StageInput, ids: list[int], params: SamplingParams
     ) -> Iterator[StageEvent | None]:
         """Prefill and decode ``ids`` in this stage's engine, streamed in segments. With
         vLLM the request joins the engine's steps with every other one in flight."""
-        stream = getattr(self.engine, "stream", None)
+        engine = self.engine
         try:
             # vLLM: the request enters the engine now (a grammar it refuses: RequestError)
-            steps: Iterable[tuple[int, float] | None] | None = (
-                stream(ids, params, inp.priority) if stream is not None else None
+            steps: Iterable[Sampled | None] | None = (
+                engine.stream(ids, params, inp.priority)
+                if isinstance(engine, StreamingEngine)
+                else None
             )
         except RequestError as e:
             yield inp.fail(e)
@@ -160,7 +163,7 @@ class Decode(ModelStage):
         request the engine ends with an error (:class:`EngineRequestError`) fails alone.
         With ``top_logprobs`` each segment's payload carries its tokens' alternatives
         (``top_ids``, made text by :func:`top_payload`)."""
-        eos = getattr(self.engine, "eos_ids", None) or set()
+        eos = self.engine.eos_ids
         stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos))
         counted = {**params_payload(params), "prompt_tokens": prompt_tokens}
         counted["stop_ids"] = stop_ids  # the tokens that end it, for the text downstream
@@ -226,7 +229,7 @@ class Decode(ModelStage):
     def _finish(self, params: SamplingParams, total: int, last_tok: int | None) -> str:
         """Why generation ended: ``length`` when it reached ``max_tokens`` (the request's
         or the stage's default) without ending at EOS or a stop token, else ``stop``."""
-        eos = getattr(self.engine, "eos_ids", None) or set()
+        eos = self.engine.eos_ids
         at_eos = last_tok is not None and ends(last_tok, params, eos)
         return "length" if total >= params.max_tokens and not at_eos else "stop"
 

@@ -1,0 +1,78 @@
+"""The vLLM engine's requests as streams: the tokens each engine step gave a request,
+queued until its reader takes them (:class:`StreamState`), and the iterator a decode
+returns (:class:`VllmSteps`), whose ``close`` aborts the request in vLLM."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from omni_ar.engines.vllm_requires_kv import forget_failure
+from omni_ar.params import Sampled
+
+if TYPE_CHECKING:
+    from omni_ar.engines.vllm_engine import VllmEngine
+
+
+@dataclass
+class StreamState:
+    """One request's tokens not read yet, and how vLLM ended it."""
+
+    tokens: deque[Sampled] = field(default_factory=deque)
+    done: bool = False
+    top: int = 0  # alternatives per token it asked for (top_logprobs)
+    kv_key: str | None = None  # its handoff key: where the plugin keeps its failure
+    error: str | None = None  # why vLLM ended it with finish_reason "error"
+
+
+class VllmSteps:
+    """The tokens of a request already in the engine; ``close`` aborts it even when it
+    was never iterated (a generator's ``finally`` would not run then)."""
+
+    def __init__(
+        self, engine: VllmEngine, rid: str, kv_key: str | None, grammar_key: str | None = None
+    ) -> None:
+        self.engine = engine
+        self.rid = rid
+        self.kv_key = kv_key
+        self.grammar_key = grammar_key  # its matcher in vllm_grammar.MATCHERS
+        self.gen = engine.request_tokens(rid)
+
+    def __iter__(self) -> VllmSteps:
+        return self
+
+    def __next__(self) -> Sampled | None:
+        try:
+            s = next(self.gen)
+        except StopIteration:
+            self.close()
+            raise
+        if self.grammar_key is not None:
+            from omni_ar.engines.vllm_grammar import MATCHERS
+
+            state = MATCHERS.get(self.grammar_key)
+            if state is not None and state.error is not None:
+                self.close()
+                raise RuntimeError(f"structured output: {state.error}")
+        return s
+
+    @property
+    def ended(self) -> bool:
+        """vLLM ended the request and every token it gave has been read."""
+        st = self.engine.streams.get(self.rid)
+        return st is None or (st.done and not st.tokens)
+
+    def close(self) -> None:
+        from omni_ar.engines.kv_connector import INBOX
+
+        self.gen.close()  # a started stream aborts in its own finally
+        st = self.engine.streams.pop(self.rid, None)
+        if st is not None and not st.done:  # never iterated
+            self.engine.engine.abort_request([self.rid])
+        INBOX.pop(self.kv_key or "", None)  # never loaded (cancelled while waiting)
+        forget_failure(self.kv_key)
+        if self.grammar_key is not None:
+            from omni_ar.engines.vllm_grammar import MATCHERS
+
+            MATCHERS.pop(self.grammar_key, None)
