@@ -311,16 +311,33 @@ def test_chat_options_put_the_system_prompt_and_examples_before_a_plain_prompt(t
     cfg["stages"][0]["options"].update(chat)
     plain = {"prompt": "stream tokens", "max_tokens": 12}
     with Pipeline(cfg) as pipe:  # messages are sent as they are
-        with_examples, as_messages, no_examples = pipe.generate(
+        with_examples, as_messages, no_examples, raw = pipe.generate(
             [
                 plain,
                 {"messages": turns, "max_tokens": 12},
                 {"messages": turns[-1:], "max_tokens": 12},
+                {**plain, "raw_prompt": True},  # as the server's /v1/completions sends it
             ]
         )
-    assert with_examples.ok and as_messages.ok and no_examples.ok
+    assert with_examples.ok and as_messages.ok and no_examples.ok and raw.ok
     assert text_and_tokens(with_examples)[1] == text_and_tokens(as_messages)[1]
     assert text_and_tokens(with_examples)[1] != text_and_tokens(no_examples)[1]
+    # raw_prompt: the prompt's own tokens, no template, no system prompt, no examples
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert prompt_tokens(raw) == len(tok("stream tokens")["input_ids"])
+    templated = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    templated = templated["input_ids"] if hasattr(templated, "keys") else templated
+    assert prompt_tokens(with_examples) == len(templated) > prompt_tokens(raw)
+
+
+def prompt_tokens(out) -> int:
+    """The prompt's length, as the postprocess stage's first event carries it."""
+    (n,) = [
+        e.payload["prompt_tokens"]
+        for e in out.by_stage("postprocess")
+        if "prompt_tokens" in e.payload
+    ]
+    return n
 
 
 def test_examples_need_chat():

@@ -254,6 +254,24 @@ def test_a_seed_gives_the_same_tokens_on_every_run(tiny_model):
     assert runs[0] == runs[1] and runs[0] != other
 
 
+def test_requests_without_a_seed_sample_apart(tiny_model):
+    """No seed is no fixed seed: unseeded requests at temperature 1 on the random tiny
+    model do not repeat one another (12 tokens from a near-flat distribution over its
+    vocabulary), whether generated whole or prefilled and decoded."""
+    engine = TransformersEngine(tiny_model, device="cpu")
+    engine.load_tokenizer()
+    engine.load_model()
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    whole = [tuple(engine.generate(PROMPT, params)) for _ in range(3)]
+    assert len(set(whole)) == 3
+    ids = engine.encode(PROMPT)
+    staged = []
+    for _ in range(3):
+        first, _, keys, values = engine.prefill(ids, params)
+        staged.append((first, *(t for t, _ in engine.decode(first, keys, values, params))))
+    assert len(set(staged)) == 3
+
+
 def test_text_encode_on_the_cpu_emits_float32_numpy(tiny_model):
     s = stage(TextEncode, "ar.text_encode", tiny_model, devices="", max_tokens=8)
     s.load()

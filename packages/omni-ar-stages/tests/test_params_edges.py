@@ -39,6 +39,16 @@ def test_a_bare_prompt_gets_the_default_params():
     assert (p.response_format, p.structured_outputs, p.structured()) == (None, None, None)
 
 
+def test_raw_prompt_is_a_boolean_for_a_plain_prompt_only():
+    for raw in (True, False):
+        assert parse_request({"prompt": "a", "raw_prompt": raw}, max_tokens_limit=LIMIT)[0] == "a"
+    refused({"prompt": "a", "raw_prompt": 1}, "raw_prompt", "expected a boolean, got int")
+    refused({"prompt": "a", "raw_prompt": "yes"}, "raw_prompt", "expected a boolean, got str")
+    msgs = [{"role": "user", "content": "a"}]
+    assert parse_request({"messages": msgs, "raw_prompt": False}, max_tokens_limit=LIMIT)
+    refused({"messages": msgs, "raw_prompt": True}, "raw_prompt", "only with a plain 'prompt'")
+
+
 def test_the_default_max_tokens_fits_a_limit_of_16():
     assert parse_request({"prompt": "a"}, max_tokens_limit=16)[1].max_tokens == 16
 

@@ -121,10 +121,22 @@ class Sampled(tuple):  # type: ignore[type-arg]
         return (Sampled, (tuple(self), self.top))
 
 
+# A plain prompt fed as it is, never through the chat template of an intake with ``chat``
+# (the server's /v1/completions sets it: a completion continues its prompt's text, as in
+# vLLM); only with "prompt".
+RAW_PROMPT_KEY = "raw_prompt"
+
 # "image": the parameters of diffusion stages in the same pipeline (they validate it);
 # "priority": the runtime's (checked where the request is submitted, read by the stages
 # from StageInput.priority)
-_REQUEST_KEYS = {"prompt", "messages", "image", PRIORITY_KEY, *SamplingParams.__struct_fields__}
+_REQUEST_KEYS = {
+    "prompt",
+    "messages",
+    "image",
+    PRIORITY_KEY,
+    RAW_PROMPT_KEY,
+    *SamplingParams.__struct_fields__,
+}
 
 
 def parse_request(
@@ -141,6 +153,13 @@ def parse_request(
     has_prompt, has_messages = "prompt" in request, "messages" in request
     if has_prompt == has_messages:
         raise RequestError("field 'prompt': give exactly one of 'prompt' or 'messages'")
+    raw = request.get(RAW_PROMPT_KEY, False)
+    if not isinstance(raw, bool):
+        raise RequestError(
+            f"field {RAW_PROMPT_KEY!r}: expected a boolean, got {type(raw).__name__}"
+        )
+    if raw and has_messages:
+        raise RequestError(f"field {RAW_PROMPT_KEY!r}: only with a plain 'prompt', not 'messages'")
     if has_prompt:
         prompt = request["prompt"]
         if not isinstance(prompt, str):

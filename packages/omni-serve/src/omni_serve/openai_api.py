@@ -374,7 +374,8 @@ def completion_request(
         raise bad_field("echo", "not supported")
     if req.suffix:
         raise bad_field("suffix", "not supported")
-    out: dict[str, Any] = {"prompt": prompt, **scheduling(req)}
+    # the prompt as it is, never in an intake's chat template: a completion continues it
+    out: dict[str, Any] = {"prompt": prompt, "raw_prompt": True, **scheduling(req)}
     out.update(_sampling(req, req.max_tokens, limit))
     if req.logprobs is not None:  # 0: the chosen tokens' logprobs; N: and the top N
         out["logprobs"] = True

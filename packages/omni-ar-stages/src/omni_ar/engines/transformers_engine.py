@@ -136,13 +136,17 @@ class TransformersEngine(TokenizedEngine):
     def generator(self, params: SamplingParams, offset: int = 0) -> Any:
         """The request's sampling generator, seeded, on the model's device (where the
         probabilities it samples from are): a seed gives the same tokens on every run on
-        that device (not the same tokens on a CPU and a GPU)."""
+        that device (not the same tokens on a CPU and a GPU); without one, each request
+        draws from a fresh random seed, as vLLM's unseeded requests do."""
         import torch
 
         if params.temperature == 0:
             return None
         g = torch.Generator(device=self.device)
-        g.manual_seed((params.seed or 0) + offset)
+        if params.seed is None:
+            g.seed()  # nondeterministic: two unseeded requests sample apart
+        else:
+            g.manual_seed(params.seed + offset)
         return g
 
     def tensor(self, ids: list[int] | list[list[int]]) -> Any:

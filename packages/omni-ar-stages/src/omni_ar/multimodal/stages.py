@@ -47,6 +47,7 @@ from omni_ar.multimodal.media import (
 )
 from omni_ar.multimodal.mrope import position_delta
 from omni_ar.params import (
+    RAW_PROMPT_KEY,
     RequestError,
     Sampled,
     carried_params,
@@ -99,7 +100,10 @@ class _MMStage(ModelStage):
         """The request's chat messages (a plain prompt as a user turn with ``chat``), or
         None for a plain prompt; mm_intake checked them."""
         request = inp.request
-        source = self._chat(request["messages"] if "messages" in request else request["prompt"])
+        if "messages" in request:
+            source = self._chat(request["messages"])
+        else:
+            source = self._chat(request["prompt"], request.get(RAW_PROMPT_KEY, False))
         return source if isinstance(source, list) else None
 
 

@@ -12,7 +12,13 @@ from omni_core.worker.devices import place
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
 from omni_ar.engines.protocol import Engine, require_engine
 from omni_ar.models import resolve_model
-from omni_ar.params import RequestError, SamplingParams, carried_params, parse_request
+from omni_ar.params import (
+    RAW_PROMPT_KEY,
+    RequestError,
+    SamplingParams,
+    carried_params,
+    parse_request,
+)
 from omni_ar.structured import check_constraint
 
 
@@ -137,13 +143,13 @@ class ModelStage(Stage):
         if o.structured_outputs is not None and not own:
             request = {**request, "structured_outputs": o.structured_outputs}
         source, params = parse_request(request, o.max_tokens_limit, images=self.images)
-        return self._chat(source), params
+        return self._chat(source, request.get(RAW_PROMPT_KEY, False)), params
 
-    def _chat(self, source: Any) -> Any:
+    def _chat(self, source: Any, raw: bool = False) -> Any:
         """A plain prompt as a user turn, after the system prompt and the worked
-        examples, with ``chat``."""
+        examples, with ``chat`` (unless the request asked for its prompt ``raw``)."""
         o = self.options
-        if o.chat and isinstance(source, str):
+        if o.chat and isinstance(source, str) and not raw:
             turns = [{"role": "system", "content": o.system_prompt}] if o.system_prompt else []
             for example in o.examples:
                 turns.append({"role": "user", "content": example.user})

@@ -143,7 +143,7 @@ def tokenized(server: Server, tok: Tokenizer, raw: bytearray) -> dict[str, Any]:
         req = parse(PromptTokenize, body)
         server.check_model(req.model, "/v1/completions")
         server.prompt_limits.check("prompt", len(req.prompt))
-        ids = tok.prompt_ids({"prompt": req.prompt}, req.add_special_tokens)
+        ids = tok.prompt_ids({"prompt": req.prompt, "raw_prompt": True}, req.add_special_tokens)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": tok.max_model_len, "tokens": ids}
     if req.return_token_strs:
         out["token_strs"] = tok.tok.convert_ids_to_tokens(ids)
