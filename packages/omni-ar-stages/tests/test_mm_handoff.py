@@ -226,6 +226,16 @@ def _errors(evs):
     return [e.message for e in evs if e.event_type == "error"]
 
 
+def test_prompt_logprobs_are_refused_where_a_request_enters_the_mm_stages(stages, requests):
+    """A prompt of images has no token logprobs to give: the intake fails that request
+    naming the field; the same request without them passes."""
+    intake = stages[0]
+    (ev,), _ = _feed(intake, {**requests[1], "prompt_logprobs": 1})
+    assert ev.event_type == "error" and "field 'prompt_logprobs'" in ev.message, ev
+    (ok,), _ = _feed(intake, requests[1])
+    assert ok.event_type == "segment"
+
+
 def test_prefill_forwards_no_media_and_decode_continues(stages, requests, reference):
     ev, forwarded = _handoff(stages, requests[2])
     parts = forwarded["messages"][0]["content"]

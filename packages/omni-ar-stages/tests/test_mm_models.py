@@ -11,7 +11,6 @@ import pytest
 from omni_ar.multimodal.handoff import check_handoff_model
 from omni_ar.multimodal.stages import MMDecode, MMIntake, MMPrefill
 from omni_ar.multimodal.testing import build_tiny_llava
-from omni_ar.params import RequestError, parse_request
 from omni_core.stage import StageContext
 from transformers import (
     AutoConfig,
@@ -108,9 +107,3 @@ def test_each_mm_stage_refuses_an_unknown_m_rope_checkpoint_at_load_before_readi
     stage = cls(StageContext("s", kind, {"model": str(tmp_path), "engine": engine}))
     with pytest.raises(ValueError, match="uses M-RoPE with a position rule"):
         stage.load()
-
-
-def test_prompt_logprobs_are_refused_where_a_request_enters_the_mm_stages():
-    """Decode never computes the prompt's positions, so it could not give their logprobs."""
-    with pytest.raises(RequestError, match="field 'prompt_logprobs': unknown request field"):
-        parse_request({"prompt": "x", "prompt_logprobs": 1}, 100, images=True)

@@ -6,6 +6,7 @@ server renders as OpenAI's ``logprobs.content[i].top_logprobs``)."""
 import pytest
 from omni_ar.engines.transformers_engine import TransformersEngine
 from omni_ar.params import RequestError, SamplingParams, parse_request
+from omni_ar.testing import layout_config as config
 from omni_core import Pipeline
 
 K = 3
@@ -60,37 +61,6 @@ def test_transformers_engine_returns_the_top_k_of_prefill_and_every_step(tiny_mo
         )
     plain = e.prefill(e.encode("x"), SamplingParams(logprobs=True))
     assert plain.top == []
-
-
-def config(model, layout, **engine):
-    """intake -> the layout's model stages -> postprocess (``inline``: no postprocess);
-    ``engine``: more options of the model stages (the vLLM engine)."""
-    model_opts = {"model": model, "threads": 1, **engine}
-    opts = {**model_opts, "max_segment_tokens": 3}
-    text = {"model": model}
-    if layout == "inline":
-        stages = [
-            {"name": "intake", "kind": "ar.intake", "options": text},
-            {"name": "gen", "kind": "ar.generate", "options": {**opts, "inline_detokenize": True}},
-        ]
-    else:
-        gen = [{"name": "gen", "kind": "ar.generate", "max_inflight": 4, "options": opts}]
-        if layout.startswith("split"):
-            gen = [
-                {"name": "prefill", "kind": "ar.prefill", "options": model_opts},
-                {"name": "gen", "kind": "ar.decode", "max_inflight": 4, "options": opts},
-            ]
-        stages = [
-            {"name": "intake", "kind": "ar.intake", "options": text},
-            *gen,
-            {"name": "postprocess", "kind": "ar.postprocess", "options": text},
-        ]
-    names = [s["name"] for s in stages]
-    window = 4 if layout == "split-window-4" else 1
-    edges = [{"from": a, "to": b} for a, b in zip(names, names[1:], strict=False)]
-    if layout != "inline":
-        edges[-1]["window"] = {"size": window}
-    return {"heartbeat_interval_s": 0.1, "ready_timeout_s": 300, "stages": stages, "edges": edges}
 
 
 @pytest.mark.parametrize("layout", ["split-window-1", "split-window-4", "fused", "inline"])

@@ -94,6 +94,8 @@ class Handoff(msgspec.Struct, kw_only=True, omit_defaults=True):
     local_prefill: bool = False
     # the first token's alternatives as [id, logprob] (one list: the one token's)
     top_ids: list[list[list[Any]]] = msgspec.field(default_factory=list)
+    # prompt_logprobs asked for: stages.logprobs.prompt_ids_payload of the prompt
+    prompt_logprob_ids: dict[str, Any] | None = None
     mm: MMHandoff | None = msgspec.field(default=None, name=MM)  # the multimodal contract
     cached_tokens: int | None = None  # multimodal: prompt tokens from the prefix cache
 

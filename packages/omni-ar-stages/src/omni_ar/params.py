@@ -65,6 +65,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bad_words: list[str] = msgspec.field(default_factory=list)  # never generated
     include_stop_str_in_output: bool = False  # the stop string (or token) stays in the text
     skip_special_tokens: bool = True  # special tokens leave no text
+    # each prompt token's logprob (the first has none) and its k likeliest alternatives,
+    # from the model's raw logits as vLLM's prompt_logprobs (the server's echo asks)
+    prompt_logprobs: int | None = None
     # OpenAI's: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
     # {"name", "schema", "strict", "description"}}; checked by parse_request
     response_format: dict[str, Any] | None = None
@@ -104,21 +107,34 @@ def carried_params(window: Any) -> SamplingParams:
     )
 
 
+# A prompt's logprobs: for each prompt token after the first, its logprob and its
+# ``prompt_logprobs`` likeliest alternatives as [id, logprob], likeliest first.
+PromptLogprobs = list[tuple[float, list[tuple[int, float]]]]
+
+
 class Sampled(tuple):  # type: ignore[type-arg]
     """A token an engine produced: a plain tuple, ``(token, logprob)`` (or prefill's
     ``(token, logprob, keys, values)``), so it unpacks as the pairs it replaced, and
     ``top``: the ``top_logprobs`` most likely ``(token, logprob)`` at that step, most
-    likely first (empty unless the request asked for them)."""
+    likely first (empty unless the request asked for them); a request's first token also
+    carries ``prompt`` (:data:`PromptLogprobs`) where it asked for ``prompt_logprobs``."""
 
     top: list[tuple[int, float]]
+    prompt: PromptLogprobs | None
 
-    def __new__(cls, items: tuple[Any, ...], top: list[tuple[int, float]] | None = None) -> Sampled:
+    def __new__(
+        cls,
+        items: tuple[Any, ...],
+        top: list[tuple[int, float]] | None = None,
+        prompt: PromptLogprobs | None = None,
+    ) -> Sampled:
         self = super().__new__(cls, items)
         self.top = top or []
+        self.prompt = prompt
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Sampled, (tuple(self), self.top))
+        return (Sampled, (tuple(self), self.top, self.prompt))
 
 
 # A plain prompt fed as it is, never through the chat template of an intake with ``chat``
@@ -203,6 +219,10 @@ def parse_request(
     if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
         raise RequestError(
             f"field 'top_logprobs': expected 0..{MAX_TOP_LOGPROBS}, got {params.top_logprobs}"
+        )
+    if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(
+            f"field 'prompt_logprobs': expected 0..{MAX_TOP_LOGPROBS}, got {params.prompt_logprobs}"
         )
     if params.top_logprobs and not params.logprobs:
         raise RequestError("field 'top_logprobs': needs 'logprobs': true")

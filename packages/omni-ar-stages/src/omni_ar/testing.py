@@ -137,3 +137,62 @@ def kv_engine_pair(model: str, engine_args: dict[str, Any]) -> list[Any]:
         e.load_tokenizer()
         out.append(e)
     return out
+
+
+def layout_config(model: str, layout: str, **engine: Any) -> dict[str, Any]:
+    """A text pipeline on ``model`` in ``layout``: intake -> ``ar.generate`` (``fused``) or
+    ``ar.prefill`` -> ``ar.decode`` (``split-window-1``, ``split-window-4``: the window to
+    postprocess) -> postprocess, or intake -> an inline-detokenizing ``ar.generate``
+    (``inline``); segments of 3 tokens; ``engine``: more options of the model stages
+    (``engine="vllm"``, its ``engine_args``)."""
+    model_opts = {"model": model, "threads": 1, **engine}
+    opts = {**model_opts, "max_segment_tokens": 3}
+    text = {"model": model}
+    if layout == "inline":
+        stages = [
+            {"name": "intake", "kind": "ar.intake", "options": text},
+            {"name": "gen", "kind": "ar.generate", "options": {**opts, "inline_detokenize": True}},
+        ]
+    else:
+        gen = [{"name": "gen", "kind": "ar.generate", "max_inflight": 4, "options": opts}]
+        if layout.startswith("split"):
+            gen = [
+                {"name": "prefill", "kind": "ar.prefill", "options": model_opts},
+                {"name": "gen", "kind": "ar.decode", "max_inflight": 4, "options": opts},
+            ]
+        stages = [
+            {"name": "intake", "kind": "ar.intake", "options": text},
+            *gen,
+            {"name": "postprocess", "kind": "ar.postprocess", "options": text},
+        ]
+    names = [s["name"] for s in stages]
+    window = 4 if layout == "split-window-4" else 1
+    edges: list[dict[str, Any]] = [
+        {"from": a, "to": b} for a, b in zip(names, names[1:], strict=False)
+    ]
+    if layout != "inline":
+        edges[-1]["window"] = {"size": window}
+    return {"heartbeat_interval_s": 0.1, "ready_timeout_s": 300, "stages": stages, "edges": edges}
+
+
+def prompt_forward(
+    model_dir: str, text: str, k: int
+) -> tuple[list[str], list[float], list[list[tuple[str, float]]]]:
+    """The oracle of prompt logprobs: ``text``'s token texts, each later token's logprob
+    and the ``k`` likeliest tokens (text, logprob) after each position, from transformers'
+    own forward over the whole prompt in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = tok(text)["input_ids"]
+    with torch.inference_mode():
+        lps = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    chosen = [float(lps[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    vals, idx = torch.topk(lps[:-1], k, dim=-1)
+    tops = [
+        [(tok.decode([t]), float(v)) for t, v in zip(ti, vi, strict=True)]
+        for ti, vi in zip(idx.tolist(), vals.tolist(), strict=True)
+    ]
+    return [tok.decode([t]) for t in ids], chosen, tops

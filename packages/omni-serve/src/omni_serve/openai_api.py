@@ -370,8 +370,6 @@ def completion_request(
             raise bad_field("prompt", "only one prompt per request is supported")
         prompt = prompt[0]
     chars.check("prompt", len(prompt))
-    if req.echo:
-        raise bad_field("echo", "not supported")
     if req.suffix:
         raise bad_field("suffix", "not supported")
     # the prompt as it is, never in an intake's chat template: a completion continues it
@@ -381,6 +379,8 @@ def completion_request(
         out["logprobs"] = True
         if req.logprobs:
             out["top_logprobs"] = req.logprobs
+        if req.echo:  # the prompt's tokens too, with as many alternatives (vLLM's way)
+            out["prompt_logprobs"] = req.logprobs
     return out
 
 

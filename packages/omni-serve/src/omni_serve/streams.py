@@ -57,12 +57,22 @@ class TokenLogprob(NamedTuple):
     likely alternatives at its position, most likely first."""
 
     token: str
-    logprob: float
-    top: list[tuple[str, float]]
+    logprob: float | None  # None: a prompt's first token (echo), which nothing predicts
+    top: list[tuple[str, float]] | None
 
 
 def _logprob(value: Any) -> float:
     return max(float(value), MIN_LOGPROB)
+
+
+def prompt_entries(sent: dict[str, Any]) -> list[TokenLogprob]:
+    r"""The AR stages' ``prompt_logprobs`` (each prompt token's text, its logprob and its
+    alternatives as ``[text, logprob]``; None for the first) as :class:`TokenLogprob`\ s."""
+    out = []
+    for t, lp, top in zip(sent["tokens"], sent["logprobs"], sent["top"], strict=True):
+        alts = None if top is None else [(str(a), _logprob(b)) for a, b in top]
+        out.append(TokenLogprob(str(t), None if lp is None else _logprob(lp), alts))
+    return out
 
 
 @dataclass
@@ -76,6 +86,9 @@ class TextState:
     # each token's logprob, when the request asked for logprobs
     logprobs: list[TokenLogprob] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the last add
+    # the prompt's tokens with their logprobs, when the request asked (echo), as the AR
+    # stages send them with the first text: {tokens, logprobs, top}
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, ev: AnyEvent) -> str | None:
         """The text delta ``ev`` carries (None when it carries none); its tokens'
@@ -85,6 +98,8 @@ class TextState:
         if not isinstance(ev, Segment) or not isinstance(payload.get("text"), str):
             return None
         self.parts.append(payload["text"])
+        if self.prompt_logprobs is None and isinstance(payload.get("prompt_logprobs"), dict):
+            self.prompt_logprobs = prompt_entries(payload["prompt_logprobs"])
         tokens = ev.tokens or []
         self.tokens.extend(tokens)
         self.prompt_tokens = int(payload.get("prompt_tokens", self.prompt_tokens))

@@ -119,6 +119,7 @@ UNSAMPLED = (
     "bad_words",
     "logprobs",
     "top_logprobs",
+    "prompt_logprobs",
     "response_format",
     "structured_outputs",
 )

@@ -34,7 +34,7 @@ from omni_ar.engines.cpu_turns import cpu_turn
 from omni_ar.engines.protocol import Source
 from omni_ar.engines.transformers_batch import BatchRequest, BatchSteps, DecodeBatch
 from omni_ar.engines.transformers_kv import cache_of, kv_arrays
-from omni_ar.engines.transformers_sampling import pick
+from omni_ar.engines.transformers_sampling import pick, prompt_logprobs
 from omni_ar.logits import Logits, adjusts, bad_word_ids, ends
 from omni_ar.multimodal.mrope import uses_mrope
 from omni_ar.params import Sampled, SamplingParams
@@ -166,7 +166,8 @@ class TransformersEngine(TokenizedEngine):
         ``prefill_batch_tokens`` padded tokens) where the model allows it
         (:meth:`_batches_prefill`), else one forward each. ``priorities`` are not read:
         the worker already ordered the batch (see :meth:`decode`)."""
-        if len(prompts) < 2 or not self._batches_prefill():
+        alone = any(p.prompt_logprobs is not None for p in params)  # every position's logits
+        if len(prompts) < 2 or alone or not self._batches_prefill():
             for ids, p in zip(prompts, params, strict=True):
                 yield self.prefill(ids, p)
             return
@@ -183,8 +184,10 @@ class TransformersEngine(TokenizedEngine):
         whose ``top`` holds the first token's alternatives."""
         import torch
 
+        every = params.prompt_logprobs is not None
         with self.turn, torch.inference_mode():
-            out = self.model(self.tensor([ids]), use_cache=True, **self._last_logits())
+            last = {} if every else self._last_logits()
+            out = self.model(self.tensor([ids]), use_cache=True, **last)
         first = pick(
             out.logits[0, -1],
             params,
@@ -192,8 +195,9 @@ class TransformersEngine(TokenizedEngine):
             self.matcher(params),
             self.logits(params, ids),
         )
+        prompt = prompt_logprobs(out.logits[0], ids, params.prompt_logprobs or 0) if every else None
         keys, values = kv_arrays(cache_of(out))
-        return Sampled((*first, keys, values), first.top)
+        return Sampled((*first, keys, values), first.top, prompt)
 
     def _prefill_batch(
         self, prompts: list[list[int]], params: list[SamplingParams]

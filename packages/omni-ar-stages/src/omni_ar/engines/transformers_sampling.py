@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_ar.logits import Logits, warp
-from omni_ar.params import Sampled, SamplingParams
+from omni_ar.params import PromptLogprobs, Sampled, SamplingParams
 from omni_ar.structured import Matcher
 
 
@@ -49,3 +49,22 @@ def pick(
     if state is not None:
         state.accept(tok)
     return Sampled((tok, float(logprobs[tok])), top)
+
+
+def prompt_logprobs(logits: Any, ids: list[int], k: int) -> PromptLogprobs:
+    """Each prompt token's logprob after the first, from the prompt's logits (one row a
+    position: ``logits[i]`` predicts ``ids[i + 1]``), raw as vLLM's prompt logprobs, with
+    its ``k`` likeliest alternatives."""
+    import torch
+
+    lps = torch.log_softmax(logits[: len(ids) - 1].float(), dim=-1)
+    nxt = torch.tensor(ids[1:], device=lps.device)
+    chosen = lps.gather(1, nxt[:, None])[:, 0].tolist()
+    if k:
+        vals, idx = torch.topk(lps, min(k, lps.shape[-1]), dim=-1)
+        tops = [
+            list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)
+        ]
+    else:
+        tops = [[] for _ in chosen]
+    return list(zip(chosen, tops, strict=True))

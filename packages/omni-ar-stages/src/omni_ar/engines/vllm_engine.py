@@ -57,7 +57,7 @@ from omni_ar.engines.protocol import Source
 from omni_ar.engines.vllm_mm import MMContinuation, VllmMultimodal, media_prompt
 from omni_ar.engines.vllm_requires_kv import failure, forget_failure
 from omni_ar.engines.vllm_sampling import sampling_params
-from omni_ar.engines.vllm_streams import StreamState, VllmSteps
+from omni_ar.engines.vllm_streams import StreamState, VllmSteps, prompt_of
 from omni_ar.errors import EngineRequestError
 from omni_ar.logits import bad_word_ids, ends
 from omni_ar.params import RequestError, Sampled, SamplingParams
@@ -293,7 +293,9 @@ class VllmEngine(VllmMultimodal, TokenizedEngine):
 
         rid = uuid.uuid4().hex
         kv_params = (sp.extra_args or {}).get("kv_transfer_params") or {}
-        self.streams[rid] = StreamState(top=sp.logprobs or 0, kv_key=kv_params.get(PARAM))
+        self.streams[rid] = StreamState(
+            top=sp.logprobs or 0, kv_key=kv_params.get(PARAM), prompt=sp.prompt_logprobs
+        )
         if self.scheduling_policy != "priority":
             priority = 0
         if isinstance(prompt, list):
@@ -320,13 +322,17 @@ class VllmEngine(VllmMultimodal, TokenizedEngine):
                 continue
             c = out.outputs[0]
             lps = c.logprobs
+            prompt = prompt_of(out, st.prompt) if st.prompt is not None else None
             for j, tok in enumerate(c.token_ids):
                 if not lps:
-                    st.tokens.append(Sampled((tok, 0.0)))
-                    continue
-                # vLLM's dict: the top k by rank, and the sampled token whatever its rank
-                top = sorted((lp.rank, t, lp.logprob) for t, lp in lps[j].items())[: st.top]
-                st.tokens.append(Sampled((tok, lps[j][tok].logprob), [(t, x) for _, t, x in top]))
+                    st.tokens.append(Sampled((tok, 0.0), None, prompt))
+                else:
+                    # vLLM's dict: the top k by rank, and the sampled token whatever its rank
+                    top = sorted((lp.rank, t, lp.logprob) for t, lp in lps[j].items())[: st.top]
+                    alts = [(t, x) for _, t, x in top]
+                    st.tokens.append(Sampled((tok, lps[j][tok].logprob), alts, prompt))
+                if prompt is not None:  # with the request's first token only
+                    st.prompt, prompt = None, None
             st.done = out.finished
             if out.finished and c.finish_reason == "error":
                 st.error = failure(st.kv_key) or (
@@ -381,7 +387,7 @@ class VllmEngine(VllmMultimodal, TokenizedEngine):
         """``prefill`` of every prompt in the same engine steps, each with its priority
         (default 0); results in order."""
         for first, kv, _ in self._prefill(prompts, params, priorities):
-            yield Sampled((*first, *kv), first.top)
+            yield Sampled((*first, *kv), first.top, first.prompt)
 
     def _prefill(
         self,

@@ -69,6 +69,8 @@ def sampling_params(
         seed=params.seed if params.temperature > 0 else None,
         ignore_eos=params.ignore_eos,
         logprobs=params.top_logprobs if params.logprobs else None,
+        # where the prompt is prefilled (a decode resuming from a first token is not)
+        prompt_logprobs=params.prompt_logprobs if first is None else None,
         detokenize=False,  # the postprocess stage detokenizes
         output_kind=RequestOutputKind.DELTA,
         extra_args=extra or None,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omni_ar.engines.vllm_requires_kv import forget_failure
-from omni_ar.params import Sampled
+from omni_ar.params import PromptLogprobs, Sampled
 
 if TYPE_CHECKING:
     from omni_ar.engines.vllm_engine import VllmEngine
@@ -24,6 +24,23 @@ class StreamState:
     top: int = 0  # alternatives per token it asked for (top_logprobs)
     kv_key: str | None = None  # its handoff key: where the plugin keeps its failure
     error: str | None = None  # why vLLM ended it with finish_reason "error"
+    prompt: int | None = None  # prompt_logprobs asked for, until they came with a token
+
+
+def prompt_of(out: Any, k: int) -> PromptLogprobs | None:
+    """vLLM's prompt logprobs of a request output (on its first; None on the others) as
+    :data:`PromptLogprobs`: vLLM's position i > 0 holds a dict of the prompt token (at
+    its rank) and the ``k`` likeliest (ranks 1..k)."""
+    given = getattr(out, "prompt_logprobs", None)
+    if not given:
+        return None
+    ids = out.prompt_token_ids
+    rows: PromptLogprobs = []
+    for i in range(1, len(ids)):
+        d = given[i] or {}
+        top = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if 0 < (lp.rank or 0) <= k)
+        rows.append((d[ids[i]].logprob, [(t, x) for _, t, x in top]))
+    return rows
 
 
 class VllmSteps:

@@ -121,6 +121,11 @@ class MMIntake(_MMStage):
                 source, params = self.read(inp.request)
                 # a response_format that asks for structured output fails here already
                 self._check_sampling(params)
+                if params.prompt_logprobs is not None:
+                    raise RequestError(
+                        "field 'prompt_logprobs': not on the multimodal stages (a prompt of "
+                        "images has no token logprobs to give)"
+                    )
                 messages = source if isinstance(source, list) else None
                 pixels: list[Any] = []
                 if messages is not None:

@@ -21,7 +21,16 @@ from omni_ar.params import (
     params_payload,
 )
 from omni_ar.stages.base import ModelOptions, ModelStage
-from omni_ar.stages.logprobs import TOP_IDS, token_texts, top_ids, top_payload
+from omni_ar.stages.logprobs import (
+    PROMPT_LOGPROB_IDS,
+    PROMPT_LOGPROBS,
+    TOP_IDS,
+    prompt_ids_payload,
+    prompt_text_payload,
+    token_texts,
+    top_ids,
+    top_payload,
+)
 
 _END = object()  # the steps ran out
 
@@ -104,7 +113,9 @@ class Decode(ModelStage):
                 # that arrived with this one enter the engine (vLLM batches them from
                 # their first token on)
                 so_far = [Sampled((first, first_lp), handoff.first_top)]
-                yield from self._stream(inp, params, so_far, steps, handoff.prompt_tokens)
+                yield from self._stream(
+                    inp, params, so_far, steps, handoff.prompt_tokens, handoff.prompt_logprob_ids
+                )
             finally:
                 self._close(inp.request_id, steps)
 
@@ -134,7 +145,7 @@ class Decode(ModelStage):
         else:  # transformers: one prefill pass, then the decode loop
             pre = self.engine.prefill(ids, params)
             first, lp, keys, values = pre
-            so_far = [Sampled((first, lp), pre.top)]
+            so_far = [Sampled((first, lp), pre.top, pre.prompt)]
             steps = self.engine.decode(first, keys, values, params, ids, priority=inp.priority)
         self.streams[inp.request_id] = steps
         try:
@@ -143,7 +154,7 @@ class Decode(ModelStage):
                 # its first step (transformers: this one is in the batch already, and
                 # its first token goes out at once)
                 yield None
-            yield from self._stream(inp, params, so_far, steps, len(ids))
+            yield from self._stream(inp, params, so_far, steps, len(ids), prompt_ids=ids)
         finally:
             self._close(inp.request_id, steps)
 
@@ -154,6 +165,8 @@ class Decode(ModelStage):
         tokens_so_far: list[tuple[int, float]],
         steps: Iterable[tuple[int, float] | None],
         prompt_tokens: int,
+        prompt_logprobs: dict[str, Any] | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> Iterator[StageEvent | None]:
         """Flush ``tokens_so_far`` and then the tokens of ``steps`` in segments; the first
         carries ``prompt_tokens`` (the prompt's length, for usage counts downstream) and
@@ -167,6 +180,13 @@ class Decode(ModelStage):
         stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos))
         counted = {**params_payload(params), "prompt_tokens": prompt_tokens}
         counted["stop_ids"] = stop_ids  # the tokens that end it, for the text downstream
+        # prompt_logprobs: from prefill's handoff, or with the first token of this
+        # engine's own prefill (``prompt_ids``: that prompt)
+        first_prompt = next((s.prompt for s in tokens_so_far if getattr(s, "prompt", None)), None)
+        if prompt_logprobs is None and first_prompt is not None and prompt_ids is not None:
+            prompt_logprobs = prompt_ids_payload(prompt_ids, first_prompt)
+        if prompt_logprobs is not None:
+            counted[PROMPT_LOGPROB_IDS] = prompt_logprobs
         o = self.options
         detok = (
             detokenizer(self.engine.tokenizer, params, stop_ids) if o.inline_detokenize else None
@@ -199,6 +219,8 @@ class Decode(ModelStage):
                 return
             if s is not None:
                 tok, lp = s
+                if getattr(s, "prompt", None) is not None and prompt_ids is not None:
+                    counted[PROMPT_LOGPROB_IDS] = prompt_ids_payload(prompt_ids, s.prompt)
                 tokens.append(tok)
                 logprobs.append(lp)
                 tops.append(top_ids(s))
@@ -222,6 +244,9 @@ class Decode(ModelStage):
         """A segment of the tokens so far; the first to go carries (and empties)
         ``counted``: the request's params and the prompt's length."""
         ev = self._segment(inp, tokens, logprobs, tops, params, detok, last=last)
+        if detok is not None and PROMPT_LOGPROB_IDS in counted:  # the caller's: as text
+            sent = counted.pop(PROMPT_LOGPROB_IDS)
+            counted[PROMPT_LOGPROBS] = prompt_text_payload(detok.tokenizer, sent)
         ev.payload.update(counted)
         counted.clear()
         return ev

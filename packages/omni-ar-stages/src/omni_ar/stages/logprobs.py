@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_ar.params import PromptLogprobs
+
 TOP_IDS = "top_ids"  # decode -> postprocess: per token, its alternatives' [id, logprob]
+# decode -> postprocess, with the first segment: the prompt's ids, logprobs and alternatives
+PROMPT_LOGPROB_IDS = "prompt_logprob_ids"
+# postprocess (or an inline-detokenizing decode) -> the caller: the same as text, every
+# prompt token's, the first one's logprob and alternatives None (nothing comes before it)
+PROMPT_LOGPROBS = "prompt_logprobs"
 
 
 class Alternatives:
@@ -48,3 +55,22 @@ def token_texts(tokenizer: Any, tokens: list[int]) -> list[str]:
     """Each token's own text (special tokens included), for logprobs: what OpenAI's
     ``logprobs.content[].token`` holds."""
     return [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+
+
+def prompt_ids_payload(ids: list[int], prompt: PromptLogprobs) -> dict[str, Any]:
+    """An engine's prompt logprobs of ``ids`` as the first segment carries them."""
+    return {
+        "ids": list(ids),
+        "logprobs": [lp for lp, _ in prompt],
+        "top": [[[t, x] for t, x in top] for _, top in prompt],
+    }
+
+
+def prompt_text_payload(tokenizer: Any, sent: dict[str, Any]) -> dict[str, Any]:
+    """:func:`prompt_ids_payload` as text: each prompt token's text, its logprob and its
+    alternatives as ``[text, logprob]`` (None for the first token)."""
+    return {
+        "tokens": token_texts(tokenizer, sent["ids"]),
+        "logprobs": [None, *sent["logprobs"]],
+        "top": [None, *top_payload(tokenizer, sent["top"])],
+    }

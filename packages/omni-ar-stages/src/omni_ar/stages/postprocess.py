@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from omni_core import StageEvent, StageInput
 
 from omni_ar.detokenizer import IncrementalDetokenizer, detokenizer
 from omni_ar.params import carried_params
 from omni_ar.stages.base import ModelStage
-from omni_ar.stages.logprobs import Alternatives, token_texts, top_payload
+from omni_ar.stages.logprobs import (
+    PROMPT_LOGPROB_IDS,
+    PROMPT_LOGPROBS,
+    Alternatives,
+    prompt_text_payload,
+    token_texts,
+    top_payload,
+)
 
 
 class Postprocess(ModelStage):
@@ -20,6 +28,7 @@ class Postprocess(ModelStage):
         self.tokenizer = self.engine.load_tokenizer()
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.prompt_tokens: dict[str, int] = {}  # until passed on with the next event
+        self.prompt_lps: dict[str, dict[str, Any]] = {}  # prompt_logprobs, the same way
         self.finish: dict[str, str] = {}  # decode's finish reason, once it sent it
         self.want_logprobs: dict[str, bool] = {}
         self.tops: dict[str, Alternatives] = {}  # the requests that want top_logprobs
@@ -40,6 +49,10 @@ class Postprocess(ModelStage):
             for p in inp.window.payloads:
                 if "prompt_tokens" in p:
                     self.prompt_tokens[rid] = p["prompt_tokens"]
+                if PROMPT_LOGPROB_IDS in p:
+                    self.prompt_lps[rid] = prompt_text_payload(
+                        self.tokenizer, p[PROMPT_LOGPROB_IDS]
+                    )
                 if "finish_reason" in p:  # decode's: "length" or "stop" (EOS)
                     self.finish[rid] = p["finish_reason"]
             alts = self.tops.get(rid)
@@ -58,6 +71,8 @@ class Postprocess(ModelStage):
                 continue
             if rid in self.prompt_tokens:
                 payload["prompt_tokens"] = self.prompt_tokens.pop(rid)
+            if rid in self.prompt_lps:
+                payload[PROMPT_LOGPROBS] = self.prompt_lps.pop(rid)
             lps = None
             if self.want_logprobs.get(
                 rid
@@ -78,6 +93,7 @@ class Postprocess(ModelStage):
     def end_request(self, request_id: str) -> None:
         self.detoks.pop(request_id, None)
         self.prompt_tokens.pop(request_id, None)
+        self.prompt_lps.pop(request_id, None)
         self.finish.pop(request_id, None)
         self.want_logprobs.pop(request_id, None)
         self.tops.pop(request_id, None)

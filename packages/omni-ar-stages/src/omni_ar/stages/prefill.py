@@ -11,7 +11,7 @@ from omni_core import StageEvent, StageInput
 from omni_ar.handoff import Handoff
 from omni_ar.params import RequestError, SamplingParams
 from omni_ar.stages.base import ModelOptions, ModelStage
-from omni_ar.stages.logprobs import top_ids
+from omni_ar.stages.logprobs import prompt_ids_payload, top_ids
 
 
 class PrefillOptions(ModelOptions, kw_only=True):
@@ -82,6 +82,8 @@ class Prefill(ModelStage):
             handoff = Handoff(params=p, prompt_ids=ids, prompt_tokens=len(ids))
             if p.top_logprobs:
                 handoff.top_ids = [top_ids(res)]
+            if res.prompt is not None:
+                handoff.prompt_logprob_ids = prompt_ids_payload(ids, res.prompt)
             yield handoff.segment(inp, [tok], [lp], (keys, values))
 
     def _prefill_one(self, ids: list[int], params: SamplingParams, priority: int) -> Any:

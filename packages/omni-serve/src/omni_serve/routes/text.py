@@ -77,6 +77,7 @@ class TextChunks:
     offset: int = 0  # completions: the text offset of the next chunk's first token
     tools: ToolAnswer | None = None  # chat with tools: the calls read from the text
     audio: AudioAnswer | None = None  # chat with audio: the text is its transcript
+    echo: str | None = None  # a completion's prompt, until its first chunk carried it
 
     def __post_init__(self) -> None:
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
@@ -99,6 +100,10 @@ class TextChunks:
             return self._audio({"data": base64.b64encode(data).decode()})
         delta = self.state.add(ev)
         new = self.state.new_logprobs if self.logprobs else []
+        if self.echo is not None and delta is not None:  # the first text: the prompt first
+            delta, self.echo = self.echo + delta, None
+            if self.logprobs:
+                new = echoed(self.state) + new
         calls: list[dict[str, Any]] = []
         if self.tools is not None and delta:
             delta, calls = self.tools.feed(delta)
@@ -219,16 +224,17 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     ]
     speak = isinstance(req, ChatRequest) and req.speak
     audios = [AudioAnswer() if speak else None for _ in preqs]
+    echo = preq["prompt"] if isinstance(req, CompletionRequest) and req.echo else None
     if not req.stream:
         per = await collect(request, stream, n, rid, params)
         return complete(
-            server, path, t0, rid, head, per, chat, wants_logprobs, top, readers, audios
+            server, path, t0, rid, head, per, chat, wants_logprobs, top, readers, audios, echo
         )
     first = await first_event(request, stream, rid, params)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     flags = (head, rid, path, chat, include_usage, wants_logprobs, top)
     writer = TextChoices(
-        [TextChunks(*flags, i, tools=readers[i], audio=audios[i]) for i in range(n)]
+        [TextChunks(*flags, i, tools=readers[i], audio=audios[i], echo=echo) for i in range(n)]
     )
     return SSEAnswer(server, path, t0, rid, params).response(first, stream, writer)
 
@@ -319,9 +325,11 @@ def complete(
     top_logprobs: bool = False,
     tools: list[ToolAnswer | None] | None = None,
     audio: list[AudioAnswer | None] | None = None,
+    echo: str | None = None,
 ) -> Response:
     """The non-streaming answer: each choice's (``per``: its events) whole text, its
-    finish reason (and its ``tools`` calls, its ``audio``), and the :func:`usage` of all."""
+    finish reason (and its ``tools`` calls, its ``audio``; a completion's ``echo``), and
+    the :func:`usage` of all."""
     choices, states = [], []
     for i, events in enumerate(per):
         one, state = choice(
@@ -332,6 +340,7 @@ def complete(
             top_logprobs,
             tools[i] if tools else None,
             audio[i] if audio else None,
+            echo,
         )
         choices.append(one)
         states.append(state)
@@ -349,10 +358,12 @@ def choice(
     top_logprobs: bool,
     tools: ToolAnswer | None,
     audio: AudioAnswer | None,
+    echo: str | None = None,
 ) -> tuple[dict[str, Any], TextState]:
     """One choice of a non-streaming answer: the whole text (and with ``tools`` the calls
     read from it, with ``audio`` the audio, the text its transcript), its finish reason;
-    and its text's state (its usage)."""
+    and its text's state (its usage). ``echo``: a completion's prompt, put before its
+    text (and its tokens' logprobs before the text's)."""
     state = TextState()
     for ev in events:
         state.add(ev)
@@ -375,12 +386,22 @@ def choice(
         message.update(content=None, audio=audio.message(state.text))
     if logprobs:
         lps = state.logprobs
+        if echo is not None:
+            lps = echoed(state) + lps
         out["logprobs"] = chat_logprobs(lps) if chat else completion_logprobs(lps, 0, top_logprobs)
     if chat:
         out["message"] = message
     else:
-        out["text"] = state.text
+        out["text"] = state.text if echo is None else echo + state.text
     return out, state
+
+
+def echoed(state: TextState) -> list[TokenLogprob]:
+    """The prompt's logprobs an echo with ``logprobs`` puts first; a pipeline that sent
+    none (its AR stages do: ``prompt_logprobs``) is the server's error, not the client's."""
+    if state.prompt_logprobs is None:
+        raise RuntimeError("echo with logprobs: the pipeline sent no prompt_logprobs")
+    return state.prompt_logprobs
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
@@ -403,17 +424,19 @@ def completion_logprobs(
     """A (legacy) completion choice's ``logprobs``; ``offset``: of the first token in
     the whole completion text; ``top``: the request's ``logprobs`` was N > 0, so
     ``top_logprobs`` holds a ``{text: logprob}`` per token (tokens of equal text keep
-    the likelier), else null."""
+    the likelier), else null. An echoed prompt's first token has null for both."""
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t.token)
-    tops: list[dict[str, float]] | None = None
+    tops: list[dict[str, float] | None] | None = None
     if top:
-        tops = [{} for _ in tokens]
-        for t, alternatives in zip(tokens, tops, strict=True):
-            for a, lp in t.top:
-                alternatives.setdefault(a, lp)
+        tops = []
+        for t in tokens:
+            alternatives: dict[str, float] | None = None if t.top is None else {}
+            for a, lp in t.top or ():
+                alternatives.setdefault(a, lp)  # type: ignore[union-attr]
+            tops.append(alternatives)
     return {
         "tokens": [t.token for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
