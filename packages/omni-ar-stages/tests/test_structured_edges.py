@@ -81,6 +81,7 @@ def test_choices_are_a_non_empty_list_of_strings(value):
 
 
 def test_choices_at_their_limits_and_one_past():
+    assert MAX_CHOICES == 1024  # the documented limit (docs/structured-output.md)
     many = [f"c{i}" for i in range(MAX_CHOICES)]
     assert check_constraint({"choice": many}) == {"choice": many}
     assert refused({"choice": [*many, "x"]}).endswith(
@@ -232,6 +233,12 @@ def test_a_keyword_deep_in_a_schema_is_named_with_its_place():
     }
     assert unsupported_schema_feature(schema) == "'multipleOf' at $.properties.b.anyOf[1]"
     assert unsupported_schema_feature({"items": [1, "x", None]}) is None
+    # a list looked at before a sibling's keyword: the walk goes on past it
+    sibling_first = {
+        "properties": {"a": {"type": "integer", "multipleOf": 2}},
+        "anyOf": [{"type": "string"}],
+    }
+    assert unsupported_schema_feature(sibling_first) == "'multipleOf' at $.properties.a"
     assert "is not supported by the grammar backend" in refused({"json": schema})
 
 
