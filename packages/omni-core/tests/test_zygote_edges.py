@@ -30,25 +30,6 @@ from omni_core.control.zygote import (
     exit_reason,
 )
 
-
-class Clock:
-    """``time`` for the zygote module: ``monotonic()`` steps by ``step`` at each call."""
-
-    def __init__(self, now: float = 100.0, step: float = 0.0) -> None:
-        self.now, self.step = now, step
-
-    def monotonic(self) -> float:
-        self.now += self.step
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = Clock()
-    monkeypatch.setattr(zygote, "time", c)
-    return c
-
-
 # -- words and rules -------------------------------------------------------------------
 
 
