@@ -183,11 +183,14 @@ def test_the_cap_is_a_positive_number():
             ServeSettings(model_name="fake", max_n=bad_cap)
 
 
-def test_n_with_best_of_or_echo_stays_refused():
+def test_n_with_best_of_stays_refused_and_with_echo_each_choice_echoes():
     with serve(ScriptedPipe()) as client:
-        for extra in ({"best_of": 2}, {"echo": True}):
-            r = client.post("/v1/completions", json={"prompt": "x", "n": 2, **extra})
-            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra))
+        r = client.post("/v1/completions", json={"prompt": "x", "n": 2, "best_of": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+        r = client.post("/v1/completions", json={"prompt": "x", "n": 2, "echo": True})
+        assert r.status_code == 200, r.text
+        texts = [c["text"] for c in r.json()["choices"]]
+        assert len(texts) == 2 and all(t.startswith("x") and len(t) > 1 for t in texts)
 
 
 async def one_fails(request: dict[str, Any], rid: str) -> AsyncIterator[AnyEvent]:

@@ -15,7 +15,14 @@ from omni_bench.serve import (
     valid_share,
     vllm_command,
 )
-from omni_bench.serve_load import PERSON_SCHEMA, classify, count_verdicts, request_body
+from omni_bench.serve_load import (
+    PERSON_SCHEMA,
+    WEATHER_TOOL,
+    classify,
+    classify_calls,
+    count_verdicts,
+    request_body,
+)
 
 
 def test_constraint_argument():
@@ -45,6 +52,34 @@ def test_structured_request():
     assert body["temperature"] == 0
     with pytest.raises(ValueError):
         request_body(0, 8, "yaml")
+
+
+def test_tool_request_requires_a_call_of_its_one_tool():
+    body = request_body(3, 32, "tools")
+    assert body["tools"] == [WEATHER_TOOL] and body["tool_choice"] == "required"
+    assert "extra_body" not in body and "response_format" not in body
+    assert parse_args(["--constraint", "tools"]).constraint == "tools"
+
+
+def test_classify_calls():
+    good = {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}
+    assert classify_calls({0: good}, "tool_calls") == "valid"
+    assert classify_calls({0: good, 1: good}, "tool_calls") == "valid"  # parallel calls
+    assert classify_calls({}, "stop") == "invalid"  # no call at all
+    other = {**good, "name": "get_time"}
+    assert classify_calls({0: good, 1: other}, "tool_calls") == "invalid"
+    bad_unit = {**good, "arguments": '{"city": "Oslo", "unit": "kelvin"}'}
+    assert classify_calls({0: bad_unit}, "tool_calls") == "invalid"
+    cut = {**good, "arguments": '{"city": "Os'}
+    assert classify_calls({0: cut}, "length") == "cut"
+    assert classify_calls({0: cut}, "tool_calls") == "invalid"
+
+
+def test_the_tool_is_one_omni_accepts():
+    from omni_ar.structured import check_constraint
+
+    schema = WEATHER_TOOL["function"]["parameters"]
+    assert check_constraint({"json": schema}) == {"json": schema}
 
 
 def test_schema_is_one_omni_accepts():

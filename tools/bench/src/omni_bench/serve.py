@@ -29,6 +29,11 @@ unconstrained text past the JSON. Tokens are the ones produced (``usage``), not
 ``omni_vs_vllm_default_*`` compares the other). Every answer is parsed and validated
 against the schema (``jsonschema``): per level ``valid``, ``invalid`` and ``cut`` (stopped
 at ``max_tokens`` before the JSON was whole), and per server ``valid_share``.
+
+``--constraint tools``: the tool-calling arm, run as the structured one (both vLLM
+servers, ``--tool-call-parser hermes`` on them): every request a chat with
+:data:`omni_bench.serve_load.WEATHER_TOOL` and ``tool_choice: "required"``; an answer is
+``valid`` when its streamed calls each name the tool with arguments that validate.
 """
 
 from __future__ import annotations
@@ -323,13 +328,19 @@ def run_server(
 
 
 def vllm_command(
-    model: str, port: int, structured_outputs: dict[str, Any] | None = None
+    model: str,
+    port: int,
+    structured_outputs: dict[str, Any] | None = None,
+    tool_parser: str | None = None,
 ) -> list[str]:
     """vLLM's OpenAI server; ``structured_outputs``: its ``--structured-outputs-config``
-    (none: vLLM's defaults)."""
+    (none: vLLM's defaults); ``tool_parser``: its ``--tool-call-parser`` (which vLLM asks
+    for before it takes ``tool_choice: "required"``), with ``--enable-auto-tool-choice``."""
     extra = []
     if structured_outputs is not None:
         extra = ["--structured-outputs-config", json.dumps(structured_outputs)]
+    if tool_parser is not None:
+        extra += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
     return [
         sys.executable,
         "-m",
@@ -371,7 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=CONSTRAINTS,
         default="none",
         help="json_schema: every request held to a JSON schema (response_format), vLLM "
-        "at its defaults and with omni's structured-output settings",
+        "at its defaults and with omni's structured-output settings; tools: every request "
+        'a chat with one tool and tool_choice "required", each call validated',
     )
     ap.add_argument(
         "--client",
@@ -440,10 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     vllm_default: dict[str, dict[str, Any]] | None = None
     with tempfile.TemporaryDirectory(prefix="omni-bench-serve-") as tmp:
         work = Path(tmp)
+        # the tools arm: vLLM's parser of omni's default (Hermes <tool_call> tags)
+        parser = "hermes" if args.constraint == "tools" else None
         if structured:  # the baseline at its own defaults, then at omni's settings
-            cmd = vllm_command(model, free_port())
+            cmd = vllm_command(model, free_port(), tool_parser=parser)
             vllm_default = run_server("vllm-default", cmd, vllm_env, work, args)
-        cmd = vllm_command(model, free_port(), OMNI_STRUCTURED_OUTPUTS if structured else None)
+        so = OMNI_STRUCTURED_OUTPUTS if structured else None
+        cmd = vllm_command(model, free_port(), so, tool_parser=parser)
         vllm = run_server("vllm", cmd, vllm_env, work, args)
         for layout in layouts:
             if args.omni_config:

@@ -27,7 +27,7 @@ from typing import Any
 from omni_bench.prompts import PROMPTS
 
 SERVED_NAME = "bench"
-CONSTRAINTS = ("none", "json_schema")
+CONSTRAINTS = ("none", "json_schema", "tools")
 CLIENTS = ("openai", "vllm-bench")
 # the structured arm's schema: a small object whose every string, number and array is
 # bounded, so that a small model's greedy answer is whole well within 64 tokens
@@ -45,6 +45,26 @@ PERSON_SCHEMA: dict[str, Any] = {
     },
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
+}
+
+
+# the tool-calling arm's one tool (``tool_choice: "required"``): a call is valid when it
+# names it and its arguments validate against its parameters
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 24},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
 }
 
 
@@ -77,6 +97,12 @@ def request_body(i: int, max_tokens: int, constraint: str = "none") -> dict[str,
         body["messages"] = [{"role": "user", "content": prompt}]
         body["extra_body"] = {"ignore_eos": True}
         return body
+    if constraint == "tools":
+        ask = f"What is the weather where this happens? {prompt}"
+        body["messages"] = [{"role": "user", "content": ask}]
+        body["tools"] = [WEATHER_TOOL]
+        body["tool_choice"] = "required"
+        return body
     ask = f"Reply with a JSON object (name, age, tags) for a person this brings to mind: {prompt}"
     body["messages"] = [{"role": "user", "content": ask}]
     body["response_format"] = {
@@ -84,6 +110,26 @@ def request_body(i: int, max_tokens: int, constraint: str = "none") -> dict[str,
         "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
     }
     return body
+
+
+def classify_calls(calls: dict[int, dict[str, str]], finish_reason: str | None) -> str:
+    """A ``tools`` answer (its streamed calls by index: name and arguments text):
+    ``valid`` when it made at least one call and every call names :data:`WEATHER_TOOL`
+    with arguments that validate against its parameters; ``cut`` (not valid, stopped at
+    ``max_tokens``) or ``invalid``."""
+    import jsonschema
+
+    fn = WEATHER_TOOL["function"]
+    try:
+        if not calls:
+            raise ValueError("no call")
+        for call in calls.values():
+            if call.get("name") != fn["name"]:
+                raise ValueError(f"a call of {call.get('name')!r}")
+            jsonschema.validate(json.loads(call.get("arguments", "")), fn["parameters"])
+        return "valid"
+    except (ValueError, jsonschema.ValidationError):
+        return "cut" if finish_reason == "length" else "invalid"
 
 
 def classify(text: str, finish_reason: str | None, schema: dict[str, Any]) -> str:
@@ -112,6 +158,7 @@ async def one_request(
     stream = await client.chat.completions.create(**request_body(i, max_tokens, constraint))
     # a tiny test model's tokens may decode to no text: then any chunk of a choice counts
     any_first = any_last = None
+    calls: dict[int, dict[str, str]] = {}  # tools: each call's name and arguments so far
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage.completion_tokens
@@ -120,6 +167,11 @@ async def one_request(
             any_first = any_first if any_first is not None else now
             any_last = now
             finish = chunk.choices[0].finish_reason or finish
+            for tc in chunk.choices[0].delta.tool_calls or ():
+                call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                if tc.function is not None:
+                    call["name"] += tc.function.name or ""
+                    call["arguments"] += tc.function.arguments or ""
             if chunk.choices[0].delta.content:
                 first = first if first is not None else now
                 last = now
@@ -131,7 +183,11 @@ async def one_request(
     if first is None or last is None or tokens == 0:
         raise RuntimeError(f"request {i} produced no tokens")
     itl = (last - first) / (tokens - 1) if tokens > 1 else math.nan
-    verdict = None if constraint == "none" else classify("".join(parts), finish, PERSON_SCHEMA)
+    verdict = None
+    if constraint == "json_schema":
+        verdict = classify("".join(parts), finish, PERSON_SCHEMA)
+    elif constraint == "tools":
+        verdict = classify_calls(calls, finish)
     return first - t0, itl, tokens, verdict
 
 
