@@ -65,3 +65,17 @@ def test_vllm_gives_the_prompts_logprobs_equal_to_the_models_forward(vllm_model,
     engine_args = {"block_size": 32, "max_model_len": 512, "kv_cache_memory_bytes": 32 << 20}
     cfg = layout_config(vllm_model, layout, engine="vllm", engine_args=engine_args)
     check(cfg, "postprocess", vllm_model, 1e-3)
+
+
+@pytest.mark.parametrize("layout", ["split-window-1", "fused", "inline"])
+def test_a_one_token_prompt_has_only_its_token_and_no_logprob(tiny_model, layout):
+    """Nothing predicts a prompt's first token: a prompt of one has an empty list of
+    logprobs from the engine, and still carries its one token, its logprob None."""
+    sink = "gen" if layout == "inline" else "postprocess"
+    with Pipeline(layout_config(tiny_model, layout)) as pipe:
+        (out,) = pipe.generate([{**ASK, "prompt": "a"}])
+    assert out.ok, out.error
+    (got,) = [
+        e.payload["prompt_logprobs"] for e in out.by_stage(sink) if "prompt_logprobs" in e.payload
+    ]
+    assert got == {"tokens": ["a"], "logprobs": [None], "top": [None]}

@@ -182,7 +182,8 @@ class Decode(ModelStage):
         counted["stop_ids"] = stop_ids  # the tokens that end it, for the text downstream
         # prompt_logprobs: from prefill's handoff, or with the first token of this
         # engine's own prefill (``prompt_ids``: that prompt)
-        first_prompt = next((s.prompt for s in tokens_so_far if getattr(s, "prompt", None)), None)
+        given = (getattr(s, "prompt", None) for s in tokens_so_far)
+        first_prompt = next((p for p in given if p is not None), None)  # [] for 1 token
         if prompt_logprobs is None and first_prompt is not None and prompt_ids is not None:
             prompt_logprobs = prompt_ids_payload(prompt_ids, first_prompt)
         if prompt_logprobs is not None:
