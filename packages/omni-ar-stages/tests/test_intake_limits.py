@@ -2,6 +2,7 @@
 ends at intake with an error that names the field; one at the limit runs to its end.
 (Prefill and decode keep the default limit, so only the intake's check stops it.)"""
 
+import pytest
 from omni_core import Pipeline
 from omni_core.events import Error
 
@@ -45,3 +46,45 @@ def test_a_request_over_the_intake_max_tokens_limit_fails_naming_the_field(tiny_
     assert at.finish_reason == "completed", at_events[-1]
     tokens = [t for e in at_events[:-1] if e.stage == "postprocess" for t in e.tokens or []]
     assert len(tokens) == LIMIT
+
+
+def test_a_prompt_of_token_ids_is_fed_as_it_is(tiny_model):
+    """A prompt of token ids (vLLM's ``prompt: [int, ...]``): the same tokens as the text
+    they encode, through a ``chat: true`` intake too (ids are never templated); an id
+    past the vocabulary, or more ids than ``max_prompt_tokens``, ends the request at
+    intake naming the field, while the next request runs."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_model)(PROMPT)["input_ids"]
+    cfg = config(tiny_model)
+    cfg["stages"][0]["options"].update(chat=True, max_prompt_tokens=len(ids))
+    with Pipeline(cfg) as pipe:
+        text, given, bad, long, after = (
+            pipe.submit({**req, "max_tokens": 4, "ignore_eos": True})
+            for req in (
+                {"prompt": PROMPT, "raw_prompt": True},
+                {"prompt": ids},
+                {"prompt": [*ids[:-1], 10**6]},
+                {"prompt": [*ids, ids[0]]},
+                {"prompt": ids},
+            )
+        )
+        runs = [list(r) for r in (text, given, bad, long, after)]
+
+    def tokens(events):
+        return [t for e in events[:-1] if e.stage == "postprocess" for t in e.tokens or []]
+
+    assert tokens(runs[0]) == tokens(runs[1]) == tokens(runs[4]) and len(tokens(runs[1])) == 4
+    for events, field in ((runs[2], f"prompt[{len(ids) - 1}]"), (runs[3], "prompt")):
+        (end,) = events
+        assert isinstance(end, Error) and end.stage == "intake", end
+        assert f"field '{field}'" in end.message
+    assert "not in the vocabulary" in runs[2][0].message
+    assert "max_prompt_tokens" in runs[3][0].message
+
+
+def test_the_multimodal_intake_refuses_token_ids():
+    from omni_ar.params import RequestError, parse_request
+
+    with pytest.raises(RequestError, match="field 'prompt': expected a string, got list"):
+        parse_request({"prompt": [1, 2]}, 16, images=True)

@@ -33,7 +33,8 @@ def check(cfg: dict, sink: str, model_dir: str, tol: float) -> None:
     """A request asking for the prompt's logprobs beside one that does not, at once: the
     first carries them once, on its first segment, equal to the reference within
     ``tol``; the other carries none; both generate their tokens."""
-    texts, chosen, tops = prompt_forward(model_dir, PROMPT, K)
+    ref = prompt_forward(model_dir, PROMPT, K)
+    texts, chosen, tops = ref.texts, ref.chosen, ref.tops
     plain = {k: v for k, v in ASK.items() if k != "prompt_logprobs"}
     with Pipeline(cfg) as pipe:
         asked, other = pipe.generate([ASK, plain])
@@ -44,7 +45,16 @@ def check(cfg: dict, sink: str, model_dir: str, tol: float) -> None:
     (got,) = carried
     assert got["tokens"] == texts
     assert got["logprobs"][0] is None and got["top"][0] is None
+    assert got["ids"] == ref.ids
     assert got["logprobs"][1:] == pytest.approx(chosen, abs=tol)
+    assert got["ranks"][0] is None
+    # the same rank, or a neighbour's where two logprobs are closer than the engines agree
+    slack = 0 if tol <= 1e-4 else 1
+    assert all(abs(a - b) <= slack for a, b in zip(got["ranks"][1:], ref.ranks, strict=True))
+    assert got["top_ids"][0] is None
+    assert [[t for t, _ in row] for row in got["top_ids"][1:]] == [
+        [t for t, _ in row] for row in ref.top_ids
+    ]
     for mine, want in zip(got["top"][1:], tops, strict=True):
         assert [t for t, _ in mine] == [t for t, _ in want]
         assert [x for _, x in mine] == pytest.approx([x for _, x in want], abs=tol)
@@ -78,4 +88,11 @@ def test_a_one_token_prompt_has_only_its_token_and_no_logprob(tiny_model, layout
     (got,) = [
         e.payload["prompt_logprobs"] for e in out.by_stage(sink) if "prompt_logprobs" in e.payload
     ]
-    assert got == {"tokens": ["a"], "logprobs": [None], "top": [None]}
+    assert got == {
+        "ids": [got["ids"][0]],
+        "tokens": ["a"],
+        "logprobs": [None],
+        "ranks": [None],
+        "top": [None],
+        "top_ids": [None],
+    }

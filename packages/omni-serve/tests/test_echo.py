@@ -26,8 +26,8 @@ def forward(tiny_llama):
     alternatives after each position ({text: logprob}), from transformers' forward."""
     from omni_ar.testing import prompt_forward
 
-    texts, chosen, tops = prompt_forward(tiny_llama, PROMPT, 2)
-    return texts, chosen, [dict(t) for t in tops]
+    ref = prompt_forward(tiny_llama, PROMPT, 2)
+    return ref.texts, ref.chosen, [dict(t) for t in ref.tops]
 
 
 def test_echo_puts_the_prompt_before_the_text(client):

@@ -107,9 +107,10 @@ def carried_params(window: Any) -> SamplingParams:
     )
 
 
-# A prompt's logprobs: for each prompt token after the first, its logprob and its
-# ``prompt_logprobs`` likeliest alternatives as [id, logprob], likeliest first.
-PromptLogprobs = list[tuple[float, list[tuple[int, float]]]]
+# A prompt's logprobs: for each prompt token after the first, its logprob, its rank in
+# the vocabulary (1: the likeliest) and its ``prompt_logprobs`` likeliest alternatives as
+# [id, logprob], likeliest first.
+PromptLogprobs = list[tuple[float, int, list[tuple[int, float]]]]
 
 
 class Sampled(tuple):  # type: ignore[type-arg]
@@ -155,13 +156,19 @@ _REQUEST_KEYS = {
 }
 
 
+MAX_PROMPT_IDS = 1 << 20  # token ids in a prompt given as ids, at most (before the stage's own)
+
+
 def parse_request(
-    request: dict[str, Any], max_tokens_limit: int, images: bool = False
+    request: dict[str, Any], max_tokens_limit: int, images: bool = False, ids: bool = False
 ) -> tuple[Any, SamplingParams]:
-    """(prompt text or chat messages, sampling params) of a request, or RequestError.
+    """(prompt text, token ids or chat messages, sampling params) of a request, or
+    RequestError.
 
     With ``images`` a message's content may also be a list of parts (see
     :func:`check_content_parts`); the media themselves are checked where they are decoded.
+    With ``ids`` the prompt may be token ids (a non-empty list of ints >= 0, as vLLM's
+    ``prompt`` takes them: fed as they are); the stage checks them against its vocabulary.
     """
     unknown = sorted(set(request) - _REQUEST_KEYS)
     if unknown:
@@ -178,8 +185,11 @@ def parse_request(
         raise RequestError(f"field {RAW_PROMPT_KEY!r}: only with a plain 'prompt', not 'messages'")
     if has_prompt:
         prompt = request["prompt"]
-        if not isinstance(prompt, str):
-            raise RequestError(f"field 'prompt': expected a string, got {type(prompt).__name__}")
+        if isinstance(prompt, list) and ids:
+            check_prompt_ids(prompt)
+        elif not isinstance(prompt, str):
+            what = "a string or token ids" if ids else "a string"
+            raise RequestError(f"field 'prompt': expected {what}, got {type(prompt).__name__}")
         if not prompt:
             raise RequestError("field 'prompt': must not be empty")
         source: Any = prompt
@@ -250,6 +260,18 @@ def parse_request(
         schema = params.response_format["json_schema"]["schema"]
         check_schema(schema, "response_format.json_schema.schema")  # as a grammar
     return source, params
+
+
+def check_prompt_ids(prompt: list[Any]) -> None:
+    """A prompt given as token ids: ints >= 0 (not booleans), at most
+    :data:`MAX_PROMPT_IDS`; a RequestError naming the first that is not."""
+    if len(prompt) > MAX_PROMPT_IDS:
+        raise RequestError(f"field 'prompt': at most {MAX_PROMPT_IDS} token ids, got {len(prompt)}")
+    for i, t in enumerate(prompt):
+        if type(t) is not int or t < 0:
+            raise RequestError(
+                f"field 'prompt[{i}]': expected a token id (an int >= 0), got {t!r:.40}"
+            )
 
 
 def check_extras(params: SamplingParams) -> None:

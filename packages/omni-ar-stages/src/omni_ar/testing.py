@@ -8,7 +8,7 @@ compare varied token streams. Nothing here is committed as a binary.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -175,12 +175,22 @@ def layout_config(model: str, layout: str, **engine: Any) -> dict[str, Any]:
     return {"heartbeat_interval_s": 0.1, "ready_timeout_s": 300, "stages": stages, "edges": edges}
 
 
-def prompt_forward(
-    model_dir: str, text: str, k: int
-) -> tuple[list[str], list[float], list[list[tuple[str, float]]]]:
-    """The oracle of prompt logprobs: ``text``'s token texts, each later token's logprob
-    and the ``k`` likeliest tokens (text, logprob) after each position, from transformers'
-    own forward over the whole prompt in float32."""
+class PromptForward(NamedTuple):
+    """:func:`prompt_forward`'s answer: the prompt's token ids and texts; for each token
+    after the first its logprob, its rank, and the ``k`` likeliest tokens after the
+    position before it as (text, logprob) and as (id, logprob)."""
+
+    ids: list[int]
+    texts: list[str]
+    chosen: list[float]
+    ranks: list[int]
+    tops: list[list[tuple[str, float]]]
+    top_ids: list[list[tuple[int, float]]]
+
+
+def prompt_forward(model_dir: str, text: str, k: int) -> PromptForward:
+    """The oracle of prompt logprobs (:class:`PromptForward`), from transformers' own
+    forward over the whole prompt in float32."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -190,9 +200,10 @@ def prompt_forward(
     with torch.inference_mode():
         lps = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
     chosen = [float(lps[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    ranks = [int((lps[i] > lps[i, ids[i + 1]]).sum()) + 1 for i in range(len(ids) - 1)]
     vals, idx = torch.topk(lps[:-1], k, dim=-1)
-    tops = [
-        [(tok.decode([t]), float(v)) for t, v in zip(ti, vi, strict=True)]
-        for ti, vi in zip(idx.tolist(), vals.tolist(), strict=True)
+    top_ids = [
+        list(zip(ti, vi, strict=True)) for ti, vi in zip(idx.tolist(), vals.tolist(), strict=True)
     ]
-    return [tok.decode([t]) for t in ids], chosen, tops
+    tops = [[(tok.decode([t]), v) for t, v in row] for row in top_ids]
+    return PromptForward(ids, [tok.decode([t]) for t in ids], chosen, ranks, tops, top_ids)

@@ -103,6 +103,7 @@ class VoiceIntake(Intake):
     makes it, then ``ar.intake``'s own work."""
 
     Options = VoiceIntakeOptions
+    token_prompts = False  # its prompts are text to say
 
     def process(self, batch: list[StageInput]) -> Iterator[StageEvent]:
         o: VoiceIntakeOptions = self.options

@@ -54,12 +54,14 @@ def pick(
 def prompt_logprobs(logits: Any, ids: list[int], k: int) -> PromptLogprobs:
     """Each prompt token's logprob after the first, from the prompt's logits (one row a
     position: ``logits[i]`` predicts ``ids[i + 1]``), raw as vLLM's prompt logprobs, with
-    its ``k`` likeliest alternatives."""
+    its rank (1 + the tokens likelier than it) and its ``k`` likeliest alternatives."""
     import torch
 
     lps = torch.log_softmax(logits[: len(ids) - 1].float(), dim=-1)
     nxt = torch.tensor(ids[1:], device=lps.device)
-    chosen = lps.gather(1, nxt[:, None])[:, 0].tolist()
+    picked = lps.gather(1, nxt[:, None])
+    chosen = picked[:, 0].tolist()
+    ranks = ((lps > picked).sum(dim=-1) + 1).tolist()
     if k:
         vals, idx = torch.topk(lps, min(k, lps.shape[-1]), dim=-1)
         tops = [
@@ -67,4 +69,4 @@ def prompt_logprobs(logits: Any, ids: list[int], k: int) -> PromptLogprobs:
         ]
     else:
         tops = [[] for _ in chosen]
-    return list(zip(chosen, tops, strict=True))
+    return list(zip(chosen, ranks, tops, strict=True))

@@ -39,7 +39,8 @@ def prompt_of(out: Any, k: int) -> PromptLogprobs | None:
     for i in range(1, len(ids)):
         d = given[i] or {}
         top = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if 0 < (lp.rank or 0) <= k)
-        rows.append((d[ids[i]].logprob, [(t, x) for _, t, x in top]))
+        rank = d[ids[i]].rank or 1 + sum(lp.logprob > d[ids[i]].logprob for lp in d.values())
+        rows.append((d[ids[i]].logprob, rank, [(t, x) for _, t, x in top]))
     return rows
 
 

@@ -83,6 +83,7 @@ class ModelStage(Stage):
     Options = ModelOptions
     preload = TRANSFORMERS_PRELOAD
     images: ClassVar[bool] = False  # requests may carry image parts (the ar.mm_* stages)
+    token_prompts: ClassVar[bool] = False  # a prompt may be token ids (ar.intake)
     kv_role: ClassVar[str | None] = None  # the vLLM engine's KV connector role
     # why this stage cannot sample under a constraint ("": it can, on either engine)
     unstructured: ClassVar[str] = ""
@@ -132,17 +133,20 @@ class ModelStage(Stage):
         return p.device, p.dtype
 
     def read(self, request: dict[str, Any]) -> tuple[Any, SamplingParams]:
-        """(prompt or messages, sampling params) of a request entering the family: parsed
-        and checked here, once, by the options of this (intake) stage; the params travel
-        on with the request's events (:func:`omni_ar.params.params_payload`). Public: the
-        server's ``/tokenize`` reads a request the way the intake does."""
+        """(prompt text or token ids, or messages; sampling params) of a request entering
+        the family: parsed and checked here, once, by the options of this (intake) stage;
+        the params travel on with the request's events
+        (:func:`omni_ar.params.params_payload`). Public: the server's ``/tokenize`` reads a
+        request the way the intake does."""
         o = self.options
         if "max_tokens" not in request:
             request = {**request, "max_tokens": o.default_max_tokens}
         own = request.get("structured_outputs") or request.get("response_format")
         if o.structured_outputs is not None and not own:
             request = {**request, "structured_outputs": o.structured_outputs}
-        source, params = parse_request(request, o.max_tokens_limit, images=self.images)
+        source, params = parse_request(
+            request, o.max_tokens_limit, images=self.images, ids=self.token_prompts
+        )
         return self._chat(source, request.get(RAW_PROMPT_KEY, False)), params
 
     def _chat(self, source: Any, raw: bool = False) -> Any:

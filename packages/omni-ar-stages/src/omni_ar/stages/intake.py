@@ -12,7 +12,11 @@ from omni_ar.stages.base import ModelStage
 
 class Intake(ModelStage):
     """Request -> prompt token ids (one segment, with the request's params as parsed
-    here), or an error naming the bad field."""
+    here), or an error naming the bad field. A prompt given as token ids (vLLM's
+    ``prompt: [int, ...]``) is fed as it is, each id checked against the tokenizer's
+    vocabulary."""
+
+    token_prompts = True
 
     def load(self) -> None:
         self.engine = self._engine(model=False)
@@ -22,7 +26,8 @@ class Intake(ModelStage):
         for inp in batch:
             try:
                 source, params = self.read(inp.request)
-                ids = self.engine.encode(source)
+                given = isinstance(inp.request.get("prompt"), list)  # token ids
+                ids = self._ids(source) if given else self.engine.encode(source)
             except RequestError as e:
                 yield inp.fail(e)
                 continue
@@ -38,3 +43,14 @@ class Intake(ModelStage):
                 )
                 continue
             yield inp.segment(ids, payload=params_payload(params), is_last=True)
+
+    def _ids(self, prompt: list[int]) -> list[int]:
+        """A prompt given as token ids, each in the tokenizer's vocabulary, or a
+        RequestError naming the first that is not."""
+        vocab = len(self.engine.tokenizer)
+        for i, t in enumerate(prompt):
+            if t >= vocab:
+                raise RequestError(
+                    f"field 'prompt[{i}]': token id {t} is not in the vocabulary (0..{vocab - 1})"
+                )
+        return list(prompt)

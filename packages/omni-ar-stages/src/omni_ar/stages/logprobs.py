@@ -61,16 +61,21 @@ def prompt_ids_payload(ids: list[int], prompt: PromptLogprobs) -> dict[str, Any]
     """An engine's prompt logprobs of ``ids`` as the first segment carries them."""
     return {
         "ids": list(ids),
-        "logprobs": [lp for lp, _ in prompt],
-        "top": [[[t, x] for t, x in top] for _, top in prompt],
+        "logprobs": [lp for lp, _, _ in prompt],
+        "ranks": [rank for _, rank, _ in prompt],
+        "top": [[[t, x] for t, x in top] for _, _, top in prompt],
     }
 
 
 def prompt_text_payload(tokenizer: Any, sent: dict[str, Any]) -> dict[str, Any]:
-    """:func:`prompt_ids_payload` as text: each prompt token's text, its logprob and its
-    alternatives as ``[text, logprob]`` (None for the first token)."""
+    """:func:`prompt_ids_payload` for the caller: each prompt token's id and text, its
+    logprob and rank, and its alternatives as ``[text, logprob]`` and as ``[id, logprob]``
+    (None for the first token: nothing predicts it)."""
     return {
+        "ids": sent["ids"],
         "tokens": token_texts(tokenizer, sent["ids"]),
         "logprobs": [None, *sent["logprobs"]],
+        "ranks": [None, *sent["ranks"]],
         "top": [None, *top_payload(tokenizer, sent["top"])],
+        "top_ids": [None, *sent["top"]],
     }
