@@ -69,7 +69,8 @@ __all__ = [
     "chat_request",
     "check_chat_chars",
     "check_choices",
-    "completion_request",
+    "completion_requests",
+    "prompts_of",
     "image_requests",
     "parse",
     "scheduling",
@@ -143,11 +144,18 @@ def _sampling(req: TextBody, max_tokens: int | None, limit: TokenLimit | None) -
     return out
 
 
-def check_choices(req: TextBody, max_n: int) -> None:
+def check_choices(req: TextBody, max_n: int, prompts: int = 1) -> None:
     """A 400 naming ``n`` outside ``1..max_n`` (the server's ``--max-n``), or naming
-    ``seed`` where a choice's seed (``seed + n - 1``) would not fit in 64 bits."""
+    ``prompt`` where ``prompts`` x ``n`` choices are over it; or naming ``seed`` where a
+    choice's seed (``seed + n - 1``) would not fit in 64 bits."""
     if not 1 <= req.n <= max_n:
         raise bad_field("n", f"expected 1..{max_n} (this server's --max-n), got {req.n}")
+    if prompts * req.n > max_n:
+        raise bad_field(
+            "prompt",
+            f"{prompts} prompts x n={req.n} are {prompts * req.n} choices, over this "
+            f"server's --max-n ({max_n})",
+        )
     if req.seed is not None and req.seed + req.n - 1 > INT_MAX:
         raise bad_field("seed", f"seed + n - 1 must fit in 64 bits (at most {INT_MAX})")
 
@@ -280,6 +288,7 @@ def chat_request(
     messages = render_messages(messages, tools, parser)
     out: dict[str, Any] = {"messages": messages, **scheduling(req)}
     out.update(_sampling(req, req.max_completion_tokens or req.max_tokens, limit))
+    out.update(_prompt_logprobs(req))
     if tools is not None and tools.forced:
         if "response_format" in out or "structured_outputs" in out:
             what = "'required'" if tools.named is None else "a named function"
@@ -359,29 +368,54 @@ def _check_tool_message(i: int, m: ChatMessage) -> None:
         )
 
 
-def completion_request(
+Prompt = str | list[int]  # one prompt of a completion: text, or token ids
+
+
+def prompts_of(req: CompletionRequest) -> list[Prompt]:
+    """A completion's prompts: one, or the batch it sent (vLLM's ``prompt``: a string,
+    token ids, or a list of either)."""
+    p = req.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        return [p]  # type: ignore[list-item]
+    return list(p)  # type: ignore[arg-type]
+
+
+def completion_requests(
     req: CompletionRequest, limit: TokenLimit | None, chars: PromptLimits = NO_PROMPT_LIMITS
-) -> dict[str, Any]:
-    """The pipeline request of a (legacy) completion; ``limit`` and ``chars`` as
-    :func:`chat_request`'s."""
-    prompt = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise bad_field("prompt", "only one prompt per request is supported")
-        prompt = prompt[0]
-    chars.check("prompt", len(prompt))
+) -> list[dict[str, Any]]:
+    """The pipeline requests of a (legacy) completion, one per prompt (token ids are fed
+    as they are; the pipeline's intake checks them against its vocabulary); ``limit`` and
+    ``chars`` as :func:`chat_request`'s (``chars`` counts token ids as characters)."""
+    prompts = prompts_of(req)
+    for i, prompt in enumerate(prompts):
+        chars.check("prompt" if len(prompts) == 1 else f"prompt[{i}]", len(prompt))
     if req.suffix:
         raise bad_field("suffix", "not supported")
     # the prompt as it is, never in an intake's chat template: a completion continues it
-    out: dict[str, Any] = {"prompt": prompt, "raw_prompt": True, **scheduling(req)}
+    out: dict[str, Any] = {"raw_prompt": True, **scheduling(req)}
     out.update(_sampling(req, req.max_tokens, limit))
+    out.update(_prompt_logprobs(req))
     if req.logprobs is not None:  # 0: the chosen tokens' logprobs; N: and the top N
         out["logprobs"] = True
         if req.logprobs:
             out["top_logprobs"] = req.logprobs
-        if req.echo:  # the prompt's tokens too, with as many alternatives (vLLM's way)
-            out["prompt_logprobs"] = req.logprobs
-    return out
+        if req.echo:  # the prompt's tokens too, with as many alternatives as asked for
+            # there (prompt_logprobs) or else here (vLLM's way)
+            out.setdefault("prompt_logprobs", req.logprobs)
+    return [{"prompt": p, **out} for p in prompts]
+
+
+def _prompt_logprobs(req: TextBody) -> dict[str, Any]:
+    """vLLM's ``prompt_logprobs`` field as the pipeline's: none when streamed (vLLM
+    answers them only whole: a value over 0 is a 400 naming it, 0 is accepted)."""
+    k = req.prompt_logprobs
+    if k is None:
+        return {}
+    if req.stream:
+        if k > 0:
+            raise bad_field("prompt_logprobs", "not available when streaming ('stream': true)")
+        return {}
+    return {"prompt_logprobs": k}
 
 
 def image_requests(

@@ -28,6 +28,9 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 # a list stops at its first bad item: 100,000 bad items cost one error, not 100,000
 # (which pydantic collects with the GIL held, stalling the server)
 Strings = Annotated[list[str], Field(fail_fast=True)]
+# a prompt given as token ids (vLLM's): the pipeline's intake checks them against its
+# vocabulary
+TokenIds = Annotated[list[Count], Field(min_length=1, fail_fast=True)]
 
 
 def _at_most(n: int) -> BeforeValidator:
@@ -159,6 +162,9 @@ class TextBody(Body):
     # vLLM's: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}, checked by
     # the pipeline's intake (omni_ar.structured), a 400 naming the field where it is bad
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: each prompt token's logprob, rank and its k likeliest alternatives, answered
+    # as vLLM does (a completion choice's, a chat's top-level ``prompt_logprobs``)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     store: bool | None = None  # accepted (OpenAI's stored completions): nothing is stored
     # with store: accepted, unused (OpenAI's limit: 16 pairs)
     metadata: Annotated[dict[str, str], _at_most(16)] | None = None
@@ -240,7 +246,13 @@ class ChatRequest(TextBody):
 
 
 class CompletionRequest(TextBody):
-    prompt: str | Strings
+    # one prompt, or a batch of them (vLLM's: each a string or token ids)
+    prompt: (
+        str
+        | TokenIds
+        | Annotated[list[str], Field(min_length=1, fail_fast=True)]
+        | Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None

@@ -61,7 +61,8 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[str, float]] | None
 
 
-def _logprob(value: Any) -> float:
+def clamp_logprob(value: Any) -> float:
+    """A logprob as JSON carries it (:data:`MIN_LOGPROB` for -inf)."""
     return max(float(value), MIN_LOGPROB)
 
 
@@ -70,8 +71,8 @@ def prompt_entries(sent: dict[str, Any]) -> list[TokenLogprob]:
     alternatives as ``[text, logprob]``; None for the first) as :class:`TokenLogprob`\ s."""
     out = []
     for t, lp, top in zip(sent["tokens"], sent["logprobs"], sent["top"], strict=True):
-        alts = None if top is None else [(str(a), _logprob(b)) for a, b in top]
-        out.append(TokenLogprob(str(t), None if lp is None else _logprob(lp), alts))
+        alts = None if top is None else [(str(a), clamp_logprob(b)) for a, b in top]
+        out.append(TokenLogprob(str(t), None if lp is None else clamp_logprob(lp), alts))
     return out
 
 
@@ -89,6 +90,7 @@ class TextState:
     # the prompt's tokens with their logprobs, when the request asked (echo), as the AR
     # stages send them with the first text: {tokens, logprobs, top}
     prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_sent: dict[str, Any] | None = None  # the same as sent (ids, ranks: vLLM's field)
 
     def add(self, ev: AnyEvent) -> str | None:
         """The text delta ``ev`` carries (None when it carries none); its tokens'
@@ -99,7 +101,8 @@ class TextState:
             return None
         self.parts.append(payload["text"])
         if self.prompt_logprobs is None and isinstance(payload.get("prompt_logprobs"), dict):
-            self.prompt_logprobs = prompt_entries(payload["prompt_logprobs"])
+            self.prompt_sent = payload["prompt_logprobs"]
+            self.prompt_logprobs = prompt_entries(self.prompt_sent)
         tokens = ev.tokens or []
         self.tokens.extend(tokens)
         self.prompt_tokens = int(payload.get("prompt_tokens", self.prompt_tokens))
@@ -111,7 +114,9 @@ class TextState:
             if not (isinstance(tops, list) and len(tops) == len(tokens)):
                 tops = [[] for _ in tokens]
             self.new_logprobs = [
-                TokenLogprob(str(t), _logprob(lp), [(str(a), _logprob(b)) for a, b in top])
+                TokenLogprob(
+                    str(t), clamp_logprob(lp), [(str(a), clamp_logprob(b)) for a, b in top]
+                )
                 for t, lp, top in zip(texts, ev.logprobs, tops, strict=True)
             ]
             self.logprobs.extend(self.new_logprobs)

@@ -32,15 +32,16 @@ from omni_serve.openai_api import (
     CompletionRequest,
     chat_request,
     check_choices,
-    completion_request,
+    completion_requests,
     parse,
+    prompts_of,
     text_choices,
 )
 from omni_serve.server import Server, ServerDep, pipeline_id
 from omni_serve.shares import CLIENT
 from omni_serve.sse import SSEAnswer, merged, sse
-from omni_serve.streams import TextState, TokenLogprob, collect, first_event
-from omni_serve.tools import ToolAnswer, ToolPlan, delta_calls, parser_of
+from omni_serve.streams import TextState, TokenLogprob, clamp_logprob, collect, first_event
+from omni_serve.tools import ToolAnswer, ToolPlan, parser_of
 
 log = logging.getLogger("omni.serve")
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -133,12 +134,10 @@ class TextChunks:
         return out
 
     def _calls(self, calls: list[dict[str, Any]]) -> list[bytes]:
-        """A chunk of ``delta.tool_calls`` (none without ``calls``)."""
+        """A chunk of ``delta.tool_calls`` (``calls``: its items; none without them)."""
         if not calls:
             return []
-        assert self.tools is not None
-        first = len(self.tools.calls) - len(calls)
-        out = [*self.opening, self.chunk({"tool_calls": delta_calls(calls, first)}, None)]
+        out = [*self.opening, self.chunk({"tool_calls": calls}, None)]
         self.opening.clear()
         return out
 
@@ -165,6 +164,7 @@ class TextChoices:
     (:func:`usage`)."""
 
     choices: list[TextChunks]
+    n: int = 1  # choices a prompt (the request's n)
     ended: set[int] = field(default_factory=set)
 
     def chunks(self, index: int, ev: AnyEvent) -> list[bytes]:
@@ -182,16 +182,16 @@ class TextChoices:
                 out.extend(choice.finish())
         first = self.choices[0]
         if first.include_usage:
-            total = usage([c.state for c in self.choices])
+            total = usage([c.state for c in self.choices], self.n)
             out.append(sse({**first.head, "object": first.object, "choices": [], "usage": total}))
         log.info("%s: request completed", first.path, extra={"request_id": first.rid})
         return out
 
 
-def usage(states: list[TextState]) -> dict[str, int]:
-    """The usage of a request's choices, as vLLM counts it: the prompt once (every
-    choice's is the same), the completions' tokens summed."""
-    prompt = states[0].prompt_tokens
+def usage(states: list[TextState], n: int = 1) -> dict[str, int]:
+    """The usage of a request's choices (``n`` a prompt, a prompt's together), as vLLM
+    counts it: each prompt once, the completions' tokens summed."""
+    prompt = sum(s.prompt_tokens for s in states[::n])
     completion = sum(s.usage()["completion_tokens"] for s in states)
     return {
         "prompt_tokens": prompt,
@@ -203,8 +203,9 @@ def usage(states: list[TextState]) -> dict[str, int]:
 async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     t0 = started_at(request)
     path = CHAT if chat else COMPLETIONS
-    req, preq, tools = await received(request, server, chat)
-    preqs = text_choices(req, preq)
+    req, prompts, tools = await received(request, server, chat)
+    preq = prompts[0]
+    preqs = [c for p in prompts for c in text_choices(req, p)]
     n = len(preqs)
     rid = request_id_of(request)
     pid = pipeline_id(request)
@@ -224,45 +225,77 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     ]
     speak = isinstance(req, ChatRequest) and req.speak
     audios = [AudioAnswer() if speak else None for _ in preqs]
-    echo = preq["prompt"] if isinstance(req, CompletionRequest) and req.echo else None
+    echoes = await echo_texts(request, server, req)
+    echo = [None if echoes is None else echoes[i // req.n] for i in range(n)]
     if not req.stream:
         per = await collect(request, stream, n, rid, params)
         return complete(
-            server, path, t0, rid, head, per, chat, wants_logprobs, top, readers, audios, echo
+            server,
+            path,
+            t0,
+            rid,
+            head,
+            per,
+            chat,
+            wants_logprobs,
+            top,
+            readers,
+            audios,
+            echo,
+            req.n,
+            "prompt_logprobs" in preq and req.prompt_logprobs is not None,
         )
     first = await first_event(request, stream, rid, params)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     flags = (head, rid, path, chat, include_usage, wants_logprobs, top)
     writer = TextChoices(
-        [TextChunks(*flags, i, tools=readers[i], audio=audios[i], echo=echo) for i in range(n)]
+        [TextChunks(*flags, i, tools=readers[i], audio=audios[i], echo=echo[i]) for i in range(n)],
+        req.n,
     )
     return SSEAnswer(server, path, t0, rid, params).response(first, stream, writer)
 
 
 async def received(
     request: Request, server: Server, chat: bool
-) -> tuple[ChatRequest | CompletionRequest, dict[str, Any], ToolPlan | None]:
+) -> tuple[ChatRequest | CompletionRequest, list[dict[str, Any]], ToolPlan | None]:
     """The body read, parsed and checked (its bytes held against the server's body
     budget meanwhile, and dropped after), then a chat's images counted, fetched (the
     client going away cancels) and their sizes checked."""
     async with json_body(request, server.settings.max_body_bytes) as raw:
         size = len(raw)
-        req, preq, tools = await off_loop(
+        req, prompts, tools = await off_loop(
             request, size, functools.partial(prepare, server, raw, chat)
         )
     del raw  # neither held nor counted while images are fetched
     if chat:
+        (preq,) = prompts
         await check_images(request, preq, server.settings)
-    if chat and server.settings.allow_remote_images:
-        await off_loop(request, size, lambda: check_values(preq))
-    return req, preq, tools
+        if server.settings.allow_remote_images:
+            await off_loop(request, size, lambda: check_values(preq))
+    return req, prompts, tools
+
+
+async def echo_texts(
+    request: Request, server: Server, req: ChatRequest | CompletionRequest
+) -> list[str] | None:
+    """A completion's ``echo``: each prompt's text (token ids decoded by the pipeline's
+    tokenizer, as vLLM does); None for a chat, or without ``echo``."""
+    if not isinstance(req, CompletionRequest) or not req.echo:
+        return None
+    prompts = prompts_of(req)
+    if all(isinstance(p, str) for p in prompts):
+        return prompts  # type: ignore[return-value]
+    from omni_serve.routes.tokenize import decoded_prompts
+
+    return await decoded_prompts(request, server, prompts)
 
 
 def prepare(
     server: Server, raw: bytearray, chat: bool
-) -> tuple[ChatRequest | CompletionRequest, dict[str, Any], ToolPlan | None]:
-    """The body as the OpenAI request, the pipeline request and a chat's tool plan, every
-    value checked (run by :func:`off_loop`: in a worker thread for a big body)."""
+) -> tuple[ChatRequest | CompletionRequest, list[dict[str, Any]], ToolPlan | None]:
+    """The body as the OpenAI request, its pipeline requests (one a prompt) and a chat's
+    tool plan, every value checked (run by :func:`off_loop`: in a worker thread for a
+    big body)."""
     body = parse_json(raw)
     req: ChatRequest | CompletionRequest
     tools = None
@@ -275,40 +308,46 @@ def prepare(
         limits = server.prompt_limits
         parser = parser_of(server.pipe.config)
         tools = ToolPlan.of(req, parser)
-        preq = chat_request(
-            req,
-            server.max_tokens_limit,
-            server.images,
-            remote,
-            limits,
-            tools,
-            parser,
-            server.audio_in,
-            server.audio_out,
-        )
+        prompts = [
+            chat_request(
+                req,
+                server.max_tokens_limit,
+                server.images,
+                remote,
+                limits,
+                tools,
+                parser,
+                server.audio_in,
+                server.audio_out,
+            )
+        ]
     else:
         req = parse(CompletionRequest, body)
         server.check_model(req.model, COMPLETIONS)
         server.check_priority(req.priority)
-        check_n(server, req)
-        preq = completion_request(req, server.max_tokens_limit, server.prompt_limits)
+        check_n(server, req, len(prompts_of(req)))
+        prompts = completion_requests(req, server.max_tokens_limit, server.prompt_limits)
         if server.audio_in:  # a speech source speaks unless told not to
-            preq["modalities"] = ["text"]
-    check_values(preq)
-    return req, preq, tools
+            for preq in prompts:
+                preq["modalities"] = ["text"]
+    for preq in prompts:
+        check_values(preq)
+    return req, prompts, tools
 
 
-def check_n(server: Server, req: ChatRequest | CompletionRequest) -> None:
-    """A 400 naming ``n`` outside ``1..--max-n`` (:func:`check_choices`), or past the
-    request's key's ``max_queued``: ``n`` choices are ``n`` pipeline requests, each counted
-    against the key's share as a request of its own would be, so more than that share
-    could never all be open at once (a 429 would invite a retry that cannot pass)."""
-    check_choices(req, server.settings.max_n)
+def check_n(server: Server, req: ChatRequest | CompletionRequest, prompts: int = 1) -> None:
+    """A 400 naming ``n`` outside ``1..--max-n`` (:func:`check_choices`; ``prompts`` x
+    ``n`` choices at most that), or past the request's key's ``max_queued``: each choice
+    is a pipeline request, counted against the key's share as a request of its own would
+    be, so more than that share could never all be open at once (a 429 would invite a
+    retry that cannot pass)."""
+    check_choices(req, server.settings.max_n, prompts)
     key = CLIENT.get()
-    if key is not None and key.max_queued is not None and req.n > key.max_queued:
+    total = prompts * req.n
+    if key is not None and key.max_queued is not None and total > key.max_queued:
         raise bad_field(
-            "n",
-            f"{req.n} choices are {req.n} pipeline requests, over the {key.max_queued} "
+            "n" if prompts == 1 else "prompt",
+            f"{total} choices are {total} pipeline requests, over the {key.max_queued} "
             f"key {key.name!r} may have open at once (its max_queued)",
         )
 
@@ -325,11 +364,14 @@ def complete(
     top_logprobs: bool = False,
     tools: list[ToolAnswer | None] | None = None,
     audio: list[AudioAnswer | None] | None = None,
-    echo: str | None = None,
+    echo: list[str | None] | None = None,
+    n: int = 1,
+    prompt_logprobs: bool = False,
 ) -> Response:
     """The non-streaming answer: each choice's (``per``: its events) whole text, its
     finish reason (and its ``tools`` calls, its ``audio``; a completion's ``echo``), and
-    the :func:`usage` of all."""
+    the :func:`usage` of all (``n`` choices a prompt); with ``prompt_logprobs`` (vLLM's
+    field) the prompt's, on each completion choice or once for a chat."""
     choices, states = [], []
     for i, events in enumerate(per):
         one, state = choice(
@@ -340,14 +382,19 @@ def complete(
             top_logprobs,
             tools[i] if tools else None,
             audio[i] if audio else None,
-            echo,
+            echo[i] if echo else None,
         )
+        if prompt_logprobs and not chat:
+            one["prompt_logprobs"] = vllm_prompt_logprobs(state)
         choices.append(one)
         states.append(state)
     log.info("%s: request completed", path, extra={"request_id": rid})
     obj = "chat.completion" if chat else "text_completion"
     server.observe(path, 200, t0)
-    return JSONResponse({**head, "object": obj, "choices": choices, "usage": usage(states)})
+    out = {**head, "object": obj, "choices": choices, "usage": usage(states, n)}
+    if prompt_logprobs and chat:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(states[0])
+    return JSONResponse(out)
 
 
 def choice(
@@ -402,6 +449,32 @@ def echoed(state: TextState) -> list[TokenLogprob]:
     if state.prompt_logprobs is None:
         raise RuntimeError("echo with logprobs: the pipeline sent no prompt_logprobs")
     return state.prompt_logprobs
+
+
+def vllm_prompt_logprobs(state: TextState) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt token, null for the first, else
+    ``{token id: {logprob, rank, decoded_token}}`` of the token itself (its rank in the
+    vocabulary) and of its likeliest alternatives (ranks 1..k)."""
+    sent = state.prompt_sent
+    if sent is None:
+        raise RuntimeError("prompt_logprobs: the pipeline sent none")
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    rows = zip(
+        sent["ids"][1:],
+        sent["tokens"][1:],
+        sent["logprobs"][1:],
+        sent["ranks"][1:],
+        sent["top"][1:],
+        sent["top_ids"][1:],
+        strict=True,
+    )
+    for tid, text, lp, rank, top, top_ids in rows:
+        entry = {}
+        for r, ((alt, alp), (aid, _)) in enumerate(zip(top, top_ids, strict=True), start=1):
+            entry[str(aid)] = {"logprob": clamp_logprob(alp), "rank": r, "decoded_token": alt}
+        entry[str(tid)] = {"logprob": clamp_logprob(lp), "rank": rank, "decoded_token": text}
+        out.append(entry)
+    return out
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:

@@ -97,6 +97,14 @@ class Tokenizer:
             return list(self.tok(source, add_special_tokens=False)["input_ids"])
         return list(self.stage.engine.encode(source))
 
+    def check_ids(self, where: str, ids: list[int]) -> None:
+        """A 400 naming ``where[i]`` at the first id outside the vocabulary."""
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.vocab:
+                raise bad_field(
+                    f"{where}[{i}]", f"{t} is not a token id of this model (0..{self.vocab - 1})"
+                )
+
     def chat_ids(self, preq: dict[str, Any], req: ChatTokenize) -> list[int]:
         source = self.source(preq)
         defaults = req.add_generation_prompt and not req.continue_final_message
@@ -154,14 +162,34 @@ def detokenized(server: Server, tok: Tokenizer, raw: bytearray) -> dict[str, Any
     """The answer of ``/detokenize`` (run by :func:`off_loop`)."""
     req = parse(Detokenize, parse_json(raw))
     server.check_model(req.model, "/v1/completions")
-    for i, t in enumerate(req.tokens):
-        if not 0 <= t < tok.vocab:
-            raise bad_field(
-                f"tokens[{i}]", f"{t} is not a token id of this model (0..{tok.vocab - 1})"
-            )
+    tok.check_ids("tokens", req.tokens)
     prompt = tok.tok.decode(req.tokens)
     server.prompt_limits.check("tokens", len(prompt))
     return {"prompt": prompt}
+
+
+async def decoded_prompts(
+    request: Request, server: Server, prompts: list[str | list[int]]
+) -> list[str]:
+    """Each prompt's text, as a completion's ``echo`` puts it first: a string as it is,
+    token ids decoded by the pipeline's tokenizer (as vLLM does), each checked against
+    its vocabulary (a 400 naming ``prompt[i]``, or ``prompt`` where the pipeline has
+    no text model to decode with)."""
+    try:
+        tok = await tokenizer_of(request, server)
+    except APIError as e:
+        raise bad_field("prompt", f"token ids cannot be echoed: {e.message}") from None
+
+    def work() -> list[str]:
+        out = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                tok.check_ids("prompt" if len(prompts) == 1 else f"prompt[{i}]", p)
+                p = tok.tok.decode(p)
+            out.append(p)
+        return out
+
+    return await off_loop(request, sum(len(p) for p in prompts) * 8, work)
 
 
 async def _answer(request: Request, server: Server, path: str, work: Any) -> Response:
