@@ -143,6 +143,66 @@ def test_a_named_function(client):
     assert [(c["name"], json.loads(c["arguments"])) for c in chunks] == [(name, args)]
 
 
+def test_n_choices_each_make_valid_calls(client):
+    """``n`` with ``required``: each choice its own calls (their own ids), valid under the
+    schemas, whole and streamed (reassembled by choice and call index)."""
+    kw = {**KW, "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    kw.update(n=2, seed=5, temperature=0.8)
+    out = client.chat.completions.create(**kw)
+    assert [c.index for c in out.choices] == [0, 1]
+    whole = []
+    for c in out.choices:
+        assert c.finish_reason == "tool_calls", c.message
+        whole.append(check_calls(c.message.tool_calls))
+    ids = [t.id for c in out.choices for t in c.message.tool_calls]
+    assert len(set(ids)) == len(ids)
+    calls: dict[int, dict[int, dict[str, str]]] = {0: {}, 1: {}}
+    finish: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                call = calls[c.index].setdefault(d.index, {"name": "", "arguments": ""})
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+            finish[c.index] = c.finish_reason or finish.get(c.index, "")
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for i in range(2):  # seeded: the same calls, streamed
+        again = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls[i].items())]
+        assert again == whole[i]
+
+
+def test_a_forced_call_streams_its_arguments_as_written(client):
+    """A named function's arguments go out over several chunks, its id and name in the
+    first, before the answer ends (not one chunk at the end)."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kw = {**KW, "messages": ASK, "tools": TOOLS, "tool_choice": choice}
+    pieces = []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            pieces.append(d)
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name == "get_weather"
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert len([p for p in pieces if p.function.arguments]) > 3
+    args = json.loads("".join(p.function.arguments or "" for p in pieces))
+    jsonschema.validate(args, WEATHER_ARGS)
+
+
+def test_a_forced_call_cut_short_is_a_partial_call(client):
+    """Cut by ``max_tokens``, a named call keeps its arguments as far as they came, with
+    ``finish_reason: length`` (as OpenAI and vLLM answer), whole and streamed alike."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kw = {**KW, "max_tokens": 4, "messages": ASK, "tools": TOOLS, "tool_choice": choice}
+    out = client.chat.completions.create(**kw).choices[0]
+    assert out.finish_reason == "length" and out.message.content is None
+    (call,) = out.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    content, chunks, finish = streamed(client, **kw)
+    assert finish == "length" and content is None
+    assert [c["arguments"] for c in chunks] == [call.function.arguments]
+
+
 def test_none_gives_text(client):
     out = client.chat.completions.create(
         **{**KW, "max_tokens": 16}, messages=ASK, tools=TOOLS, tool_choice="none"

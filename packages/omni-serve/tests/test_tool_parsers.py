@@ -139,8 +139,85 @@ def test_forced_calls():
     assert args(answer) == [("get_time", {})]
     answer, _ = read(plan("named"), "{}")
     assert args(answer) == [("get_time", {})] and answer.text is None
-    answer, _ = read(required, '[{"name":"get_weather","argu')  # max_tokens cut it
-    assert answer.calls == [] and answer.text == '[{"name":"get_weather","argu'
+    answer, _ = read(required, '[{"name":"get_wea')  # max_tokens cut it before a name
+    assert answer.calls == [] and answer.text == '[{"name":"get_wea'
+    assert answer.finish_reason("length") == "length"
+
+
+def streamed_items(p: ToolPlan, text: str, step: int) -> tuple[ToolAnswer, list[dict]]:
+    answer = p.answer()
+    items = []
+    for i in range(0, len(text), step):
+        items.extend(answer.feed(text[i : i + step])[1])
+    items.extend(answer.close()[1])
+    return answer, items
+
+
+def merged(items: list[dict]) -> dict[int, dict]:
+    """The calls the ``delta.tool_calls`` items add up to, as a client merges them."""
+    calls: dict[int, dict] = {}
+    for d in items:
+        c = calls.setdefault(d["index"], {"id": "", "name": "", "arguments": ""})
+        c["id"] += d.get("id", "")
+        c["name"] += d["function"].get("name", "")
+        c["arguments"] += d["function"]["arguments"]
+    return calls
+
+
+ARGS = '{"city": "Ro\\"me}, [x]", "n": {"a": [1, {"b": "}"}]}}'
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+@pytest.mark.parametrize(
+    ("mode", "body", "text"),
+    [
+        (
+            "required",
+            {},
+            f'[{{"name": "get_weather", "arguments": {ARGS}}}, '
+            '{"name":"get_time","arguments":{}}]',
+        ),
+        (
+            "required",
+            {"parallel_tool_calls": False},
+            f'{{"name": "get_weather", "arguments": {ARGS}}}',
+        ),
+        ("named", {}, f"  {ARGS}"),
+    ],
+)
+def test_forced_calls_stream_as_written(mode, body, text, step):
+    """A forced answer's calls go out piece by piece: each call's id and name first (once
+    its name is read), then its arguments' text as written; the pieces add up to the
+    calls :meth:`close` gives, whatever the feeding (strings holding braces, quotes and
+    escapes included)."""
+    answer, items = streamed_items(plan(mode, **body), text, step)
+    calls = merged(items)
+    assert [c["function"]["name"] for c in answer.calls] == [
+        calls[i]["name"] for i in sorted(calls)
+    ]
+    for i, c in enumerate(answer.calls):
+        assert calls[i]["id"] == c["id"] and calls[i]["arguments"] == c["function"]["arguments"]
+        json.loads(c["function"]["arguments"])
+    assert answer.finish_reason("stop") == "tool_calls" and answer.text is None
+    heads = [d for d in items if "id" in d]
+    assert len(heads) == len(answer.calls) and all(d["type"] == "function" for d in heads)
+    if step == 1:  # the arguments go out before the call ends
+        first_args = next(i for i, d in enumerate(items) if d["function"]["arguments"])
+        assert first_args < len(items) - 2
+
+
+def test_a_forced_call_cut_short_keeps_what_was_written():
+    text = '[{"name": "get_weather", "arguments": {"city": "Ro'
+    answer, items = streamed_items(plan("required"), text, 3)
+    (call,) = answer.calls
+    assert call["function"]["arguments"] == '{"city": "Ro' == merged(items)[0]["arguments"]
+    assert answer.finish_reason("length") == "length" and answer.text is None
+
+
+def test_a_forced_call_of_no_tool_is_text():
+    text = '{"name": "rm_rf", "arguments": {}}'
+    answer, items = streamed_items(plan("required", parallel_tool_calls=False), text, 1)
+    assert items == [] and answer.calls == [] and answer.text == text
 
 
 def test_forced_constraints():

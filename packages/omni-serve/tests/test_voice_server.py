@@ -97,3 +97,39 @@ def test_spoken_chat_says_its_transcript(client: openai.OpenAI) -> None:
     audio = out.choices[0].message.audio
     assert audio.transcript
     assert heard(base64.b64decode(audio.data)) == audio.transcript.strip()
+
+
+def test_n_spoken_choices_each_say_their_own_transcript(client: openai.OpenAI) -> None:
+    """``n`` with audio: each choice its own answer, its audio (its own id) saying its
+    own transcript, whole and streamed (each choice's ``delta.audio`` by index)."""
+    kw = {
+        "model": "speech_voice",
+        "messages": [{"role": "user", "content": "Name one colour."}],
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "dial", "format": "wav"},
+        "max_tokens": 12,
+        "n": 2,
+        "seed": 3,
+        "temperature": 1.0,
+    }
+    from omni_speech.voice import sayable
+
+    out = client.chat.completions.create(**kw)
+    assert [c.index for c in out.choices] == [0, 1]
+    ids = set()
+    for c in out.choices:
+        audio = c.message.audio
+        assert audio.transcript and c.message.content is None
+        assert heard(base64.b64decode(audio.data)) == sayable(audio.transcript)
+        ids.add(audio.id)
+    assert len(ids) == 2
+    data, said = [b"", b""], ["", ""]
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            delta = getattr(c.delta, "audio", None)
+            audio = delta.model_dump() if delta is not None else {}
+            data[c.index] += base64.b64decode(audio.get("data") or "")
+            said[c.index] += audio.get("transcript") or ""
+    for i in range(2):
+        assert said[i] == out.choices[i].message.audio.transcript  # seeded: the same
+        assert heard(data[i]) == sayable(said[i])

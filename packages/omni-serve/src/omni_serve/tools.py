@@ -8,6 +8,8 @@ back from what it writes, as OpenAI answers them.
   machinery the AR stages have (a ``json`` constraint), to the JSON of a call:
   ``{"name": const, "arguments": <its parameters>}`` for one of the tools (an array of
   them, at least one, with ``parallel_tool_calls``), or the named function's arguments;
+  streamed as it comes (:class:`ForcedParser`: each call's id and name once its name is
+  written, then its arguments' text as the model writes it), as OpenAI streams calls;
 * ``auto``: the model writes freely and the pipeline's parser (the intake's option
   ``tool_call_parser``, as vLLM names it: :data:`PARSERS`) reads the calls in what it
   wrote; what is not a well-formed call of one of the tools stays text.
@@ -255,7 +257,27 @@ def render_messages(
 
 # -- reading the answer ------------------------------------------------------------------
 
-Piece = str | dict[str, Any]  # text, or a tool call (a ``tool_calls`` item)
+
+@dataclass
+class CallDelta:
+    """A piece of a call streamed as it is written (``delta.tool_calls[i]``): the call's
+    ``index`` in the answer, its id and name the first time, then more of its arguments'
+    text."""
+
+    index: int
+    arguments: str
+    head: tuple[str, str] | None = None  # (id, name): the call's first delta
+
+    def item(self) -> dict[str, Any]:
+        if self.head is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        cid, name = self.head
+        function = {"name": name, "arguments": self.arguments}
+        return {"index": self.index, "id": cid, "type": "function", "function": function}
+
+
+# text, a whole tool call (a ``tool_calls`` item) or a piece of one streamed as it comes
+Piece = str | dict[str, Any] | CallDelta
 
 
 @dataclass
@@ -295,28 +317,133 @@ def _json(text: str) -> Any:
         return None
 
 
+@dataclass
+class _Written:
+    """A forced call as the model writes it: its name once read, its arguments' text so
+    far (from its opening brace), how much of that went out."""
+
+    cid: str = field(default_factory=call_id)
+    name: str | None = None
+    arguments: str = ""
+    sent: int = -1  # -1: not announced yet (no head sent)
+    open: bool = False  # inside its arguments
+
+
 class ForcedParser(CallParser):
-    """``required`` / a named function: the answer is the calls' JSON (grammar-held), read
-    whole at the end; text only where it is cut short (``max_tokens``)."""
+    """``required`` / a named function: the answer is the calls' JSON (grammar-held),
+    streamed as it is written: :meth:`feed` scans the JSON (strings, escapes, nesting) and
+    gives each call's head (id, name) once its name is read, then its arguments' raw text
+    as it comes (:class:`CallDelta`). :meth:`close` reads the whole: the calls, their
+    arguments exactly the text streamed. An answer cut short (``max_tokens``) keeps the
+    calls whose name was written, their arguments as far as they came, and
+    :attr:`partial` is set (the finish reason stays ``length``, as OpenAI's); one cut
+    before any name is text."""
 
     def __init__(self, plan: ToolPlan) -> None:
         super().__init__(plan)
         self.held = ""
+        self.partial = False
+        self.written: list[_Written] = []
+        # the scan: nesting depth, inside a string (and after a backslash), the string
+        # read at a call's own level, the key whose value comes next
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.string: str | None = None
+        self.key: str | None = None
+        self.awaiting = False
+        self.level = 0 if plan.named is not None else (2 if plan.parallel else 1)
 
     def feed(self, text: str) -> list[Piece]:
         self.held += text
-        return []
+        for c in text:
+            self._scan(c)
+        return self._deltas()
+
+    def _scan(self, c: str) -> None:
+        cur = self.written[-1] if self.written else None
+        if cur is not None and cur.open:
+            cur.arguments += c
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif c == "\\":
+                self.escaped = True
+            elif c == '"':
+                self.in_string = False
+                if self.string is not None:
+                    self._string_read(self.string)
+                    self.string = None
+            elif self.string is not None:
+                self.string += c
+            return
+        at_call = self.level and self.depth == self.level and not (cur and cur.open)
+        if c == '"':
+            self.in_string = True
+            self.string = "" if at_call else None
+        elif c in "{[":
+            if self.level == 0 and self.depth == 0 and c == "{":  # named: the arguments
+                self.written.append(_Written(name=self.plan.named, arguments=c, open=True))
+            elif self.level and self.depth == self.level - 1 and c == "{":  # a call
+                self.written.append(_Written())
+                self.key, self.awaiting = None, False
+            elif at_call and self.awaiting and self.key == "arguments" and cur is not None:
+                cur.arguments, cur.open = c, True
+            self.awaiting = False
+            self.depth += 1
+        elif c in "}]":
+            self.depth -= 1
+            if cur is not None and cur.open and self.depth == max(self.level, 0):
+                cur.open = False
+        elif at_call and c == ":":
+            self.awaiting = True
+        elif at_call and c == ",":
+            self.key, self.awaiting = None, False
+
+    def _string_read(self, s: str) -> None:
+        """A string at a call's own level: a key, or the value of its ``name``."""
+        if not self.awaiting:
+            self.key = s
+            return
+        self.awaiting = False
+        if self.key == "name" and self.written:
+            self.written[-1].name = s
+
+    def _streamable(self) -> Iterator[tuple[int, _Written]]:
+        """The calls that may go out, in order: each of the request's tools (at most one
+        without ``parallel_tool_calls``), up to the first that is not (yet)."""
+        for i, w in enumerate(self.written):
+            if w.name not in self.plan.functions or (i and not self.plan.parallel):
+                return
+            yield i, w
+
+    def _deltas(self) -> list[Piece]:
+        out: list[Piece] = []
+        for i, w in self._streamable():
+            if w.sent < 0:
+                out.append(CallDelta(i, w.arguments, (w.cid, w.name or "")))
+            elif len(w.arguments) > w.sent:
+                out.append(CallDelta(i, w.arguments[w.sent :]))
+            w.sent = len(w.arguments)
+        return out
 
     def close(self) -> list[Piece]:
+        out = self._deltas()
         value = _json(self.held)
         if self.plan.named is not None:
             value = {"name": self.plan.named, "arguments": value}
         items = value if isinstance(value, list) and self.plan.parallel else [value]
         calls = [self.call(item) for item in items]
-        if items and all(calls):
-            return list(calls)  # type: ignore[arg-type]
+        streamed = list(self._streamable())
+        whole = bool(items) and all(calls) and len(streamed) == len(items)
         self.calls.clear()
-        return [self.held] if self.held else []
+        if not streamed:
+            return [self.held] if self.held else []
+        self.partial = not whole
+        for _, w in streamed:  # the calls as streamed: their ids, their arguments' text
+            function = {"name": w.name, "arguments": w.arguments}
+            self.calls.append({"id": w.cid, "type": "function", "function": function})
+        return out
 
 
 class HermesParser(CallParser):
@@ -424,10 +551,11 @@ PARSERS: dict[str, type[CallParser]] = {"hermes": HermesParser, "llama3_json": L
 
 @dataclass
 class ToolAnswer:
-    """An answer read through a :class:`CallParser`: its content deltas and calls as they
-    become certain (:meth:`feed`, :meth:`close`), the whole of each in :attr:`content` and
-    :attr:`calls`. Whitespace around calls is not content: it is held until text follows,
-    and dropped at the end of an answer with calls."""
+    """An answer read through a :class:`CallParser`: its content deltas and its calls'
+    ``delta.tool_calls`` items as they become certain (:meth:`feed`, :meth:`close`; a
+    whole call at once, or a forced call piece by piece), the whole of each in
+    :attr:`content` and :attr:`calls`. Whitespace around calls is not content: it is held
+    until text follows, and dropped at the end of an answer with calls."""
 
     parser: CallParser
     content: list[str] = field(default_factory=list)
@@ -435,29 +563,33 @@ class ToolAnswer:
     blank: str = ""  # whitespace held
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """(the content delta, the new calls) of ``text``."""
+        """(the content delta, the ``delta.tool_calls`` items) of ``text``."""
         return self._take(self.parser.feed(text), last=False)
 
     def close(self) -> tuple[str, list[dict[str, Any]]]:
-        """(the content delta, the new calls) at the end of the answer."""
+        """(the content delta, the ``delta.tool_calls`` items) at the end of the answer."""
         return self._take(self.parser.close(), last=True)
 
     def _take(self, pieces: list[Piece], last: bool) -> tuple[str, list[dict[str, Any]]]:
-        text, calls = "", []
+        text, items = "", []
         for p in pieces:
-            if isinstance(p, dict):
-                calls.append(p)
+            if isinstance(p, CallDelta):
+                items.append(p.item())
+            elif isinstance(p, dict):
+                items.append({"index": len(self.calls), **p})
+                self.calls.append(p)
             elif p.strip():  # its trailing whitespace held: a call may follow it
                 body = p.rstrip()
                 text += self.blank + body
                 self.blank = p[len(body) :]
             else:
                 self.blank += p
-        self.calls.extend(calls)
+        if last and isinstance(self.parser, ForcedParser):
+            self.calls = list(self.parser.calls)  # streamed piece by piece
         if last and not self.calls:
             text, self.blank = text + self.blank, ""
         self.content.append(text)
-        return text, calls
+        return text, items
 
     @property
     def text(self) -> str | None:
@@ -466,10 +598,6 @@ class ToolAnswer:
         return None if self.calls and not text.strip() else text
 
     def finish_reason(self, reason: str) -> str:
-        """``tool_calls`` where the answer made any, else the text's ``reason``."""
-        return "tool_calls" if self.calls else reason
-
-
-def delta_calls(calls: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
-    """``calls`` as a chunk's ``delta.tool_calls`` (each whole, with its ``index``)."""
-    return [{"index": first + i, **c} for i, c in enumerate(calls)]
+        """``tool_calls`` where the answer made any (whole), else the text's ``reason``."""
+        partial = isinstance(self.parser, ForcedParser) and self.parser.partial
+        return "tool_calls" if self.calls and not partial else reason
