@@ -55,3 +55,22 @@ def test_without_lm_eval_it_says_how_to_get_it(capsys, tmp_path):
     python.chmod(0o755)
     assert evals.main(["--lm-eval", str(python)]) == 2
     assert 'install "lm-eval[api]"' in capsys.readouterr().err
+
+
+def test_an_unknown_arm_is_refused_before_anything_starts(capsys):
+    assert evals.main(["--arms", "completions,beam"]) == 2
+    assert "unknown ['beam']" in capsys.readouterr().err
+
+
+def test_the_chat_arm_compares_generations_only():
+    """``local-chat-completions`` gives no log-likelihoods: its comparison has none."""
+
+    def run(gens):
+        samples = {"capitals_gen": [sample(i, [[g]]) for i, g in enumerate(gens)]}
+        return {"scores": {"capitals_gen": 0.5}, "samples": samples}
+
+    out = evals.compare(run(["Paris", "Rome"]), run(["Paris", "Rome"]))
+    assert out["equal_scores"] and out["loglikelihood_requests"] == 0
+    assert out["generations_same"] == "2 of 2"
+    assert evals.ARMS["chat"].tasks == ("capitals_gen",)
+    assert "--apply_chat_template" in evals.ARMS["chat"].flags

@@ -7,9 +7,11 @@ The tasks (:data:`CAPITALS`, written to a temporary folder as lm-eval's YAML and
 file): ``capitals_ll``, multiple choice by log-likelihood (``local-completions``: each
 choice a completion with ``echo: true, logprobs: 1, max_tokens: 1``, read from the
 prompt's logprobs); ``capitals_gen``, greedy generation until a newline or a period,
-exact match after a few worked examples. lm-eval runs as its users run it: its CLI, with
-``local-completions`` (``tokenized_requests=False``: the prompts are text; the
-tokenizer is the model's, for the context lengths), one request at a time
+exact match after a few worked examples. lm-eval runs as its users run it: its CLI, at
+its own defaults (:data:`ARMS`): ``local-completions`` on both tasks (its prompts sent
+as token ids, ``tokenized_requests`` being its default: the model's tokenizer encodes
+them), and ``local-chat-completions`` with ``--apply_chat_template`` on the generation
+task (chat models cannot give log-likelihoods), one request at a time
 (``num_concurrent=1``), ``--log_samples``. It need not live in this environment
 (``--lm-eval PYTHON``: an interpreter that has ``lm-eval[api]``; its dependencies pin
 other versions than vLLM's).
@@ -29,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,27 @@ SHOTS = (  # worked examples before each generation question
 )
 TASKS = ("capitals_ll", "capitals_gen")
 METRICS = {"capitals_ll": "acc,none", "capitals_gen": "exact_match,first_word"}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One lm-eval run against a server: its model type, the endpoint, its tasks."""
+
+    model: str  # lm-eval's --model
+    path: str  # the server's endpoint
+    tasks: tuple[str, ...]
+    flags: tuple[str, ...] = ()  # more of lm-eval's CLI flags
+
+
+ARMS = {
+    "completions": Arm("local-completions", "/v1/completions", TASKS),
+    "chat": Arm(
+        "local-chat-completions",
+        "/v1/chat/completions",
+        ("capitals_gen",),
+        ("--apply_chat_template",),
+    ),
+}
 
 
 def write_tasks(folder: Path) -> None:
@@ -113,17 +137,16 @@ def write_tasks(folder: Path) -> None:
 
 
 def run_lm_eval(
-    python: str, url: str, tokenizer: str, tasks_dir: Path, out: Path, log: Path
+    python: str, url: str, tokenizer: str, tasks_dir: Path, out: Path, log: Path, arm: Arm
 ) -> dict[str, Any]:
-    """lm-eval's CLI against one server; (its results, its samples by task)."""
+    """lm-eval's CLI against one server, as ``arm``; (its results, its samples by task)."""
     from omni_bench.serve_load import SERVED_NAME
 
     model_args = ",".join(
         [
-            f"base_url={url}/v1/completions",
+            f"base_url={url}{arm.path}",
             f"model={SERVED_NAME}",
             f"tokenizer={tokenizer}",
-            "tokenized_requests=False",
             "num_concurrent=1",
             "max_retries=1",
         ]
@@ -133,16 +156,17 @@ def run_lm_eval(
         "-m",
         "lm_eval",
         "--model",
-        "local-completions",
+        arm.model,
         "--model_args",
         model_args,
         "--tasks",
-        ",".join(TASKS),
+        ",".join(arm.tasks),
         "--include_path",
         str(tasks_dir),
         "--output_path",
         str(out),
         "--log_samples",
+        *arm.flags,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with open(log, "wb") as f:
@@ -153,18 +177,22 @@ def run_lm_eval(
     (results,) = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
     scores = json.loads(Path(results).read_text())["results"]
     samples: dict[str, list[dict[str, Any]]] = {}
-    for task in TASKS:
+    for task in arm.tasks:
         (path,) = glob.glob(str(out / "**" / f"samples_{task}_*.jsonl"), recursive=True)
         lines = Path(path).read_text().splitlines()
         samples[task] = sorted((json.loads(x) for x in lines), key=lambda s: s["doc_id"])
-    return {"scores": {t: scores[t][METRICS[t]] for t in TASKS}, "samples": samples}
+    return {"scores": {t: scores[t][METRICS[t]] for t in arm.tasks}, "samples": samples}
 
 
 def compare(omni: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
-    """The two runs side by side: scores, the largest log-likelihood difference of one
-    request, and how many generations are the same text."""
+    """The two runs of one arm side by side: scores, the largest log-likelihood
+    difference of one request (where the arm has log-likelihoods), and how many
+    generations are the same text."""
     diffs: list[float] = []
-    for a, b in zip(omni["samples"]["capitals_ll"], vllm["samples"]["capitals_ll"], strict=True):
+    lls = zip(
+        omni["samples"].get("capitals_ll", []), vllm["samples"].get("capitals_ll", []), strict=True
+    )
+    for a, b in lls:
         for (x, _), (y, _) in zip(
             [r[0] for r in a["resps"]], [r[0] for r in b["resps"]], strict=True
         ):
@@ -190,12 +218,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a Python interpreter with lm-eval[api] installed (default: this one)",
     )
     ap.add_argument("--engine", choices=("vllm", "transformers"), default="vllm")
+    ap.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"lm-eval's model types to run, comma-separated (of {', '.join(ARMS)})",
+    )
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds per server start")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown or not arms:
+        print(f"omni bench lm-eval: --arms: unknown {unknown or 'none'}", file=sys.stderr)
+        return 2
     probe = subprocess.run([args.lm_eval, "-c", "import lm_eval, tenacity"], capture_output=True)
     if probe.returncode != 0:
         print(
@@ -222,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "transformers":
         for stage in cfg["stages"]:
             stage["options"] = {**stage["options"], "engine": "transformers"}
-    runs: dict[str, dict[str, Any]] = {}
+    runs: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in arms}
     with tempfile.TemporaryDirectory(prefix="omni-bench-lm-eval-") as tmp:
         work = Path(tmp)
         write_tasks(work)
@@ -237,23 +275,28 @@ def main(argv: list[str] | None = None) -> int:
             server = Server(name, cmd, env, work / f"{name}.log")
             try:
                 server.wait_ready(args.ready_timeout)
-                out = work / f"out-{name}"
-                runs[name] = run_lm_eval(
-                    args.lm_eval, server.url, model, work, out, work / f"lm-eval-{name}.log"
-                )
+                for arm in arms:
+                    out, log = work / f"out-{name}-{arm}", work / f"lm-eval-{name}-{arm}.log"
+                    runs[arm][name] = run_lm_eval(
+                        args.lm_eval, server.url, model, work, out, log, ARMS[arm]
+                    )
             except BaseException:
                 print(f"omni bench lm-eval: {name} failed; its log ends:\n{server.tail()}")
                 raise
             finally:
                 server.stop()
-    res = {
-        "model": args.model,
-        "engine": args.engine,
-        "tasks": list(TASKS),
-        "vllm": runs["vllm"]["scores"],
-        "omni": runs["omni"]["scores"],
-        **compare(runs["omni"], runs["vllm"]),
-    }
-    res["targets_met"] = res["equal_scores"] and res["max_abs_loglik_diff"] < 1e-2
+    res: dict[str, Any] = {"model": args.model, "engine": args.engine}
+    for arm in arms:
+        run = runs[arm]
+        res[arm] = {
+            "lm_eval_model": ARMS[arm].model,
+            "tasks": list(ARMS[arm].tasks),
+            "vllm": run["vllm"]["scores"],
+            "omni": run["omni"]["scores"],
+            **compare(run["omni"], run["vllm"]),
+        }
+    res["targets_met"] = all(
+        res[a]["equal_scores"] and res[a]["max_abs_loglik_diff"] < 1e-2 for a in arms
+    )
     print(json.dumps(res) if args.json else json.dumps(res, indent=2))
     return 0
