@@ -352,3 +352,25 @@ def fn(**function: Any) -> dict[str, Any]:
 )
 def test_bad_tools_name_the_field(body, param):
     assert bad(body).param == param
+
+
+def test_the_role_chunk_goes_out_with_the_first_token_of_a_held_call():
+    """A streamed chat whose text a reader holds (a forced call whose name is not read
+    yet) still sends its role chunk at the first token, as vLLM's server does; the call
+    head follows once the name is read."""
+    from omni_core.events import Segment
+    from omni_serve.routes.text import TextChunks
+
+    chunks = TextChunks({"id": "x", "created": 0, "model": "m"}, "rid", "/v1/chat", True, False)
+    chunks.tools = plan("required").answer()
+
+    def text(t: str) -> list[dict]:
+        ev = Segment(request_id="r", tokens=[1], payload={"text": t})
+        return [json.loads(b.decode()[len("data: ") :]) for b in chunks.chunks(0, ev)]
+
+    (role,) = text('[{"')
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert text("name") == []  # nothing more to show yet
+    (head,) = text('": "get_time", "arguments": {')
+    call = head["choices"][0]["delta"]["tool_calls"][0]
+    assert call["function"] == {"name": "get_time", "arguments": "{"} and call["index"] == 0

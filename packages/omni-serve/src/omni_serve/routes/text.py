@@ -100,6 +100,7 @@ class TextChunks:
         if self.audio is not None and (data := self.audio.add(ev)):
             return self._audio({"data": base64.b64encode(data).decode()})
         delta = self.state.add(ev)
+        generated = delta is not None  # a text event: the answer has begun
         new = self.state.new_logprobs if self.logprobs else []
         if self.echo is not None and delta is not None:  # the first text: the prompt first
             delta, self.echo = self.echo + delta, None
@@ -109,7 +110,12 @@ class TextChunks:
         if self.tools is not None and delta:
             delta, calls = self.tools.feed(delta)
         if not delta and not new:
-            return self._calls(calls)
+            # the role chunk goes out with the first token, as vLLM's does, even where
+            # a reader holds the text (a call not read yet)
+            out = self._calls(calls)
+            if not out and generated:
+                out, self.opening = self.opening, []
+            return out
         lps = None
         if self.logprobs:
             lps = (
