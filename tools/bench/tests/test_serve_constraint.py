@@ -139,3 +139,58 @@ def test_compare_names_both_baselines():
     assert targets["tok_per_s_c1 >= 0.9 x vllm"] is True
     assert targets["tok_per_s_c1 >= 0.9 x vllm_default (vLLM at its defaults)"] is False
     assert targets["ttft_p50_c1 <= 1.25 x vllm_default (vLLM at its defaults)"] is False
+
+
+def test_the_tools_arm_times_the_first_calls_name():
+    """A streamed answer's verdict and the time to its first call's name, read from the
+    chunks as the openai client parses them (a fake client: role, head, arguments)."""
+    import asyncio
+    import time
+
+    from omni_bench.serve_load import drive_client
+    from openai.types.chat import ChatCompletionChunk
+
+    def chunk(delta: dict, finish: str | None = None) -> ChatCompletionChunk:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        body = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+        return ChatCompletionChunk.model_validate({**body, "choices": [choice]})
+
+    head = {"index": 0, "id": "call_1", "type": "function"}
+    head["function"] = {"name": "get_weather", "arguments": '{"city": "Oslo", '}
+    rest = {"index": 0, "function": {"arguments": '"unit": "celsius"}'}}
+    script = [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"tool_calls": [head]}),
+        chunk({"tool_calls": [rest]}),
+        chunk({}, "tool_calls"),
+        ChatCompletionChunk.model_validate(
+            {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": "m",
+                "choices": [],
+                "usage": {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21},
+            }
+        ),
+    ]
+
+    class Completions:
+        async def create(self, **_):
+            async def stream():
+                for c in script:
+                    time.sleep(0.01)
+                    yield c
+
+            return stream()
+
+    class Client:
+        chat = type("Chat", (), {"completions": Completions()})()
+
+        async def close(self) -> None:
+            pass
+
+    out = asyncio.run(drive_client(Client(), 1, 2, 48, "tools"))
+    assert out["valid"] == 2 and out["named_calls"] == 2
+    assert 15 <= out["first_call_p50_ms"] < out["ttft_p50_ms"] + 1000
+    assert out["ttft_p50_ms"] < out["first_call_p50_ms"]  # the role chunk came first

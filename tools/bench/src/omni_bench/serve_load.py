@@ -146,9 +146,10 @@ def classify(text: str, finish_reason: str | None, schema: dict[str, Any]) -> st
 
 async def one_request(
     client: Any, i: int, max_tokens: int, constraint: str = "none"
-) -> tuple[float, float, int, str | None]:
+) -> tuple[float, float, int, str | None, float | None]:
     """(TTFT s, inter-token latency s, completion tokens, the answer's :func:`classify`
-    under ``constraint``, None without one) of one streamed chat completion."""
+    under ``constraint`` (None without one), the time to its first call's name s (tools;
+    None where no call was named)) of one streamed chat completion."""
     t0 = time.monotonic()
     first = last = None
     chunks = 0
@@ -159,6 +160,7 @@ async def one_request(
     # a tiny test model's tokens may decode to no text: then any chunk of a choice counts
     any_first = any_last = None
     calls: dict[int, dict[str, str]] = {}  # tools: each call's name and arguments so far
+    named = None  # when the first call's name came
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage.completion_tokens
@@ -170,6 +172,8 @@ async def one_request(
             for tc in chunk.choices[0].delta.tool_calls or ():
                 call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
                 if tc.function is not None:
+                    if tc.function.name and named is None:
+                        named = now
                     call["name"] += tc.function.name or ""
                     call["arguments"] += tc.function.arguments or ""
             if chunk.choices[0].delta.content:
@@ -188,7 +192,7 @@ async def one_request(
         verdict = classify("".join(parts), finish, PERSON_SCHEMA)
     elif constraint == "tools":
         verdict = classify_calls(calls, finish)
-    return first - t0, itl, tokens, verdict
+    return first - t0, itl, tokens, verdict, None if named is None else named - t0
 
 
 def count_verdicts(verdicts: list[str | None]) -> dict[str, int]:
@@ -205,10 +209,17 @@ async def drive(
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
+    return await drive_client(client, concurrency, requests, max_tokens, constraint)
+
+
+async def drive_client(
+    client: Any, concurrency: int, requests: int, max_tokens: int, constraint: str = "none"
+) -> dict[str, float]:
+    """:func:`drive` with ``client`` (an ``AsyncOpenAI``), closed at the end."""
     try:
         sem = asyncio.Semaphore(concurrency)
 
-        async def limited(i: int) -> tuple[float, float, int, str | None]:
+        async def limited(i: int) -> tuple[float, float, int, str | None, float | None]:
             async with sem:
                 return await one_request(client, i, max_tokens, constraint)
 
@@ -218,6 +229,8 @@ async def drive(
     finally:
         await client.close()
     ttfts = [r[0] * 1000 for r in results]
+    # tools: the time to the first call's name (its head), where the answer named one
+    heads = [r[4] * 1000 for r in results if r[4] is not None]
     itls = [r[1] * 1000 for r in results if not math.isnan(r[1])]
     tokens = sum(r[2] for r in results)
     return {
@@ -228,6 +241,11 @@ async def drive(
         "tokens": tokens,
         "requests": requests,
         **count_verdicts([r[3] for r in results]),
+        **(
+            {"first_call_p50_ms": round(percentile(heads, 50), 1), "named_calls": len(heads)}
+            if constraint == "tools"
+            else {}
+        ),
     }
 
 
