@@ -219,6 +219,7 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     oid = f"{'chatcmpl' if chat else 'cmpl'}-{pid}"
     many = f"n={n}, " if n > 1 else ""
     log.info("%s: request started (%spipeline id %s)", path, many, pid, extra={"request_id": rid})
+    echoes = await echo_texts(request, server, req)
     stream = merged(server.pipe, preqs, pids, server.timeout_of(req.timeout_s))
     head = {"id": oid, "created": int(time.time()), "model": server.settings.model_name}
     wants_logprobs = bool(preq.get("logprobs"))
@@ -231,7 +232,6 @@ async def answer(request: Request, server: ServerDep, chat: bool) -> Response:
     ]
     speak = isinstance(req, ChatRequest) and req.speak
     audios = [AudioAnswer() if speak else None for _ in preqs]
-    echoes = await echo_texts(request, server, req)
     echo = [None if echoes is None else echoes[i // req.n] for i in range(n)]
     if not req.stream:
         per = await collect(request, stream, n, rid, params)
@@ -285,15 +285,18 @@ async def echo_texts(
     request: Request, server: Server, req: ChatRequest | CompletionRequest
 ) -> list[str] | None:
     """A completion's ``echo``: each prompt's text (token ids decoded by the pipeline's
-    tokenizer, as vLLM does); None for a chat, or without ``echo``."""
-    if not isinstance(req, CompletionRequest) or not req.echo:
+    tokenizer, as vLLM does); None for a chat, or without ``echo``. A batch's token ids
+    are checked against the vocabulary here either way, where an error can name
+    ``prompt[k][i]`` (the intake sees one prompt, and would name ``prompt[i]``)."""
+    if not isinstance(req, CompletionRequest):
         return None
     prompts = prompts_of(req)
-    if all(isinstance(p, str) for p in prompts):
-        return prompts  # type: ignore[return-value]
-    from omni_serve.routes.tokenize import decoded_prompts
+    texts: list[Any] = prompts
+    if any(not isinstance(p, str) for p in prompts) and (req.echo or len(prompts) > 1):
+        from omni_serve.routes.tokenize import decoded_prompts
 
-    return await decoded_prompts(request, server, prompts)
+        texts = await decoded_prompts(request, server, prompts)
+    return texts if req.echo else None
 
 
 def prepare(
