@@ -74,3 +74,8 @@ def test_the_chat_arm_compares_generations_only():
     assert out["generations_same"] == "2 of 2"
     assert evals.ARMS["chat"].tasks == ("capitals_gen",)
     assert "--apply_chat_template" in evals.ARMS["chat"].flags
+
+
+def test_a_batch_size_below_one_is_refused(capsys):
+    assert evals.main(["--batch-size", "0"]) == 2
+    assert "--batch-size" in capsys.readouterr().err

@@ -137,9 +137,18 @@ def write_tasks(folder: Path) -> None:
 
 
 def run_lm_eval(
-    python: str, url: str, tokenizer: str, tasks_dir: Path, out: Path, log: Path, arm: Arm
+    python: str,
+    url: str,
+    tokenizer: str,
+    tasks_dir: Path,
+    out: Path,
+    log: Path,
+    arm: Arm,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
-    """lm-eval's CLI against one server, as ``arm``; (its results, its samples by task)."""
+    """lm-eval's CLI against one server, as ``arm`` (``batch_size`` prompts a request:
+    lm-eval's own batching, a completion of several prompts); (its results, its samples
+    by task)."""
     from omni_bench.serve_load import SERVED_NAME
 
     model_args = ",".join(
@@ -166,6 +175,7 @@ def run_lm_eval(
         "--output_path",
         str(out),
         "--log_samples",
+        *(["--batch_size", str(batch_size)] if batch_size != 1 else []),
         *arm.flags,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -223,12 +233,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(ARMS),
         help=f"lm-eval's model types to run, comma-separated (of {', '.join(ARMS)})",
     )
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="lm-eval's batch_size: prompts a completion request (default 1, lm-eval's)",
+    )
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds per server start")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.batch_size < 1:
+        print("omni bench lm-eval: --batch-size: at least 1", file=sys.stderr)
+        return 2
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown or not arms:
@@ -278,14 +297,18 @@ def main(argv: list[str] | None = None) -> int:
                 for arm in arms:
                     out, log = work / f"out-{name}-{arm}", work / f"lm-eval-{name}-{arm}.log"
                     runs[arm][name] = run_lm_eval(
-                        args.lm_eval, server.url, model, work, out, log, ARMS[arm]
+                        args.lm_eval, server.url, model, work, out, log, ARMS[arm], args.batch_size
                     )
             except BaseException:
                 print(f"omni bench lm-eval: {name} failed; its log ends:\n{server.tail()}")
                 raise
             finally:
                 server.stop()
-    res: dict[str, Any] = {"model": args.model, "engine": args.engine}
+    res: dict[str, Any] = {
+        "model": args.model,
+        "engine": args.engine,
+        "batch_size": args.batch_size,
+    }
     for arm in arms:
         run = runs[arm]
         res[arm] = {
