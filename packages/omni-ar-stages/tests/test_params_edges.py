@@ -341,3 +341,24 @@ def test_a_sampled_token_without_alternatives_has_an_empty_top():
     assert with_top.top == [(4, -1.0)]
     copy = pickle.loads(pickle.dumps(with_top))
     assert (tuple(copy), copy.top) == ((3, -0.5), [(4, -1.0)])
+
+
+def test_a_prompt_of_token_ids_where_the_stage_takes_them():
+    """``ids=True`` (ar.intake): a prompt may be token ids, ints >= 0 (a boolean is not
+    one), at most MAX_PROMPT_IDS; each bad one named by its index. Elsewhere a list is
+    not a prompt."""
+    from omni_ar.params import MAX_PROMPT_IDS
+
+    assert parse_request({"prompt": [0, 7]}, 16, ids=True)[0] == [0, 7]
+    assert len(parse_request({"prompt": [1] * MAX_PROMPT_IDS}, 16, ids=True)[0]) == MAX_PROMPT_IDS
+    with pytest.raises(RequestError, match=f"at most {MAX_PROMPT_IDS} token ids, got"):
+        parse_request({"prompt": [1] * (MAX_PROMPT_IDS + 1)}, 16, ids=True)
+    for bad, at in (([1, True], 1), ([-1], 0), ([0, 1, 2.0], 2), ([3, "4"], 1), ([[1]], 0)):
+        with pytest.raises(RequestError, match=rf"field 'prompt\[{at}\]': expected a token id"):
+            parse_request({"prompt": bad}, 16, ids=True)
+    with pytest.raises(RequestError, match="field 'prompt': must not be empty"):
+        parse_request({"prompt": []}, 16, ids=True)
+    with pytest.raises(RequestError, match="expected a string, got list"):
+        parse_request({"prompt": [1, 2]}, 16)
+    with pytest.raises(RequestError, match="expected a string or token ids, got dict"):
+        parse_request({"prompt": {"a": 1}}, 16, ids=True)
