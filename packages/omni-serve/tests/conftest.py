@@ -135,6 +135,15 @@ def text_server(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> It
     stop_server(server)
 
 
+@pytest.fixture(scope="module")
+def client(text_server: Server) -> Any:
+    """The ``openai`` client on :func:`text_server` (a module that drives another server
+    defines its own ``client``, which overrides this one)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="unused", max_retries=0)
+
+
 def mixed_config(name: str, tiny_llama: str, tiny_dit: str, **top: Any) -> dict[str, Any]:
     """The mixed pipeline on tiny models: the Llama writes the prompt (streamed), encodes
     it, and the tiny SD3 paints it with a preview every step (64 x 64, 4 steps)."""

@@ -16,11 +16,6 @@ PROMPT = "a red fox jumps over the lazy dog"
 
 
 @pytest.fixture(scope="module")
-def client(text_server):
-    return openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def forward(tiny_llama):
     """The prompt's token texts, each later token's logprob and the two likeliest
     alternatives after each position ({text: logprob}), from transformers' forward."""

@@ -232,11 +232,6 @@ def test_one_choice_failing_cancels_the_others_and_fails_the_answer(stream):
 # -- a real server: the tiny Llama ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def client(text_server):
-    return openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="unused", max_retries=0)
-
-
 def test_chat_choices_equal_separate_seeded_requests(client):
     kw = {"model": "tiny_chat", "messages": MESSAGES, "logprobs": True, "top_logprobs": 2}
     out = client.chat.completions.create(**kw, **SAMPLED, n=3)

@@ -21,11 +21,6 @@ pytest.importorskip("transformers")
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 
 
-@pytest.fixture(scope="module")
-def client(text_server):
-    return openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="unused", max_retries=0)
-
-
 def test_chat_logprobs_match_the_tokens(client):
     out = client.chat.completions.create(
         model="tiny_chat",

@@ -9,18 +9,12 @@ decoded_token}}``, equal to the model's own forward). Bad ids, too many prompts 
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 pytest.importorskip("transformers")
 
 PROMPT = "a red fox jumps over the lazy dog"
 OTHER = "the quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def client(text_server):
-    return openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

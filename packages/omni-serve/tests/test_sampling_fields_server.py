@@ -28,11 +28,6 @@ FIELDS = [
 
 
 @pytest.fixture(scope="module")
-def client(text_server):
-    return openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def engine(tiny_llama):
     from omni_ar.engines.transformers_engine import TransformersEngine
 

@@ -13,11 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def client(text_server):
-    return openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="unused", max_retries=0)
-
-
 def scrape(server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of /metrics, parsed by prometheus-client's own parser."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
