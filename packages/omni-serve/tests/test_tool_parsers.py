@@ -201,6 +201,7 @@ def test_forced_calls_stream_as_written(mode, body, text, step):
     assert answer.finish_reason("stop") == "tool_calls" and answer.text is None
     heads = [d for d in items if "id" in d]
     assert len(heads) == len(answer.calls) and all(d["type"] == "function" for d in heads)
+    assert all(d["function"]["arguments"] for d in items if "id" not in d)  # no empty pieces
     if step == 1:  # the arguments go out before the call ends
         first_args = next(i for i, d in enumerate(items) if d["function"]["arguments"])
         assert first_args < len(items) - 2
@@ -374,3 +375,14 @@ def test_the_role_chunk_goes_out_with_the_first_token_of_a_held_call():
     (head,) = text('": "get_time", "arguments": {')
     call = head["choices"][0]["delta"]["tool_calls"][0]
     assert call["function"] == {"name": "get_time", "arguments": "{"} and call["index"] == 0
+
+
+def test_a_call_whose_name_follows_its_arguments_goes_out_whole_once_named():
+    """Where the model writes ``arguments`` before ``name`` (a grammar need not order
+    them), nothing goes out until the name is read; then the head carries the arguments
+    written so far."""
+    text = '{"arguments": {"city": "Rome"}, "name": "get_weather"}'
+    answer, items = streamed_items(plan("required", parallel_tool_calls=False), text, 1)
+    (head,) = items
+    assert head["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert args(answer) == [("get_weather", {"city": "Rome"})]
