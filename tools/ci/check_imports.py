@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""No import circle inside a distribution, no use of another distribution's private names.
+"""No import circle inside a distribution, no use of another distribution's private names,
+no plug-in reaching into the runtime.
 
     python3 tools/ci/check_imports.py            # this repository (run by `hatch run lint`)
     python3 tools/ci/check_imports.py --root DIR # another tree of the same layout
 
-A distribution is a folder ``packages/*`` or ``tools/*`` with a ``src``; the top-level
-modules under its ``src`` are its own. Every module is read with :mod:`ast` (nothing is
-imported). Two checks:
+A distribution is a folder ``packages/*``, ``tools/*`` or ``examples/*`` with a ``src``;
+the top-level modules under its ``src`` are its own. Every module is read with :mod:`ast`
+(nothing is imported). Three checks:
 
 * **Circles.** The module graph of each distribution: an edge for every import of a module
   of the same distribution, at module level or inside a function (a lazy import that only
@@ -19,6 +20,12 @@ imported). Two checks:
 * **Private names.** ``from X import _n``, ``import X._m``, and ``X._n`` through a name
   bound by an import, where ``X`` is a module of another distribution: a private name
   (one leading underscore, not a dunder) anywhere in the path.
+* **The plug-in surface.** A distribution whose ``pyproject.toml`` lists
+  ``[tool.omni] public-modules`` (omni-core: ``omni_core`` and ``omni_core.plugin``) is a
+  runtime: its other modules are internal. A plug-in (a distribution registering
+  ``omni.stages`` or ``omni.models`` entry points) imports none of them, lazily or not,
+  unless its ``pyproject.toml`` says why it must (``[tool.omni] runtime-internals =
+  "..."``: test support that drives the runtime's insides).
 
 Exits 1 with the report when it finds anything, 0 when the tree is clean.
 """
@@ -28,12 +35,14 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DIST_GLOBS = ("packages/*/src", "tools/*/src")
+DIST_GLOBS = ("packages/*/src", "tools/*/src", "examples/*/src")
+PLUGIN_GROUPS = ("omni.stages", "omni.models")
 
 
 @dataclass(frozen=True)
@@ -56,8 +65,34 @@ class Module:
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # "circle" | "private"
+    kind: str  # "circle" | "private" | "internal"
     text: str
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """What a distribution's ``pyproject.toml`` says about its imports."""
+
+    public_modules: frozenset[str] = frozenset()  # a runtime's public modules
+    plugin: bool = False  # it registers omni.stages or omni.models entry points
+    internals_why: str = ""  # why this plug-in may use a runtime's internals
+
+
+def distributions(root: Path) -> dict[str, Distribution]:
+    """Each distribution's :class:`Distribution`, by folder name."""
+    out: dict[str, Distribution] = {}
+    for pattern in DIST_GLOBS:
+        for src in sorted(root.glob(pattern)):
+            path = src.parent / "pyproject.toml"
+            meta = tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+            omni = meta.get("tool", {}).get("omni", {})
+            groups = meta.get("project", {}).get("entry-points", {})
+            out[src.parent.name] = Distribution(
+                public_modules=frozenset(omni.get("public-modules", ())),
+                plugin=any(g in groups for g in PLUGIN_GROUPS),
+                internals_why=omni.get("runtime-internals", ""),
+            )
+    return out
 
 
 def is_private(part: str) -> bool:
@@ -193,6 +228,33 @@ def private_findings(modules: dict[str, Module]) -> list[Finding]:
     return out
 
 
+def internal_findings(modules: dict[str, Module], dists: dict[str, Distribution]) -> list[Finding]:
+    """A plug-in's imports of a runtime's modules outside its ``public-modules``."""
+    out = []
+    for m in modules.values():
+        here = dists.get(m.dist, Distribution())
+        if not here.plugin or here.internals_why:
+            continue
+        seen: set[tuple[int, str]] = set()
+        for imp in m.imports:
+            owner = _owner(imp.target, modules)
+            if owner is None or owner.dist == m.dist:
+                continue
+            public = dists.get(owner.dist, Distribution()).public_modules
+            if not public or owner.name in public or (imp.line, owner.name) in seen:
+                continue
+            seen.add((imp.line, owner.name))
+            listed = ", ".join(sorted(public))
+            out.append(
+                Finding(
+                    "internal",
+                    f"{m.path}:{imp.line}: {m.name} ({m.dist}, a plug-in) imports "
+                    f"{owner.name}, internal to {owner.dist} (a plug-in may import {listed})",
+                )
+            )
+    return out
+
+
 def graph(modules: dict[str, Module]) -> dict[str, dict[str, int]]:
     """module -> {module of the same distribution it imports: the first line}."""
     edges: dict[str, dict[str, int]] = {name: {} for name in modules}
@@ -288,12 +350,14 @@ def check(root: Path) -> list[Finding]:
     modules = discover(root)
     for m in modules.values():
         read(m, modules)
-    return circle_findings(modules) + private_findings(modules)
+    dists = distributions(root)
+    return circle_findings(modules) + private_findings(modules) + internal_findings(modules, dists)
 
 
 def report(findings: list[Finding], root: Path) -> str:
     circles = [f.text for f in findings if f.kind == "circle"]
     private = [f.text for f in findings if f.kind == "private"]
+    internal = [f.text for f in findings if f.kind == "internal"]
     lines = []
     if circles:
         lines.append(f"import circles inside a distribution ({len(circles)}):")
@@ -301,6 +365,9 @@ def report(findings: list[Finding], root: Path) -> str:
     if private:
         lines.append(f"imports of another distribution's private names ({len(private)}):")
         lines += [f"  {p}" for p in private]
+    if internal:
+        lines.append(f"plug-ins importing a runtime's internal modules ({len(internal)}):")
+        lines += [f"  {i}" for i in internal]
     return "\n".join(lines).replace(f"{root}/", "")
 
 
@@ -313,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     if findings:
         print(report(findings, root))
         return 1
-    print("imports: no circle inside a distribution, no private name of another one")
+    print(
+        "imports: no circle inside a distribution, no private name of another one, "
+        "no plug-in importing the runtime's internals"
+    )
     return 0
 
 

@@ -5,7 +5,7 @@ Run them where the package is installed: ``pytest examples/omni-plugin-example/t
 
 import msgspec
 import pytest
-from omni_core.config import ConfigError, parse_config
+from omni_core import ConfigError, parse_config
 from omni_plugin_example import RedactOptions, StreamRedactor, word_pattern
 
 

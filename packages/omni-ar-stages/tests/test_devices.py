@@ -1,5 +1,5 @@
 """Where the AR stages put their models (``devices`` and ``dtype``, through
-:func:`omni_core.worker.devices.place`), and the vLLM engine's settings by device.
+:meth:`omni_core.plugin.StageContext.place`), and the vLLM engine's settings by device.
 
 On a machine whose torch sees no GPU, a model-bearing stage given ``devices: "0"`` fails
 its load with the placement's message; ``devices: cpu`` runs as before, bit for bit. The
@@ -29,8 +29,8 @@ from omni_core import Pipeline, StageInput
 from omni_core.config import ConfigError, parse_config
 from omni_core.dataplane.windows import Piece, Window
 from omni_core.errors import StageStartError
+from omni_core.plugin import DeviceError
 from omni_core.stage import StageContext
-from omni_core.worker.devices import DeviceError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")

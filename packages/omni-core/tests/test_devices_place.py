@@ -12,7 +12,7 @@ torch = pytest.importorskip(
 
 from omni_core.events import StageStats  # noqa: E402
 from omni_core.observability.gpu_stats import GpuProbe, nvml_device  # noqa: E402
-from omni_core.worker.devices import DeviceError, default_dtype, place  # noqa: E402
+from omni_core.placement import DeviceError, default_dtype, place  # noqa: E402
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 

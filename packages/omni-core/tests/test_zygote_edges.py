@@ -17,6 +17,7 @@ import threading
 import types
 
 import pytest
+from omni_core import threads
 from omni_core.control import zygote
 from omni_core.control.zygote import (
     MAX_MESSAGE,
@@ -101,9 +102,9 @@ def test_the_openblas_builds_are_found_in_the_maps_and_the_ones_that_load_kept(m
             raise OSError("cannot load")
         return f"lib:{path}"
 
-    monkeypatch.setattr(zygote, "open", fake_open, raising=False)
-    monkeypatch.setattr(zygote.ctypes, "CDLL", fake_cdll)
-    assert zygote._openblas_libs() == [
+    monkeypatch.setattr(threads, "open", fake_open, raising=False)
+    monkeypatch.setattr(threads.ctypes, "CDLL", fake_cdll)
+    assert threads.openblas_libs() == [
         "lib:/site/numpy.libs/libscipy_openblas64_.so",
         "lib:/usr/lib/libopenblasp.so.0",
     ]  # in path order
@@ -112,15 +113,15 @@ def test_the_openblas_builds_are_found_in_the_maps_and_the_ones_that_load_kept(m
     def no_proc(path):
         raise PermissionError(path)
 
-    monkeypatch.setattr(zygote, "open", no_proc, raising=False)
-    assert zygote._openblas_libs() == []
+    monkeypatch.setattr(threads, "open", no_proc, raising=False)
+    assert threads.openblas_libs() == []
 
 
 def test_stopping_blas_threads_asks_each_build_that_can(monkeypatch):
     calls = []
     can = types.SimpleNamespace(blas_thread_shutdown_=lambda: calls.append("can"))
     cannot = types.SimpleNamespace()  # an old build: no such function
-    monkeypatch.setattr(zygote, "_openblas_libs", lambda: [cannot, can, can])
+    monkeypatch.setattr(zygote, "openblas_libs", lambda: [cannot, can, can])
     zygote.stop_blas_threads()
     assert calls == ["can", "can"]
 
@@ -144,7 +145,7 @@ class Blas:
     ({}, None),
 ])  # fmt: skip
 def test_a_workers_thread_count_is_applied_to_torch_and_each_openblas(monkeypatch, env, n):
-    for k in zygote.THREAD_ENV:
+    for k in threads.THREAD_ENV:
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -152,12 +153,12 @@ def test_a_workers_thread_count_is_applied_to_torch_and_each_openblas(monkeypatc
     monkeypatch.setitem(
         sys.modules, "torch", types.SimpleNamespace(set_num_threads=torch_calls.append)
     )
-    plain = Blas(*zygote.BLAS_SET_THREADS)  # has them all: the first is called, once
+    plain = Blas(*threads.BLAS_SET_THREADS)  # has them all: the first is called, once
     wide = Blas("openblas_set_num_threads64_", "scipy_openblas_set_num_threads")
     scipy = Blas("scipy_openblas_set_num_threads")
     none = Blas()
-    monkeypatch.setattr(zygote, "_openblas_libs", lambda: [plain, wide, scipy, none])
-    zygote.apply_thread_env()
+    monkeypatch.setattr(threads, "openblas_libs", lambda: [plain, wide, scipy, none])
+    threads.apply_thread_env()
     if n is None:
         assert torch_calls == [] and plain.calls == wide.calls == scipy.calls == []
         return
@@ -171,8 +172,8 @@ def test_without_torch_loaded_only_openblas_is_told(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     blas = Blas("openblas_set_num_threads")
-    monkeypatch.setattr(zygote, "_openblas_libs", lambda: [blas])
-    zygote.apply_thread_env()
+    monkeypatch.setattr(threads, "openblas_libs", lambda: [blas])
+    threads.apply_thread_env()
     assert blas.calls == [("openblas_set_num_threads", 2)]
 
 

@@ -1,5 +1,5 @@
 """Where the model-bearing DiT stages (dit.text_encode, dit.sample, dit.vae) put their
-models: ``omni_core.worker.devices.place`` of the stage's ``devices`` and ``dtype`` option.
+models: ``omni_core.plugin.StageContext.place`` of the stage's ``devices`` and ``dtype`` option.
 
 On a machine without a GPU (where this suite runs) a stage that asks for one fails its
 load naming the stage, what it asked for and what torch sees; ``devices: cpu`` gives the
@@ -14,8 +14,8 @@ import pytest
 import torch
 from omni_core import Pipeline
 from omni_core.errors import StageStartError
+from omni_core.plugin import DeviceError, Placement
 from omni_core.stage import StageContext
-from omni_core.worker.devices import DeviceError, Placement
 from omni_dit.stages import Sample, VaeDecode
 from omni_dit.testing import dit_config, stock_image, stock_pipeline
 from omni_dit.text_encode import TextEncode

@@ -1,6 +1,6 @@
 """tools/ci/check_imports.py over small fake trees: circles (lazy imports included,
-``TYPE_CHECKING`` ones not) and another distribution's private names fail it; a clean
-tree passes."""
+``TYPE_CHECKING`` ones not), another distribution's private names and a plug-in importing
+the runtime's internal modules fail it; a clean tree passes."""
 
 from __future__ import annotations
 
@@ -94,6 +94,110 @@ def test_a_module_importing_itself_is_a_circle(tmp_path):
     files = {**CLEAN, "packages/alpha/src/alpha/types.py": "import alpha.types\n"}
     code, out = run(tree(tmp_path, files))
     assert code == 1 and "alpha: 1 modules in a circle: alpha.types" in out, out
+
+
+RUNTIME = {
+    "packages/core/pyproject.toml": """\
+        [project]
+        name = "core"
+
+        [tool.omni]
+        public-modules = ["core", "core.plugin"]
+        """,
+    "packages/core/src/core/__init__.py": "from core.client import Pipeline\n",
+    "packages/core/src/core/client.py": "class Pipeline: ...\n",
+    "packages/core/src/core/plugin.py": "from core.worker.host import Stage\n",
+    "packages/core/src/core/worker/__init__.py": "",
+    "packages/core/src/core/worker/host.py": "class Stage: ...\n",
+    "packages/core/src/core/control.py": "def apply() -> None: ...\n",
+    # not a plug-in (no omni.stages entry points): the server may use the runtime's insides
+    "packages/server/pyproject.toml": '[project]\nname = "server"\n',
+    "packages/server/src/server/__init__.py": "from core.worker.host import Stage\n",
+}
+
+
+def plugin(name: str, extra: str = "") -> dict[str, str]:
+    """A plug-in distribution's pyproject.toml (entry points under omni.stages)."""
+    return {
+        f"packages/{name}/pyproject.toml": f"""\
+            [project]
+            name = "{name}"
+
+            [project.entry-points."omni.stages"]
+            "{name}.kind" = "{name}:Kind"
+            {extra}
+            """
+    }
+
+
+def test_a_plugin_on_the_public_surface_passes(tmp_path):
+    files = {
+        **RUNTIME,
+        **plugin("fam"),
+        "packages/fam/src/fam/__init__.py": """\
+            import core
+            from core import Pipeline
+            from core.plugin import Stage
+            import core.plugin as plugin
+
+
+            class Kind(Stage): ...
+            """,
+    }
+    code, out = run(tree(tmp_path, files))
+    assert code == 0 and "no plug-in importing" in out, out
+
+
+def test_a_plugin_importing_the_runtimes_internals_fails(tmp_path):
+    files = {
+        **RUNTIME,
+        **plugin("fam"),
+        "packages/fam/src/fam/__init__.py": """\
+            from core.plugin import Stage
+            from core.worker.host import Stage as Host
+            from core import worker
+
+
+            def late() -> None:
+                import core.control
+
+                core.control.apply()
+            """,
+        # an example plug-in under examples/, registering named models only
+        "examples/demo/pyproject.toml": """\
+            [project]
+            name = "demo"
+
+            [project.entry-points."omni.models"]
+            demo = "demo:models"
+            """,
+        "examples/demo/src/demo/__init__.py": "from core.control import apply\n",
+    }
+    code, out = run(tree(tmp_path, files))
+    assert code == 1, out
+    found = out.split("runtime's internal modules (4):\n")[1].splitlines()
+    assert [f.strip().split(": ", 1)[0] for f in found] == [
+        "packages/fam/src/fam/__init__.py:2",
+        "packages/fam/src/fam/__init__.py:3",
+        "packages/fam/src/fam/__init__.py:7",
+        "examples/demo/src/demo/__init__.py:1",
+    ]
+    assert "imports core.worker.host, internal to core" in found[0]
+    assert "imports core.worker, internal to core" in found[1]
+    assert "imports core.control, internal to core" in found[2]
+    assert all("(a plug-in may import core, core.plugin)" in f for f in found)
+    assert "server" not in out  # not a plug-in
+
+
+def test_a_plugin_that_says_why_may_use_the_internals(tmp_path):
+    why = '[tool.omni]\n            runtime-internals = "test support"'
+    files = {
+        **RUNTIME,
+        **plugin("fam", why),
+        "packages/fam/src/fam/__init__.py": "from core.worker.host import Stage\n",
+    }
+    code, out = run(tree(tmp_path, files))
+    assert code == 0, out
 
 
 def test_the_repository():

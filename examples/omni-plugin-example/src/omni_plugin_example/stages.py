@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import msgspec
-from omni_core import Stage, StageEvent, StageInput
+from omni_core.plugin import Stage, StageEvent, StageInput
 
 from omni_plugin_example.redactor import StreamRedactor, word_pattern
 

@@ -3,7 +3,7 @@ handoff that arrived malformed."""
 
 from __future__ import annotations
 
-from omni_core.errors import UserInputError
+from omni_core.plugin import UserInputError
 
 
 class RequestError(UserInputError):

@@ -16,9 +16,7 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 import msgspec
-from omni_core import StageInput
-from omni_core.dataplane.windows import Window
-from omni_core.events import Segment
+from omni_core.plugin import Segment, StageInput, Window
 
 from omni_ar.errors import HandoffError
 from omni_ar.params import SamplingParams

@@ -21,9 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from omni_core.models.model_cache import build_once, cached
-from omni_core.models.named_models import NamedModel, installed_models
-from omni_core.observability.progress import Reporter
+from omni_core.plugin import NamedModel, Reporter, build_once, cached, installed_models
 from omni_hf import quiet_offline
 
 __all__ = ["NAMED", "named_models", "resolve_model"]

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 import msgspec
-from omni_core.scheduling import PRIORITY_KEY
+from omni_core.plugin import PRIORITY_KEY
 
 from omni_ar.errors import RequestError
 from omni_ar.structured import check_constraint, check_schema, from_response_format

@@ -10,7 +10,7 @@ of ``layer``) and ``pooled`` ``(hidden,)`` (their mean over the real tokens). Wi
 alike (``negative_prompt_embeds``, ``negative_pooled``).
 
 The model loads where the stage's ``devices`` and ``dtype`` place it
-(:func:`omni_core.worker.devices.place`; ``dtype: auto`` is float32 on a CPU, bfloat16 or
+(:meth:`omni_core.plugin.StageContext.place`; ``dtype: auto`` is float32 on a CPU, bfloat16 or
 float16 on a GPU); the embeddings it emits are float32 numpy arrays on the CPU whatever
 the model's device and dtype.
 """
@@ -22,8 +22,7 @@ from typing import Literal
 
 import msgspec
 import numpy as np
-from omni_core import Stage, StageEvent, StageInput
-from omni_core.worker.devices import place
+from omni_core.plugin import Stage, StageEvent, StageInput
 
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
 from omni_ar.models import resolve_model
@@ -55,7 +54,7 @@ class TextEncode(Stage):
 
     def load(self) -> None:
         o = self.options
-        p = place(self.ctx.name, self.ctx.devices, o.dtype)
+        p = self.ctx.place(o.dtype)
         self.encoder = TextEncoder(
             o.model, p.dtype, o.threads, p.device, o.max_tokens, o.layer, o.lead_token
         )

@@ -14,14 +14,17 @@ import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
 from omni_core.dataplane.windows import Window
 from omni_core.errors import UserInputError
 from omni_core.events import Error, ImageProgress, Segment
+from omni_core.placement import Placement, place
 from omni_core.scheduling import SchedulerPolicy, request_priority
+
+_E = TypeVar("_E", Segment, ImageProgress)
 
 StageEvent = Segment | ImageProgress | Error
 """What :meth:`Stage.process` yields (or lists of them), made with
@@ -52,11 +55,19 @@ class StageContext:
     :mod:`omni_core.scheduling`); a stage over an engine with a scheduler of its own
     passes :attr:`StageInput.priority` on to it under ``priority``."""
 
+    def place(self, dtype: str | None = None) -> Placement:
+        """Where this stage's models go: the first GPU its worker sees (``cuda:0``, made
+        the current device) or the CPU, and ``dtype`` (``None`` or ``"auto"``: float32
+        on a CPU, bfloat16 or float16 on a GPU). Call it in :meth:`Stage.load`: it
+        imports torch. A GPU the worker does not have is a
+        :class:`~omni_core.placement.DeviceError` naming the stage."""
+        return place(self.name, self.devices, dtype)
 
-def _with_arrays(ev: Any, arrays: dict[str, Any] | None) -> Any:
+
+def _with_arrays(ev: _E, arrays: dict[str, Any] | None) -> _E:
     """Attach a stage's arrays (not a wire field: the runtime packs them into handles)."""
     if arrays:
-        ev.arrays = arrays
+        ev.arrays = arrays  # type: ignore[attr-defined]
     return ev
 
 

@@ -23,9 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omni_core.models.model_cache import build_once, cached
-from omni_core.models.named_models import NamedModel
-from omni_core.observability.progress import Reporter
+from omni_core.plugin import NamedModel, Reporter, build_once, cached
 from omni_hf import hub_failure, hub_offline, looks_like_hub_id, quiet_hub
 
 from omni_dit import embedded

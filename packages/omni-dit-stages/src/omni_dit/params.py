@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import msgspec
-from omni_core.errors import UserInputError
+from omni_core.plugin import UserInputError
 
 FORMATS = ("jpeg", "webp", "png")
 

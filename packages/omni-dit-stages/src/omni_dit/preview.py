@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omni_core.models.model_cache import build_once
+from omni_core.plugin import build_once
 
 
 def fit_projection(vae: Any, samples: int = 8, size: int = 8, seed: int = 0) -> np.ndarray:

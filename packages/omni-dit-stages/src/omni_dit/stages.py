@@ -10,8 +10,8 @@
 * encode: JPEG, WEBP or PNG bytes in the final image event.
 
 Devices: text_encode, sample and vae (the stages with models) place them with
-``omni_core.worker.devices.place`` at load: on the GPU their worker sees (its ``devices``; none
-given: the first GPU torch sees, else the CPU), in the ``dtype`` option (``auto``:
+``omni_core.plugin.StageContext.place`` at load: on the GPU their worker sees (its ``devices``;
+none given: the first GPU torch sees, else the CPU), in the ``dtype`` option (``auto``:
 float32 on a CPU, bfloat16 or float16 on a GPU). Arrays received go to that device;
 arrays yielded are moved to the CPU first. Plan draws the seeded noise on the CPU (a CPU
 ``torch.Generator``, as diffusers advises for reproducibility), so a seed is the same
@@ -32,9 +32,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from omni_core import Stage, StageEvent, StageInput
-from omni_core.media import MEDIA_TYPE
-from omni_core.worker.devices import Placement, place
+from omni_core.plugin import MEDIA_TYPE, Placement, Stage, StageEvent, StageInput
 
 from omni_dit import models
 from omni_dit.architectures import Architecture, architecture
@@ -110,9 +108,9 @@ def _threads(n: int | None) -> None:
 
 def placement(stage: Stage) -> Placement:
     """Where a model-bearing stage's models go (``devices`` and its ``dtype`` option);
-    :class:`omni_core.worker.devices.DeviceError` naming the stage when it asks for a GPU this
+    :class:`omni_core.plugin.DeviceError` naming the stage when it asks for a GPU this
     worker does not have. Called first in ``load``, before any weights are read."""
-    where = place(stage.ctx.name, stage.ctx.devices, stage.options.dtype)
+    where = stage.ctx.place(stage.options.dtype)
     stage.ctx.logger.info("models on %s in %s", where.device, where.dtype)
     return where
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from omni_core import Stage, StageEvent, StageInput
+from omni_core.plugin import Stage, StageEvent, StageInput
 
 from omni_dit.architectures import TextOptions, architecture
 from omni_dit.models import PRELOAD, ModelError, resolve_model

@@ -10,7 +10,7 @@ probes, so no demuxer that opens other files or URLs, such as concat or HLS, is 
 the codec, the sample rate, the channel count and the duration the header declares, all
 before any sample is decoded; while decoding, it stops as soon as the decoded audio is
 past the budget (a header can lie). Every error is an :class:`AudioError` (a
-:class:`~omni_core.errors.UserInputError`) naming the request field.
+:class:`~omni_core.plugin.UserInputError`) naming the request field.
 
 **Out.** :class:`AudioEncoder` encodes one request's stream of float samples, chunk by
 chunk, into one of :data:`OUTPUT_FORMATS` (OpenAI's ``response_format`` names); what
@@ -35,7 +35,7 @@ from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import numpy as np
-from omni_core.errors import UserInputError
+from omni_core.plugin import UserInputError
 
 __all__ = [
     "INPUT_FORMATS",

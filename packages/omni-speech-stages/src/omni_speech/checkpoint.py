@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from omni_core.models.model_cache import build_once
+from omni_core.plugin import build_once
 from omni_hf import quiet_offline
 
 Part = Literal["thinker", "talker", "token2wav"]

@@ -22,11 +22,15 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from omni_core import Stage, StageEvent, StageInput
-from omni_core.dataplane.windows import Window
-from omni_core.errors import UserInputError
-from omni_core.media import MEDIA_TYPE
-from omni_core.stage import StageContext
+from omni_core.plugin import (
+    MEDIA_TYPE,
+    Stage,
+    StageContext,
+    StageEvent,
+    StageInput,
+    UserInputError,
+    Window,
+)
 
 from omni_speech.audio import MIME, OUTPUT_FORMATS, AudioEncoder
 

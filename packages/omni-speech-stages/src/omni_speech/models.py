@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omni_core.models.model_cache import cached
-from omni_core.models.named_models import NamedModel
-from omni_core.observability.progress import Reporter
+from omni_core.plugin import NamedModel, Reporter, cached
 
 from omni_speech.checkpoint import TINY_OMNI, resolve
 

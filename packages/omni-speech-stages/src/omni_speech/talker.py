@@ -18,8 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 import numpy as np
-from omni_core import Stage, StageEvent, StageInput
-from omni_core.worker.devices import place
+from omni_core.plugin import Stage, StageEvent, StageInput
 
 from omni_speech.batch import Member, StepBatch
 from omni_speech.checkpoint import load_part, resolve
@@ -86,7 +85,7 @@ class Talker(Stage):
         o: TalkerOptions = self.options
         if o.threads:
             torch.set_num_threads(o.threads)
-        placement = place(self.ctx.name, self.ctx.devices, o.dtype)
+        placement = self.ctx.place(o.dtype)
         self.device = placement.device
         self.model = load_part(resolve(o.model), "talker", placement.device, placement.dtype)
         m = self.model

@@ -22,8 +22,7 @@ import numpy as np
 from omni_ar.errors import RequestError
 from omni_ar.multimodal.media import decode_image, source_bytes
 from omni_ar.params import params_payload
-from omni_core import Stage, StageEvent, StageInput
-from omni_core.worker.devices import place
+from omni_core.plugin import Stage, StageEvent, StageInput
 
 from omni_speech.audio import AudioBudget, audio_bytes_of, decode_audio
 from omni_speech.batch import Member, StepBatch
@@ -90,7 +89,7 @@ class Thinker(Stage):
         o: ThinkerOptions = self.options
         if o.threads:
             torch.set_num_threads(o.threads)
-        placement = place(self.ctx.name, self.ctx.devices, o.dtype)
+        placement = self.ctx.place(o.dtype)
         self.device = placement.device
         path = resolve(o.model)
         if o.engine == "vllm":

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from omni_core import Stage, StageEvent, StageInput
+from omni_core.plugin import Stage, StageEvent, StageInput
 
 from omni_speech.checkpoint import Voice, load_part, load_voices, resolve
 from omni_speech.dit import WindowVelocity

@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 from omni_ar.errors import RequestError
 from omni_ar.params import params_payload
-from omni_core import StageEvent, StageInput
+from omni_core.plugin import StageEvent, StageInput
 
 from omni_speech.audio import audio_bytes_of, decode_audio
 from omni_speech.prompt import AUDIO_PARTS, AUDIO_RATE, ThinkerInput, parse, render

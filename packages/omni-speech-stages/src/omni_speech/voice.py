@@ -161,7 +161,7 @@ def resolve_voice(model: str) -> Path:
 
 def named_models() -> list[Any]:
     """``tiny-dial-voice`` for ``omni models`` (entry point ``omni.models``)."""
-    from omni_core.models.named_models import NamedModel
+    from omni_core.plugin import NamedModel
 
     def pull(report: Any) -> Path:
         report("shipped in omni-speech-stages (tools/train-voice/train.py)")

@@ -26,9 +26,7 @@ import msgspec
 from omni_ar.errors import RequestError
 from omni_ar.stages.base import ModelOptions
 from omni_ar.stages.intake import Intake
-from omni_core import Stage, StageEvent, StageInput
-from omni_core.errors import UserInputError
-from omni_core.stage import StageContext
+from omni_core.plugin import Stage, StageContext, StageEvent, StageInput, UserInputError
 
 from omni_speech.encode import request_format
 from omni_speech.prompt import MAX_INPUT_CHARS, MODALITIES, SPEECH_FIELDS, speech_settings

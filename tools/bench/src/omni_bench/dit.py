@@ -113,7 +113,7 @@ def device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
     """``auto``: the GPU where torch sees one (the staged stages' own default), else the
     CPU; its default dtype (bfloat16 / float16 on a GPU, float32 on a CPU)."""
     import torch
-    from omni_core.worker.devices import default_dtype
+    from omni_core.plugin import default_dtype
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

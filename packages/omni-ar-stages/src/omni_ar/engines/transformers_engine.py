@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from omni_core.worker.devices import default_dtype
+from omni_core.plugin import default_dtype
 from omni_hf import quiet_offline
 
 from omni_ar.engines.base import TokenizedEngine, eos_set
@@ -61,7 +61,7 @@ class TransformersEngine(TokenizedEngine):
         (:mod:`omni_ar.engines.cpu_turns`)."""
         quiet_offline()
         super().__init__(model)
-        self.device = device  # "cpu" or "cuda:0" (omni_core.worker.devices.place)
+        self.device = device  # "cpu" or "cuda:0" (omni_core.plugin.StageContext.place)
         self.dtype = default_dtype(device) if dtype == "auto" else dtype
         self.threads = threads
         self.model: Any = None

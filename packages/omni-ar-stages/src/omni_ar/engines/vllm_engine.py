@@ -47,8 +47,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
-from omni_core.control.zygote import apply_thread_env
-from omni_core.scheduling import SchedulerPolicy
+from omni_core.plugin import SchedulerPolicy, apply_thread_env
 from omni_hf import quiet_offline
 
 from omni_ar.engines.base import TokenizedEngine, eos_set

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omni_core.media import IMAGE_INPUT_FORMATS
+from omni_core.plugin import IMAGE_INPUT_FORMATS
 
 from omni_ar.params import RequestError
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from omni_core import StageEvent, StageInput
+from omni_core.plugin import StageEvent, StageInput
 
 from omni_ar.errors import HandoffError
 from omni_ar.handoff import Handoff, MMHandoff, MMItem, MRope

@@ -14,8 +14,8 @@
   text to the caller directly.
 
 The stages that hold a model (prefill, decode, talker) load it where
-:func:`omni_core.worker.devices.place` puts them: the stage's ``devices`` (``cpu``, or GPUs: the
-first one it is given) in its ``dtype`` (``auto``: float32 on a CPU, bfloat16 or float16
-on a GPU). A GPU asked for where torch sees none fails the load, naming the stage.
-Intake and postprocess load only a tokenizer.
+:meth:`omni_core.plugin.StageContext.place` puts them: the stage's ``devices`` (``cpu``,
+or GPUs: the first one it is given) in its ``dtype`` (``auto``: float32 on a CPU,
+bfloat16 or float16 on a GPU). A GPU asked for where torch sees none fails the load,
+naming the stage. Intake and postprocess load only a tokenizer.
 """

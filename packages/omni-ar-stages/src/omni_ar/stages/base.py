@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from omni_core import Stage, StageInput
-from omni_core.worker.devices import place
+from omni_core.plugin import Stage, StageInput
 
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
 from omni_ar.engines.protocol import Engine, require_engine
@@ -123,11 +122,11 @@ class ModelStage(Stage):
         return require_engine(engine)
 
     def _placement(self) -> tuple[str, str]:
-        """(device, dtype) of the stage's model: :func:`omni_core.worker.devices.place` of its
-        ``devices`` and ``dtype`` (a :class:`omni_core.worker.devices.DeviceError` where it asks
+        """(device, dtype) of the stage's model: :meth:`omni_core.plugin.StageContext.place` of its
+        ``devices`` and ``dtype`` (a :class:`omni_core.plugin.DeviceError` where it asks
         for a GPU torch does not see). vLLM on a GPU keeps ``auto``: it picks the dtype."""
         o = self.options
-        p = place(self.ctx.name, self.ctx.devices, o.dtype)
+        p = self.ctx.place(o.dtype)
         if o.engine == "vllm" and p.is_gpu and o.dtype == "auto":
             return p.device, "auto"
         return p.device, p.dtype

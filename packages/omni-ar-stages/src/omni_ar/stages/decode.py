@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from omni_core import StageContext, StageEvent, StageInput
+from omni_core.plugin import StageContext, StageEvent, StageInput
 
 from omni_ar.detokenizer import detokenizer
 from omni_ar.engines.protocol import Closable, Preemptible, StreamingEngine

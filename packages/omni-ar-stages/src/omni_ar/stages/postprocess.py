@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from omni_core import StageEvent, StageInput
+from omni_core.plugin import StageEvent, StageInput
 
 from omni_ar.detokenizer import IncrementalDetokenizer, detokenizer
 from omni_ar.params import carried_params

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import msgspec
-from omni_core import StageEvent, StageInput
+from omni_core.plugin import StageEvent, StageInput
 
 from omni_ar.handoff import Handoff
 from omni_ar.params import RequestError, SamplingParams

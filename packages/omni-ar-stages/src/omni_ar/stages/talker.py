@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from omni_core import StageEvent, StageInput
+from omni_core.plugin import StageEvent, StageInput
 
 from omni_ar.params import SamplingParams, carried_params
 from omni_ar.stages.base import ModelStage

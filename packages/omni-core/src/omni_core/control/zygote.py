@@ -38,6 +38,7 @@ from typing import NoReturn
 import msgspec
 
 from omni_core.control.worker_env import inherited_env
+from omni_core.threads import THREAD_ENV, apply_thread_env, openblas_libs
 
 log = logging.getLogger("omni.zygote")
 
@@ -67,14 +68,6 @@ IMPORT_TIME_ENV = (
     "TORCH",
     "PYTORCH_",
     "VLLM_",
-)
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-# OpenBLAS's thread-count setter, by build (plain, 64-bit interface, numpy's scipy-openblas)
-BLAS_SET_THREADS = (
-    "openblas_set_num_threads",
-    "openblas_set_num_threads64_",
-    "scipy_openblas_set_num_threads64_",
-    "scipy_openblas_set_num_threads",
 )
 
 
@@ -159,25 +152,11 @@ def thread_count() -> int:
         return 1
 
 
-def _openblas_libs() -> list[ctypes.CDLL]:
-    """The OpenBLAS builds loaded in this process (numpy's, scipy's)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "openblas" in line and ".so" in line}
-    except OSError:
-        return []
-    libs = []
-    for path in sorted(paths):
-        with contextlib.suppress(OSError):
-            libs.append(ctypes.CDLL(path))
-    return libs
-
-
 def stop_blas_threads() -> None:
     """OpenBLAS (numpy's) starts its thread pool when it loads; stop it, as its own
     pre-fork handler does (that handler does not run around a raw clone). The pool
     starts again, in the zygote and in each child, at its next parallel call."""
-    for lib in _openblas_libs():
+    for lib in openblas_libs():
         with contextlib.suppress(AttributeError):
             lib.blas_thread_shutdown_()
 
@@ -343,26 +322,6 @@ def _become_worker(fork: Fork, owner: int, go: int) -> NoReturn:
         traceback.print_exc()
         code = 1
     raise SystemExit(code)
-
-
-def apply_thread_env() -> None:
-    """OpenMP and OpenBLAS read ``OMP_NUM_THREADS`` when they loaded in the zygote: set
-    a worker's own count the ways torch and OpenBLAS allow after loading."""
-    n = next(
-        (int(v) for k in THREAD_ENV if (v := os.environ.get(k, "")).isdigit() and int(v) > 0),
-        None,
-    )
-    if n is None:
-        return
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(n)
-    for lib in _openblas_libs():
-        for name in BLAS_SET_THREADS:
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn(n)
-                break
 
 
 def import_time_keys(extra_env: dict[str, str], base: dict[str, str]) -> list[str]:

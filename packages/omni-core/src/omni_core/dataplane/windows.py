@@ -61,7 +61,7 @@ class Piece(msgspec.Struct, gc=False):
     def _rows(self) -> int | None:
         lengths = {a.shape[0] for a in self.arrays.values() if getattr(a, "ndim", 1) >= 2}
         if len(lengths) == 1:
-            return lengths.pop()
+            return int(lengths.pop())
         return None
 
     def slice(self, lo: int, hi: int) -> Piece:
@@ -146,7 +146,7 @@ class Window:
         """One :class:`Piece` per received event (of a cut one, the units in the window)."""
         out: list[Piece] = []
         for p in self.parts:
-            if type(p) is RunPiece:
+            if isinstance(p, RunPiece):
                 out.extend(p.pieces())
             else:
                 out.append(p)

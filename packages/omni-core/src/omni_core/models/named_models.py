@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omni_core.observability.progress import Reporter
 from omni_core.registry import RegistryError, model_registry
@@ -25,6 +26,9 @@ from omni_core.registry import RegistryError, model_registry
 
 @dataclass(frozen=True)
 class NamedModel:
+    """A model ``omni models`` lists and pulls by name: a family's ``omni.models`` entry
+    point returns a list of them."""
+
     name: str
     family: str  # the distribution that runs it
     about: str
@@ -49,7 +53,7 @@ def size_of(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -58,7 +62,7 @@ def _human(n: int) -> str:
 
 
 def _list(as_json: bool) -> int:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for m in installed_models():
         path = m.locate()
         rows.append(

@@ -181,12 +181,15 @@ class Reporter:
         self.t0 = clock()
 
     def prefix(self) -> str:
+        """``[  12.3s] name:``, the time since this reporter was made."""
         return f"[{self.clock() - self.t0:6.1f}s] {self.name}:"
 
     def __call__(self, what: str) -> None:
         print(f"{self.prefix()} {what}", file=self.stream, flush=True)
 
     def bar(self, what: str, total: int | None = None, unit: str = "items", **kw: Any) -> Bar:
+        """A progress bar for a loop over ``total`` ``unit`` (unknown: a count): ``advance``
+        it as the loop goes, ``close`` it after."""
         return Bar(
             what, total, unit=unit, stream=self.stream, tty=self.tty, prefix=self.prefix, **kw
         )

@@ -21,7 +21,8 @@ each part only what it uses (none of them imports it):
 
 The stage host (:mod:`~omni_core.worker.host`, :mod:`~omni_core.worker.stage_output`)
 turns upstream events into the stage's inputs and its outputs into stamped events;
-:mod:`~omni_core.worker.devices` says which GPUs a worker sees and where its models go.
+:mod:`~omni_core.worker.devices` says which GPUs a worker sees (where its models go is
+:mod:`omni_core.placement`).
 """
 
 from omni_core.worker.process import Worker, WorkerSpec, main, serve

@@ -1,11 +1,10 @@
 """Devices: which GPUs a stage worker sees (``devices`` in the config ->
-``CUDA_VISIBLE_DEVICES``), and, inside the worker, where a stage's models go
-(:func:`place`: a torch device and a dtype). torch is imported only by :func:`place`."""
+``CUDA_VISIBLE_DEVICES``). Where a stage's models go inside the worker is
+:mod:`omni_core.placement`'s."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from omni_core.config import PipelineConfig, split_worker
 
@@ -52,65 +51,3 @@ def worker_devices(
     if parent is None:
         parent = os.environ.get("CUDA_VISIBLE_DEVICES")
     return resolve_devices(devices, parent)
-
-
-class DeviceError(RuntimeError):
-    """A stage asked for a device this worker does not have."""
-
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a stage's models live: a torch device, and the dtype they load in."""
-
-    device: str  # "cpu" or "cuda:0" (the first GPU this worker sees)
-    dtype: str  # one of DTYPES
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.device.startswith("cuda")
-
-
-def default_dtype(device: str) -> str:
-    """float32 on a CPU; bfloat16 on a GPU that has it (Ampere on), else float16."""
-    if not device.startswith("cuda"):
-        return "float32"
-    import torch
-
-    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-
-
-def place(stage: str, devices: str | None, dtype: str | None = None) -> Placement:
-    """The placement of a stage whose worker was given ``devices`` (its
-    ``CUDA_VISIBLE_DEVICES``, see :func:`resolve_devices`): ``""`` (``devices: cpu``) is
-    the CPU; a device list is the first GPU of it (``cuda:0`` in the worker, made the
-    current device); ``None`` (no ``devices`` key) is the first GPU where torch sees one,
-    else the CPU. ``dtype`` ``None`` or ``"auto"``: :func:`default_dtype`.
-
-    Asking for a GPU that torch does not see is a :class:`DeviceError` naming the stage,
-    what it asked for and what torch sees."""
-    import torch
-
-    if devices == "":
-        device = "cpu"
-    elif devices is None:
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    elif not torch.cuda.is_available():
-        built = torch.version.cuda or "no CUDA (a CPU build)"
-        raise DeviceError(
-            f"stage {stage!r}: devices {devices!r} asks for a GPU, but torch "
-            f"{torch.__version__} sees none (built with {built}; "
-            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, "
-            f"{torch.cuda.device_count()} device(s)); use devices: cpu to run it on the CPU"
-        )
-    else:
-        device = "cuda:0"
-    if device.startswith("cuda"):
-        torch.cuda.set_device(0)
-    if dtype in (None, "auto"):
-        dtype = default_dtype(device)
-    elif dtype not in DTYPES:
-        raise DeviceError(f"stage {stage!r}: dtype {dtype!r}: expected auto or one of {DTYPES}")
-    return Placement(device, dtype)
