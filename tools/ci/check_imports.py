@@ -11,7 +11,8 @@ the top-level modules under its ``src`` are its own. Every module is read with :
 
 * **Circles.** The module graph of each distribution: an edge for every import of a module
   of the same distribution, at module level or inside a function (a lazy import that only
-  hides a circle is still one), but not under ``if TYPE_CHECKING:``. ``from P import n``
+  hides a circle is still one) or under ``if TYPE_CHECKING:`` (a circle for the type
+  checker is one a reader follows too; a protocol breaks it). ``from P import n``
   is an edge to ``P.n`` where that is a module, else to ``P``. Importing ``P.m`` is an edge
   to ``P.m`` alone (not to ``P``, which Python runs first: a package's ``__init__`` that
   imports its submodules would otherwise be in a circle with each of them). Every strongly
@@ -36,7 +37,6 @@ import argparse
 import ast
 import sys
 import tomllib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,24 +116,6 @@ def discover(root: Path) -> dict[str, Module]:
     return modules
 
 
-def _type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _walk(node: ast.AST) -> Iterator[ast.AST]:
-    """Every node below ``node``, but not the body of an ``if TYPE_CHECKING:``."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _type_checking(child.test):
-            for other in child.orelse:
-                yield other
-                yield from _walk(other)
-            continue
-        yield child
-        yield from _walk(child)
-
-
 def _absolute(module: Module, level: int, name: str | None) -> str:
     """A relative import's module, absolute."""
     if not level:
@@ -148,7 +130,7 @@ def read(module: Module, modules: dict[str, Module]) -> None:
     """Fill ``module.imports`` and ``module.private_uses`` from its source."""
     tree = ast.parse(module.path.read_text(encoding="utf-8"), str(module.path))
     bound: dict[str, str] = {}  # a local name -> the module it stands for
-    nodes = list(_walk(tree))
+    nodes = list(ast.walk(tree))
     for node in nodes:
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -262,7 +244,8 @@ def graph(modules: dict[str, Module]) -> dict[str, dict[str, int]]:
         for imp in m.imports:
             target = modules.get(imp.target)
             if target is not None and target.dist == m.dist:
-                edges[m.name].setdefault(target.name, imp.line)
+                first = edges[m.name].get(target.name, imp.line)
+                edges[m.name][target.name] = min(first, imp.line)
     return edges
 
 

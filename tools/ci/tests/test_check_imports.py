@@ -1,5 +1,5 @@
-"""tools/ci/check_imports.py over small fake trees: circles (lazy imports included,
-``TYPE_CHECKING`` ones not), another distribution's private names and a plug-in importing
+"""tools/ci/check_imports.py over small fake trees: circles (lazy and ``TYPE_CHECKING``
+imports included), another distribution's private names and a plug-in importing
 the runtime's internal modules fail it; a clean tree passes."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ CLEAN = {
         from alpha._util import _helper
 
         if TYPE_CHECKING:
-            from alpha.types import Thing  # a circle for the type checker only
+            from alpha.types import Thing  # types imports nothing of alpha: no circle
 
 
         def run() -> None:
@@ -39,7 +39,7 @@ CLEAN = {
             _util._helper()
         """,
     "packages/alpha/src/alpha/_util.py": "def _helper() -> None: ...\n",
-    "packages/alpha/src/alpha/types.py": "from alpha.core import run\n\nThing = int\n",
+    "packages/alpha/src/alpha/types.py": "Thing = int\n",
     # another distribution's public names, and a dunder
     "tools/gamma/src/gamma/__init__.py": "import alpha\nfrom alpha.core import run\nalpha.__doc__",
 }
@@ -88,6 +88,14 @@ def test_a_circle_and_private_imports_fail(tmp_path):
     uses = sorted(t.split(" uses ")[1].split(",")[0] for t in private)
     assert uses == ["alpha._util._helper", "alpha.core._hidden", "alpha.core._util"]
     assert all("beta (beta)" in t and "a private name of alpha" in t for t in private)
+
+
+def test_a_circle_for_the_type_checker_only_is_a_circle(tmp_path):
+    files = {**CLEAN, "packages/alpha/src/alpha/types.py": "from alpha.core import run\n"}
+    code, out = run(tree(tmp_path, files))
+    assert code == 1, out
+    assert "alpha: 2 modules in a circle: alpha.core, alpha.types" in out
+    assert "packages/alpha/src/alpha/core.py:9: alpha.core imports alpha.types" in out
 
 
 def test_a_module_importing_itself_is_a_circle(tmp_path):

@@ -1,7 +1,6 @@
 """omni-core: the runtime that runs stage pipelines, one process per stage."""
 
 from omni_core.client.collector import RequestHandle, RequestOutput
-from omni_core.client.pipeline import Pipeline
 from omni_core.config import ConfigError, PipelineConfig, load_config, parse_config
 from omni_core.dataplane.windows import Window
 from omni_core.events import (
@@ -13,6 +12,7 @@ from omni_core.events import (
     ImageProgress,
     Segment,
 )
+from omni_core.pipeline import Pipeline
 from omni_core.stage import Stage, StageContext, StageEvent, StageInput
 
 __all__ = [

@@ -150,7 +150,7 @@ def show_start() -> None:
 
 
 def _run(args: argparse.Namespace, cfg: Any) -> int:
-    from omni_core.client.pipeline import Pipeline
+    from omni_core.pipeline import Pipeline
 
     request = _request_from_args(args)
     view = RunView(show=not args.json)
@@ -397,7 +397,7 @@ def _event_json(ev: Any) -> dict[str, Any]:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from omni_core.client.pipeline import Pipeline
+    from omni_core.pipeline import Pipeline
 
     cfg = _load(args)
     if cfg is None:

@@ -11,14 +11,26 @@ priority refuses a request whose priority is not 0, as vLLM's server does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from omni_core.errors import UserInputError
 
-if TYPE_CHECKING:
-    from omni_core.config import PipelineConfig
-
 SchedulerPolicy = Literal["fcfs", "priority"]
+
+
+class StagePolicies(Protocol):
+    """What priority's checks read of a pipeline's config
+    (:class:`~omni_core.config.PipelineConfig`, which imports this module)."""
+
+    @property
+    def stages(self) -> list[Any]:
+        """Its stages' specs."""
+        ...
+
+    def setting(self, stage: Any, key: str) -> Any:
+        """A stage's setting, its own or the pipeline's default."""
+        ...
+
 
 PRIORITY_KEY = "priority"
 """The request field holding its priority (a runtime field: every stage accepts it)."""
@@ -31,12 +43,12 @@ def request_priority(request: dict[str, Any]) -> int:
     return value if type(value) is int else 0
 
 
-def uses_priority(cfg: PipelineConfig) -> bool:
+def uses_priority(cfg: StagePolicies) -> bool:
     """Some stage of ``cfg`` schedules by priority."""
     return any(cfg.setting(s, "scheduler_policy") == "priority" for s in cfg.stages)
 
 
-def check_priority(request: dict[str, Any], cfg: PipelineConfig) -> None:
+def check_priority(request: dict[str, Any], cfg: StagePolicies) -> None:
     """Raise :class:`UserInputError` naming the field when ``request``'s priority is not
     an integer in range, or is not 0 where no stage schedules by priority."""
     if PRIORITY_KEY not in request:

@@ -3,7 +3,7 @@
 The caller is outside the cluster, so the control plane runs there: a
 :class:`~omni_ray.control_actor.ControlActor` pinned to the head node (the node of the
 client server). :class:`RayClientBackend` stands in for the orchestrator before the
-:class:`~omni_core.client.pipeline.Pipeline`: calls go to the actor, and one pump thread long-polls
+:class:`~omni_core.pipeline.Pipeline`: calls go to the actor, and one pump thread long-polls
 it for the events of every open request (a batch per call, never a call per event) and
 hands them to the requests' handles, arrays as numpy arrays the caller owns.
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from omni_serve.errors import bad_field
 
 if TYPE_CHECKING:
-    from omni_serve.openai_api import ChatRequest
+    from omni_serve.openai_bodies import ChatRequest
 
 log = logging.getLogger("omni.serve")
 

@@ -95,7 +95,7 @@ class Thinker(Stage):
         if o.engine == "vllm":
             from omni_speech.vllm_thinker import VllmThinker
 
-            self.model: Any = VllmThinker(path, o, placement.device)
+            self.model: Any = VllmThinker(path, placement.device, o.dtype, o.threads, o.engine_args)
         else:
             self.model = load_part(path, "thinker", placement.device, placement.dtype)
         config = AutoConfig.from_pretrained(path)
@@ -279,7 +279,7 @@ class Thinker(Stage):
             arrays = {
                 "embed": _rows(embed),
                 "hidden": _rows(out.hidden_states[-1][0]),
-                "tts": _rows(self._tts_rows(ti.speech.voice)),
+                "tts": _rows(self.tts_rows(ti.speech.voice)),
             }
         payload: dict[str, Any] = {
             **params_payload(ti.params),
@@ -376,7 +376,7 @@ class Thinker(Stage):
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=gen))
 
-    def _tts_rows(self, voice: str) -> Any:
+    def tts_rows(self, voice: str) -> Any:
         """The thinker's embeddings of the voice's start token and of the talker's text
         end and pad tokens: what the talker adds around the reply."""
         import torch

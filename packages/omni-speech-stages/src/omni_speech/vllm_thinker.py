@@ -26,7 +26,7 @@ that text, whose rows are those the transformers path gets feeding it token by t
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import numpy as np
@@ -38,7 +38,29 @@ from omni_speech.audio import audio_bytes_of, decode_audio
 from omni_speech.prompt import AUDIO_PARTS, AUDIO_RATE, ThinkerInput, parse, render
 
 if TYPE_CHECKING:
-    from omni_speech.thinker import Thinker, ThinkerOptions
+    from omni_speech.checkpoint import Voice
+    from omni_speech.prompt import PromptLimits
+
+
+class ThinkerStage(Protocol):
+    """What this module reads of its stage (:class:`omni_speech.thinker.Thinker`); a
+    protocol, so that this module, which the stage imports, does not import it."""
+
+    voices: dict[str, Voice]
+    default_voice: str
+    eos: set[int]
+    ids: dict[str, int]
+    marks: dict[str, str]
+    limits: PromptLimits
+    images: Any
+    """Its image processor."""
+    options: Any
+    """Its ``ThinkerOptions``."""
+
+    def tts_rows(self, voice: str) -> Any:
+        """The thinker's embeddings of what the talker adds around the reply."""
+        ...
+
 
 # images and audio clips a prompt (the thinker reads no video), and the image processor's
 # PIL backend, the stage's own (the torchvision one, vLLM's choice where torchvision is
@@ -172,15 +194,22 @@ class VllmThinker:
     """The thinker's model on vLLM, in the stage's ``model`` (where the stage reads
     ``generation_config`` and ``get_input_embeddings``); :meth:`generate` runs a request."""
 
-    def __init__(self, path: str, options: ThinkerOptions, device: str) -> None:
+    def __init__(
+        self,
+        path: str,
+        device: str,
+        dtype: str,
+        threads: int | None,
+        engine_args: dict[str, Any],
+    ) -> None:
         from omni_ar.engines.vllm_engine import VllmEngine
         from transformers import GenerationConfig
 
         self.engine = VllmEngine(
             path,
-            dtype=options.dtype,
-            threads=options.threads,
-            engine_args={**ENGINE_ARGS, **options.engine_args},
+            dtype=dtype,
+            threads=threads,
+            engine_args={**ENGINE_ARGS, **engine_args},
             device=device,
         )
         self.engine.load_model()
@@ -202,7 +231,7 @@ class VllmThinker:
 
     # -- a request ------------------------------------------------------------------------
     def generate(
-        self, stage: Thinker, inp: StageInput, ti: ThinkerInput
+        self, stage: ThinkerStage, inp: StageInput, ti: ThinkerInput
     ) -> Iterator[StageEvent | None]:
         """The request's segments, as ``Thinker.generate`` makes them on transformers."""
         speak = ti.speech.speak
@@ -279,7 +308,7 @@ class VllmThinker:
             yield s[0], steps.ended
 
     def _arrays(
-        self, stage: Thinker, ti: ThinkerInput, rows: Rows, n: int, p: int
+        self, stage: ThinkerStage, ti: ThinkerInput, rows: Rows, n: int, p: int
     ) -> dict[str, Any]:
         """The n-th segment's rows: the prompt's (media embeddings zeroed) and the voice's
         ``tts`` rows first, then those of the token fed to make it."""
@@ -287,13 +316,13 @@ class VllmThinker:
             embed, hidden = rows.take(0, p)
             media = np.isin(np.asarray(ti.ids), list(stage.ids.values()))
             embed[media] = 0
-            tts = stage._tts_rows(ti.speech.voice).detach().float().cpu().numpy()
+            tts = stage.tts_rows(ti.speech.voice).detach().float().cpu().numpy()
             return {"embed": embed, "hidden": hidden, "tts": tts}
         embed, hidden = rows.take(p + n - 1, p + n)
         return {"embed": embed, "hidden": hidden}
 
     def _prompt(
-        self, stage: Thinker, inp: StageInput, ti: ThinkerInput
+        self, stage: ThinkerStage, inp: StageInput, ti: ThinkerInput
     ) -> tuple[dict[str, Any], list[list[int]]]:
         """vLLM's input (each media span collapsed to its one placeholder, which vLLM's
         processor expands again; images as decoded, audio clips as waveforms) and the
@@ -318,7 +347,7 @@ class VllmThinker:
             prompt["multi_modal_data"] = data
         return prompt, grids
 
-    def _params(self, stage: Thinker, ti: ThinkerInput, max_tokens: int, speak: bool) -> Any:
+    def _params(self, stage: ThinkerStage, ti: ThinkerInput, max_tokens: int, speak: bool) -> Any:
         """vLLM's sampling params: the stage's EOS set, not the tokenizer's EOS."""
         from vllm import SamplingParams as VllmParams
         from vllm.sampling_params import RequestOutputKind
@@ -337,7 +366,7 @@ class VllmThinker:
         )
 
 
-def _waves(stage: Thinker, request: dict[str, Any]) -> list[np.ndarray]:
+def _waves(stage: ThinkerStage, request: dict[str, Any]) -> list[np.ndarray]:
     """The request's audio clips as 16 kHz waveforms, decoded again as ``Thinker.read``
     decoded them: its input keeps only their features, and vLLM's processor takes
     waveforms (features given as ``input_audio_features`` beside a raw image fail in

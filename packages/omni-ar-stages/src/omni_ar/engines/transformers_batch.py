@@ -5,8 +5,9 @@ iterator that can leave the batch and come back (:class:`BatchSteps`)."""
 from __future__ import annotations
 
 from collections import deque
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omni_ar.engines.transformers_kv import cache_of, left_padded
 from omni_ar.engines.transformers_sampling import pick
@@ -14,8 +15,26 @@ from omni_ar.logits import Logits, ends
 from omni_ar.params import Sampled, SamplingParams
 from omni_ar.structured import Matcher
 
-if TYPE_CHECKING:
-    from omni_ar.engines.transformers_engine import TransformersEngine
+
+class BatchEngine(Protocol):
+    """What the batch reads of its engine
+    (:class:`~omni_ar.engines.transformers_engine.TransformersEngine`); a protocol, so that
+    this module, which the engine imports, does not import it."""
+
+    device: str
+    """``"cpu"`` or ``"cuda:0"``."""
+    turn: AbstractContextManager[Any]
+    """Held around each forward (:mod:`omni_ar.engines.cpu_turns`)."""
+    model: Any
+    """The transformers model."""
+    cache_kw: str
+    """The keyword its forward takes the KV cache under."""
+    eos_ids: set[int]
+    """The model's end-of-sequence ids."""
+
+    def tensor(self, ids: list[int] | list[list[int]]) -> Any:
+        """Token ids as a tensor on the engine's device."""
+        ...
 
 
 @dataclass
@@ -41,7 +60,7 @@ class DecodeBatch:
     request joining or leaving marks the batch ``dirty``, and the next step rebuilds the
     cache from each member's own KV (cut out of the old cache, or handed in on join)."""
 
-    def __init__(self, engine: TransformersEngine) -> None:
+    def __init__(self, engine: BatchEngine) -> None:
         self.engine = engine
         self.requests: dict[int, BatchRequest] = {}
         self.pending: dict[int, list[tuple[Any, Any]]] = {}  # KV of requests not yet in

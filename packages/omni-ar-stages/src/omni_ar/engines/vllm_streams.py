@@ -6,13 +6,27 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omni_ar.engines.vllm_requires_kv import forget_failure
 from omni_ar.params import PromptLogprobs, Sampled
 
 if TYPE_CHECKING:
-    from omni_ar.engines.vllm_engine import VllmEngine
+    from collections.abc import Iterator
+
+
+class StreamingEngine(Protocol):
+    """What a stream reads of its engine (:class:`~omni_ar.engines.vllm_engine.VllmEngine`);
+    a protocol, so that this module, which the engine imports, does not import it."""
+
+    streams: dict[str, StreamState]
+    """The requests in the engine, by id."""
+    engine: Any
+    """vLLM's ``LLMEngine``."""
+
+    def request_tokens(self, rid: str) -> Iterator[Sampled | None]:
+        """The request's tokens (``None`` after a step that gave it none)."""
+        ...
 
 
 @dataclass
@@ -49,7 +63,7 @@ class VllmSteps:
     was never iterated (a generator's ``finally`` would not run then)."""
 
     def __init__(
-        self, engine: VllmEngine, rid: str, kv_key: str | None, grammar_key: str | None = None
+        self, engine: StreamingEngine, rid: str, kv_key: str | None, grammar_key: str | None = None
     ) -> None:
         self.engine = engine
         self.rid = rid

@@ -1,9 +1,9 @@
-"""What a :class:`~omni_core.client.pipeline.Pipeline` runs on: one :class:`Backend`.
+"""What a :class:`~omni_core.pipeline.Pipeline` runs on: one :class:`Backend`.
 
 Three implement it: the :class:`~omni_core.control.orchestrator.Orchestrator` (workers
 through a launcher), the :class:`~omni_core.client.inline.InlineRunner` (every stage in
 this process) and, in ``omni-ray``, the Ray Client backend (the orchestrator in an actor
-of the cluster). :func:`~omni_core.client.pipeline.make_backend` chooses one for a config.
+of the cluster). :func:`~omni_core.pipeline.make_backend` chooses one for a config.
 """
 
 from __future__ import annotations
