@@ -19,14 +19,18 @@ SURFACE = {
     "IMAGE_INPUT_FORMATS",
     "MEDIA_TYPE",
     "PRIORITY_KEY",
+    "ConfigSection",
     "DeviceError",
     "Error",
     "ImageProgress",
     "NamedModel",
+    "OptionNames",
     "Placement",
     "Reporter",
     "SchedulerPolicy",
     "Segment",
+    "Spelling",
+    "SpellingError",
     "Stage",
     "StageContext",
     "StageEvent",
@@ -39,7 +43,15 @@ SURFACE = {
     "default_dtype",
     "installed_models",
 }
-CONSTANTS = {"IMAGE_INPUT_FORMATS", "MEDIA_TYPE", "PRIORITY_KEY", "SchedulerPolicy", "StageEvent"}
+CONSTANTS = {
+    "IMAGE_INPUT_FORMATS",
+    "MEDIA_TYPE",
+    "PRIORITY_KEY",
+    "SchedulerPolicy",
+    "StageEvent",
+    "ConfigSection",
+    "OptionNames",
+}
 
 
 def test_the_surface_is_exactly_the_listed_names():

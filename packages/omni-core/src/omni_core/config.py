@@ -13,12 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from omni_core.config_spelling import (
-    AR_STAGE_OPTIONS,
-    Spelling,
-    SpellingError,
-    canonical_spelling,
-)
+from omni_core.config_spelling import Section, Spelling, SpellingError, canonical_spelling
 from omni_core.dataplane.serial import DEFAULT_SHM_THRESHOLD
 from omni_core.scheduling import SchedulerPolicy
 
@@ -391,17 +386,47 @@ def parse_config(data: Any, source: str = "<config>", check_kinds: bool = True) 
 
 
 def _canonical(data: dict[str, Any], source: str, check_kinds: bool = True) -> Spelling:
-    # unchecked kinds (not loaded): every ar.* stage takes the mrs.ar defaults, the same
-    # on every machine whatever is installed
-    option_names = _option_names if check_kinds else _any_ar_options
+    # unchecked kinds (not loaded): a section's defaults reach every stage of its family,
+    # the same on every machine whatever is installed
+    option_names = _option_names if check_kinds else _unchecked
     try:
-        return canonical_spelling(data, option_names)
+        spelling = canonical_spelling(data, option_names, _section)
     except SpellingError as e:
         raise _fail(source, e.path, e.message) from None
+    mrs = spelling.data.get("mrs")
+    for key in mrs if isinstance(mrs, dict) else ():
+        if key not in MRS.__struct_fields__:
+            raise _fail(source, f"mrs.{key}", _unknown_section(key))
+    return spelling
 
 
-def _any_ar_options(kind: str) -> frozenset[str]:
-    return frozenset(AR_STAGE_OPTIONS)
+def _unknown_section(key: str) -> str:
+    from omni_core.registry import config_section_registry
+
+    added = ", ".join(config_section_registry().names()) or "none"
+    return (
+        f"unknown key; mrs takes {', '.join(MRS.__struct_fields__)} and the sections "
+        f"installed stage families add (here: {added}); a family's section (mrs.{key}) "
+        "needs that family installed: `omni stages` lists the installed kinds"
+    )
+
+
+def _unchecked(kind: str) -> None:
+    return None
+
+
+def _section(name: str) -> Section | None:
+    """The installed family's handler of ``mrs.<name>``, if one registered it."""
+    from omni_core.registry import RegistryError, config_section_registry
+
+    registry = config_section_registry()
+    if name not in registry.names():
+        return None
+    try:
+        handler: Section = registry.load(name)
+    except RegistryError as e:
+        raise SpellingError(f"mrs.{name}", str(e)) from None
+    return handler
 
 
 def _option_names(kind: str) -> frozenset[str]:

@@ -11,12 +11,9 @@ design doc                         omni
 ``mrs.stages[].process: true``     nothing (every stage is its own process)
 ``mrs.edges: [{from, to, ...}]``   the keys merged into ``edges[]`` of that pair
                                    (else a new edge)
-``mrs.ar.default_window_size: N``  ``window: {size: N}`` on every edge out of an
-                                   ``ar.*`` stage that sets no window size
-``mrs.ar.max_segment_tokens``,     ``options.<key>`` of every ``ar.*`` stage whose
-``mrs.ar.min_flush_interval_ms``   options have that key and that sets none
-``mrs.ar.scheduler_policy``        ``scheduler_policy`` of every ``ar.*`` stage that
-                                   sets none (``fcfs`` or ``priority``)
+``mrs.<section>: {...}``           what the family that registered ``<section>``
+                                   under ``omni.config_sections`` makes of it (the AR
+                                   family's ``mrs.ar``: :mod:`omni_ar.config_section`)
 =================================  ===============================================
 
 Every error names the key as the user wrote it; :meth:`Spelling.written` maps a
@@ -30,10 +27,12 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-AR_KIND_PREFIX = "ar."
-AR_STAGE_OPTIONS = ("max_segment_tokens", "min_flush_interval_ms")
-AR_KEYS = ("default_window_size", *AR_STAGE_OPTIONS, "scheduler_policy")
-POLICIES = ("fcfs", "priority")
+OptionNames = Callable[[str], "frozenset[str] | None"]
+"""The option keys a stage kind takes (empty: unknown kind; None: kinds are not checked)."""
+Section = Callable[[Any, "Spelling", OptionNames], None]
+"""A family's ``mrs.<name>`` section: ``apply(value, spelling, option_names)`` rewrites
+``spelling.data`` into omni's keys, records each key it set in ``spelling.origins`` and
+raises :class:`SpellingError` naming the key as written."""
 
 
 class SpellingError(ValueError):
@@ -68,11 +67,15 @@ def _prefix_ends(path: str) -> list[int]:
 
 
 def canonical_spelling(
-    data: dict[str, Any], option_names: Callable[[str], frozenset[str]]
+    data: dict[str, Any],
+    option_names: OptionNames,
+    sections: Callable[[str], Section | None] = lambda name: None,
 ) -> Spelling:
     """``data`` (a parsed config) with the design doc's keys rewritten into omni's.
-    ``option_names(kind)``: the option keys a stage kind takes (empty if unknown).
-    Raises :class:`SpellingError` for a key omni does not support or set twice."""
+    ``option_names(kind)``: the option keys a stage kind takes. ``sections(name)``: the
+    installed family's handler of ``mrs.<name>``, or None (the key is left to the
+    config's own check). Raises :class:`SpellingError` for a key omni does not support
+    or set twice."""
     out = Spelling(dict(data))
     mrs = data.get("mrs")
     if not isinstance(mrs, dict):
@@ -82,7 +85,8 @@ def canonical_spelling(
     defaults = mrs.get("defaults")
     if isinstance(defaults, dict):
         mrs["defaults"] = _window_size(defaults, "mrs.defaults", "mrs.defaults", out.origins)
-    doc_stages, doc_edges, ar = mrs.pop("stages", None), mrs.pop("edges", None), mrs.pop("ar", None)
+    doc_stages, doc_edges = mrs.pop("stages", None), mrs.pop("edges", None)
+    handled = [(name, handler, mrs.pop(name)) for name in list(mrs) if (handler := sections(name))]
     if mrs:
         out.data["mrs"] = mrs
     else:
@@ -92,8 +96,8 @@ def canonical_spelling(
         _merge(out, "stages", doc_stages, "mrs.stages", ("name",), _stage_entry)
     if doc_edges is not None:
         _merge(out, "edges", doc_edges, "mrs.edges", ("from", "to"), _edge_entry)
-    if ar is not None:
-        _apply_ar(out, ar, option_names)
+    for _, handler, value in handled:
+        handler(value, out, option_names)
     return out
 
 
@@ -231,64 +235,3 @@ def _no_stage(name: str, written: str, has_stages: bool) -> str:
         f"(`- {{name: {name}, kind: KIND}}`), or add `kind: KIND` to this entry (KIND: "
         "a stage kind listed by `omni stages`)"
     )
-
-
-def _apply_ar(out: Spelling, ar: Any, option_names: Callable[[str], frozenset[str]]) -> None:
-    """``mrs.ar.*``: the defaults of every ``ar.*`` stage and of the edges out of one."""
-    if not isinstance(ar, dict):
-        raise SpellingError("mrs.ar", f"expected a mapping, got {type(ar).__name__}")
-    for name in ar:
-        if name not in AR_KEYS:
-            raise SpellingError(
-                f"mrs.ar.{name}",
-                f"unknown key; mrs.ar takes {', '.join(AR_KEYS)}; an ar.* stage's other "
-                "settings go in its own `options`",
-            )
-    policy = ar.get("scheduler_policy")
-    if policy is not None and policy not in POLICIES:
-        raise SpellingError(
-            "mrs.ar.scheduler_policy", f"expected one of {', '.join(POLICIES)}, got {policy!r}"
-        )
-    stages = out.data.get("stages")
-    if not isinstance(stages, list):
-        stages = []
-    else:
-        stages = out.data["stages"] = list(stages)  # the caller's list stays as it was
-    ar_stages = [
-        (i, s)
-        for i, s in enumerate(stages)
-        if isinstance(s, dict) and str(s.get("kind", "")).startswith(AR_KIND_PREFIX)
-    ]
-    if policy is not None:
-        for i, s in ar_stages:
-            if "scheduler_policy" not in s:
-                stages[i] = {**s, "scheduler_policy": policy}
-                out.origins[f"stages[{i}].scheduler_policy"] = "mrs.ar.scheduler_policy"
-    given = [o for o in AR_STAGE_OPTIONS if o in ar]
-    for i, s in ar_stages:
-        if not given:  # nothing to default: no kind's options are looked up
-            break
-        options = s.get("options", {})
-        if not isinstance(options, dict):
-            continue  # the config's own check says what is wrong with it
-        takes = option_names(str(s["kind"]))
-        defaults = {o: ar[o] for o in given if o in takes and o not in options}
-        if defaults:
-            stages[i] = {**s, "options": {**options, **defaults}}
-            out.origins.update({f"stages[{i}].options.{o}": f"mrs.ar.{o}" for o in defaults})
-    if "default_window_size" in ar:
-        _ar_edge_windows(out, {str(s.get("name")) for _, s in ar_stages}, ar["default_window_size"])
-
-
-def _ar_edge_windows(out: Spelling, ar_names: set[str], size: Any) -> None:
-    edges = out.data.get("edges")
-    if not isinstance(edges, list):
-        return
-    edges = out.data["edges"] = list(edges)  # the caller's list stays as it was
-    for i, e in enumerate(edges):
-        if not isinstance(e, dict) or e.get("from") not in ar_names:
-            continue
-        window = e.get("window")
-        if window is None or (isinstance(window, dict) and "size" not in window):
-            edges[i] = {**e, "window": {"size": size, **(window or {})}}
-            out.origins[f"edges[{i}].window.size"] = "mrs.ar.default_window_size"

@@ -41,12 +41,20 @@ What the names are for, by group:
   models``), :func:`installed_models`, :class:`Reporter` (what a model's ``pull``
   reports its steps to), :func:`cached` and :func:`build_once` (a directory built once
   in omni's model cache, by one of several workers starting together).
+* **Config sections:** a family may add a section to a config's ``mrs:`` in the MRS
+  design doc's spelling (the AR family's ``mrs.ar``): a :data:`ConfigSection` registered
+  under the ``omni.config_sections`` entry-point group, named by its key. It rewrites a
+  :class:`Spelling` (the config as parsed) into omni's keys, told the option keys each
+  stage kind takes (:data:`OptionNames`), and raises :class:`SpellingError` naming the
+  key as written.
 * **Media:** :data:`MEDIA_TYPE` (the payload key an encoding stage names its bytes'
   type under) and :data:`IMAGE_INPUT_FORMATS` (the image formats inputs are taken in).
 """
 
 from __future__ import annotations
 
+from omni_core.config_spelling import OptionNames, Spelling, SpellingError
+from omni_core.config_spelling import Section as ConfigSection
 from omni_core.dataplane.windows import Window
 from omni_core.errors import UserInputError
 from omni_core.events import Error, ImageProgress, Segment
@@ -63,14 +71,18 @@ __all__ = [
     "IMAGE_INPUT_FORMATS",
     "MEDIA_TYPE",
     "PRIORITY_KEY",
+    "ConfigSection",
     "DeviceError",
     "Error",
     "ImageProgress",
     "NamedModel",
+    "OptionNames",
     "Placement",
     "Reporter",
     "SchedulerPolicy",
     "Segment",
+    "Spelling",
+    "SpellingError",
     "Stage",
     "StageContext",
     "StageEvent",

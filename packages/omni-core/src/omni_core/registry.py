@@ -20,6 +20,7 @@ BENCHMARKS_GROUP = "omni.benchmarks"
 COMMANDS_GROUP = "omni.commands"
 BACKENDS_GROUP = "omni.backends"
 MODELS_GROUP = "omni.models"
+SECTIONS_GROUP = "omni.config_sections"
 
 
 class RegistryError(LookupError):
@@ -131,6 +132,14 @@ def model_registry() -> Registry:
     """Named models by family: each entry point is a function returning that family's
     :class:`~omni_core.models.named_models.NamedModel` list."""
     return Registry(MODELS_GROUP, "model family")
+
+
+@functools.cache
+def config_section_registry() -> Registry:
+    """Sections a family adds to a config's ``mrs:`` in the design doc's spelling (the
+    entry point's name is the key, ``mrs.<name>``): each is a
+    :data:`~omni_core.config_spelling.Section`."""
+    return Registry(SECTIONS_GROUP, "config section")
 
 
 def load_stage_class(kind: str) -> type:

@@ -1,7 +1,10 @@
 """The MRS design doc's spelling of a config (omni_core.config_spelling): the doc's example
 loads, means its canonical spelling and runs; ``omni config normalize`` round-trips; every
 key omni does not support, and every setting written in both spellings, is an error that
-names the keys as written."""
+names the keys as written. The example's ``mrs.ar`` section is the AR family's
+(``omni_ar.config_section``, registered under ``omni.config_sections``), so this is a
+test of the core with that family; how the core hands a section to its family is
+``packages/omni-core/tests/test_config_sections.py``'s."""
 
 from __future__ import annotations
 
