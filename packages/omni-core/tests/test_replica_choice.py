@@ -8,7 +8,7 @@ import pytest
 from omni_core.client.collector import Collector
 from omni_core.config import parse_config
 from omni_core.control.replicas import Router
-from omni_core.control.supervisor import StageProc, Supervisor, stage_health
+from omni_core.control.supervisor import Supervisor, WorkerRecord, stage_health
 from omni_core.dataplane.serial import ArrayCodec
 from omni_core.events import Heartbeat, Ready, StageStats
 from omni_testing.supervision import Clock, FakeLauncher
@@ -45,7 +45,7 @@ class Replicas:
         for name in ["src", *self.cfg.workers("work")[:lo]]:
             self.ready(self.sup.spawn(name))
 
-    def ready(self, p: StageProc) -> None:
+    def ready(self, p: WorkerRecord) -> None:
         self.sup.on_status(Ready(stage=p.name, pid=p.worker.pid, load_s=0.1))
 
     def beat(self, *names: str) -> None:

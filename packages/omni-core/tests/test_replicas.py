@@ -7,7 +7,7 @@ import pytest
 from omni_core.client.collector import Collector
 from omni_core.config import ConfigError, parse_config, replica_name, split_worker
 from omni_core.control.replicas import PLACE_RETRY_S, Autoscaler, Router
-from omni_core.control.supervisor import StageProc, stage_health
+from omni_core.control.supervisor import WorkerRecord, stage_health
 from omni_core.dataplane.serial import ArrayCodec
 from omni_core.errors import StageDeadError
 
@@ -29,12 +29,12 @@ class FakeSupervisor:
     def __init__(self, cfg, clock):
         self.cfg = cfg
         self.clock = clock
-        self.procs: dict[str, StageProc] = {}
+        self.procs: dict[str, WorkerRecord] = {}
         self.late_ones: set[str] = set()
 
     def add(self, name, state="ready"):
         stage, i = split_worker(name)
-        p = StageProc(name, "x", worker=None, stage=stage, replica=i, state=state)  # type: ignore[arg-type]
+        p = WorkerRecord(name, "x", worker=None, stage=stage, replica=i, state=state)  # type: ignore[arg-type]
         p.ready = state == "ready"
         self.procs[name] = p
         return p

@@ -12,7 +12,7 @@ from omni_core.dataplane.serial import ArrayCodec
 from omni_core.events import Completed, Release, Segment, SegmentRun, ShmHandle
 from omni_core.stage import StageInput
 from omni_core.worker.host import StageHost, WorkItem, stage_context
-from omni_core.worker.scheduler import Scheduler
+from omni_core.worker.stage_thread import StageThread
 from omni_core.worker.state import WorkerState
 from omni_core.worker.work_queue import WorkQueue
 from omni_testing.configs import chain
@@ -52,7 +52,9 @@ def idle_worker():
     host = StageHost(cfg, "count", stage, ArrayCodec("count"))
     state = WorkerState("count", host, Outbox())
     work = WorkQueue(state, capacity=8, waker=Quiet(), stage_name="count", send_status=print)
-    stage_thread = Scheduler(state, work, stage, Quiet(), max_inflight=1, max_batch=1, trace=False)
+    stage_thread = StageThread(
+        state, work, stage, Quiet(), max_inflight=1, max_batch=1, trace=False
+    )
     thread = threading.Thread(target=stage_thread.run, daemon=True)
     thread.start()
     return state, work, thread

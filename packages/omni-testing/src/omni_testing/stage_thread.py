@@ -23,7 +23,7 @@ from omni_core.errors import UserInputError
 from omni_core.events import Release, Segment, SegmentRun, ShmHandle, Submit
 from omni_core.stage import Stage, StageEvent, StageInput
 from omni_core.worker.host import StageHost, WorkItem, stage_context
-from omni_core.worker.scheduler import Scheduler
+from omni_core.worker.stage_thread import StageThread
 from omni_core.worker.state import WorkerState
 from omni_core.worker.work_queue import WorkQueue
 
@@ -184,7 +184,7 @@ class Script(Stage):
 
 class Rig:
     """One stage ``loop`` (a source stage streaming to the caller, or with ``sink``
-    replicas downstream), its work queue and its scheduler; the test plays the I/O
+    replicas downstream), its work queue and its stage thread; the test plays the I/O
     thread. ``run`` drains what was submitted in a thread of its own, as a worker does
     when told to stop with ``drain``; ``start`` / ``stop`` run it as a live worker."""
 
@@ -217,7 +217,7 @@ class Rig:
             self.state, capacity, self.waker, "loop", print, by_priority=policy == "priority"
         )
         self.sender = Sent(self)
-        self.scheduler = Scheduler(
+        self.stage_thread = StageThread(
             self.state,
             self.queue,
             self.stage,
@@ -266,7 +266,7 @@ class Rig:
 
     # -- the stage thread --------------------------------------------------------------
     def start(self) -> None:
-        self.thread = threading.Thread(target=self.scheduler.run, daemon=True)
+        self.thread = threading.Thread(target=self.stage_thread.run, daemon=True)
         self.thread.start()
 
     def join(self, timeout: float = 10.0) -> None:

@@ -31,7 +31,7 @@ from omni_core.config import PipelineConfig, replica_name
 from omni_core.control.launcher import Launcher, ProcessLauncher, WorkerHandle, report
 from omni_core.control.replicas import Autoscaler, Router
 from omni_core.control.request_table import RequestTable
-from omni_core.control.supervisor import StageProc, Supervisor
+from omni_core.control.supervisor import Supervisor, WorkerRecord
 from omni_core.dataplane.poll_loop import PollLoop
 from omni_core.dataplane.serial import (
     ArrayCodec,
@@ -83,7 +83,7 @@ class ControlLoop(PollLoop):
         for p in self.sup.procs.values():
             self._watch_exit(p)
 
-    def _watch_exit(self, p: StageProc) -> None:
+    def _watch_exit(self, p: WorkerRecord) -> None:
         fd = p.worker.fileno()
         if fd is not None:
             self.watch(fd, lambda: None)  # seen in tick(), through supervisor.ended
@@ -220,7 +220,7 @@ class ControlLoop(PollLoop):
         self._watch_exit(p)
 
     # -- deaths --------------------------------------------------------------------
-    def on_death(self, p: StageProc) -> None:
+    def on_death(self, p: WorkerRecord) -> None:
         """A worker exited: end or replay its requests, reclaim its slots, restart it."""
         if self.o.closing or self.o.shutting_down:  # told to stop: not a crash
             p.worker.reap()
@@ -324,7 +324,7 @@ class Orchestrator(Backend):
         self.failure: dict[str, str] | None = None
 
     @property
-    def procs(self) -> dict[str, StageProc]:
+    def procs(self) -> dict[str, WorkerRecord]:
         """The workers now (a copy: the autoscaler adds and removes replicas)."""
         return dict(self.supervisor.procs)
 

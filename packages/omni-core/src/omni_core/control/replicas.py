@@ -31,7 +31,7 @@ from typing import Any
 
 from omni_core.client.collector import Collector
 from omni_core.config import PipelineConfig, ReplicaSpec, replica_name
-from omni_core.control.supervisor import StageProc, Supervisor
+from omni_core.control.supervisor import Supervisor, WorkerRecord
 from omni_core.errors import StageDeadError
 
 log = logging.getLogger("omni.replicas")
@@ -87,7 +87,7 @@ class Router:
         self.turn[stage] = (chosen + 1) % n
         return chosen
 
-    def rank(self, p: StageProc) -> int | None:
+    def rank(self, p: WorkerRecord) -> int | None:
         """0: serving; 1: late with its heartbeats; 2: starting or restarting (requests
         wait for it); None: never (dead, hung, being scaled down). Ranked within the
         replicas with room: a full one is taken only when every other is full too."""
@@ -124,7 +124,7 @@ class Autoscaler:
         """Requests bound to the stage's replicas and not yet past it."""
         return sum(v for (s, _), v in self.collector.outstanding.items() if s == stage)
 
-    def live(self, stage: str) -> list[StageProc]:
+    def live(self, stage: str) -> list[WorkerRecord]:
         return [
             p
             for p in self.sup.procs.values()
@@ -136,10 +136,10 @@ class Autoscaler:
         want = math.ceil(self.load(stage) / spec.target) if spec.target else spec.max
         return max(spec.min, min(spec.max, want))
 
-    def tick(self) -> tuple[list[str], list[StageProc]]:
+    def tick(self) -> tuple[list[str], list[WorkerRecord]]:
         """(workers to start, replicas to drain) now; the caller carries them out."""
         start: list[str] = []
-        drain: list[StageProc] = []
+        drain: list[WorkerRecord] = []
         now = self.clock()
         for stage, spec in self.specs.items():
             live = self.live(stage)
@@ -188,7 +188,7 @@ class Autoscaler:
                 return replica_name(stage, i)
         return None  # every name is taken (some still draining)
 
-    def _victim(self, live: list[StageProc]) -> StageProc | None:
+    def _victim(self, live: list[WorkerRecord]) -> WorkerRecord | None:
         """The replica to drain: the one with the fewest outstanding requests (the
         highest index among equals), never the last serving one."""
         serving = [p for p in live if p.state == "ready"]

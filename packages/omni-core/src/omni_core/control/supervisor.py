@@ -33,7 +33,7 @@ MIN_LATE_S = 1.0
 
 
 @dataclass
-class StageProc:
+class WorkerRecord:
     """One stage's worker: the current process, and the stage's life across restarts."""
 
     name: str  # the worker's: the stage's, or STAGE#i for a replica
@@ -73,16 +73,16 @@ class Supervisor:
         self.cfg = cfg
         self.launcher = launcher
         self.clock = clock
-        self.procs: dict[str, StageProc] = {}
+        self.procs: dict[str, WorkerRecord] = {}
 
-    def spawn(self, name: str) -> StageProc:
+    def spawn(self, name: str) -> WorkerRecord:
         """Start (or restart) worker ``name`` (a stage's, or ``STAGE#i``); the restart
         history carries over."""
         stage, replica = split_worker(name)
         st = self.cfg.stage(stage)
         worker = self.launcher.spawn(name)
         idempotent = bool(getattr(load_stage_class(st.kind), "idempotent", False))
-        p = StageProc(name, st.kind, worker, idempotent, stage, replica, spawned_at=self.clock())
+        p = WorkerRecord(name, st.kind, worker, idempotent, stage, replica, spawned_at=self.clock())
         old = self.procs.get(name)
         if old is not None:
             p.restarts, p.recent = old.restarts, old.recent
@@ -119,7 +119,7 @@ class Supervisor:
         elif isinstance(msg, LoadFailed):
             p.load_error = msg.message
 
-    def ended(self, readable: dict[Any, int]) -> list[StageProc]:
+    def ended(self, readable: dict[Any, int]) -> list[WorkerRecord]:
         """Live workers that ended: their exit fd is in ``readable``, or (no fd) they say so."""
         self.launcher.tick()
         out = []
@@ -131,7 +131,7 @@ class Supervisor:
                 out.append(p)
         return out
 
-    def on_death(self, p: StageProc) -> None:
+    def on_death(self, p: WorkerRecord) -> None:
         """Reap an ended worker and decide: restart after a back-off, or dead for good
         (``max_restarts`` restarts within ``restart_window_s`` already)."""
         p.exit_reason = p.worker.reap()
@@ -151,7 +151,7 @@ class Supervisor:
         else:
             p.state = "dead"
 
-    def why(self, p: StageProc) -> tuple[str, str]:
+    def why(self, p: WorkerRecord) -> tuple[str, str]:
         """(message, code) for the requests an ended worker takes down."""
         replica = f" replica {p.replica}" if p.name != p.stage else ""
         where = f"stage {p.stage!r}{replica} worker (pid {p.worker.pid}, {p.worker.where})"
@@ -159,7 +159,7 @@ class Supervisor:
             return f"{where} {p.hung}; it was killed", "stage_hung"
         return f"{where} {p.exit_reason}", "stage_died"
 
-    def due_restarts(self) -> list[StageProc]:
+    def due_restarts(self) -> list[WorkerRecord]:
         """Restart the stages whose back-off is over; the new lives."""
         now = self.clock()
         out = []
@@ -179,7 +179,7 @@ class Supervisor:
                 log.error("stage %s: %s", p.name, p.exit_reason, extra={"stage": p.name})
         return out
 
-    def check_liveness(self) -> list[StageProc]:
+    def check_liveness(self) -> list[WorkerRecord]:
         """Kill every stage that is hung (silent or stuck on one step past its stall
         timeout) or a restart that did not come up within ``ready_timeout_s``; their ends
         are then seen by :meth:`ended` like any death."""
@@ -197,7 +197,7 @@ class Supervisor:
                 killed.append(p)
         return killed
 
-    def _stalled(self, p: StageProc, now: float) -> str:
+    def _stalled(self, p: WorkerRecord, now: float) -> str:
         if not p.ready:
             waited = now - p.spawned_at
             if p.restarts and waited > self.cfg.ready_timeout_s:
@@ -215,7 +215,7 @@ class Supervisor:
         return ""
 
     # -- what callers see ------------------------------------------------------
-    def late(self, p: StageProc, now: float) -> bool:
+    def late(self, p: WorkerRecord, now: float) -> bool:
         """Its heartbeats stopped (a few intervals missed): not healthy, even before the
         stall timeout has it killed."""
         limit = max(MIN_LATE_S, LATE_HEARTBEATS * self.cfg.heartbeat_interval_s)

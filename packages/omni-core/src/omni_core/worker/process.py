@@ -24,9 +24,9 @@ from omni_core.dataplane.transport import Addresses, Outbox, Sender, Waker, pull
 from omni_core.events import Error, LoadFailed, Ready, ShmHandle
 from omni_core.observability.logs import configure_logging
 from omni_core.registry import load_stage_class
-from omni_core.worker.control_io import WorkerIO
 from omni_core.worker.host import CLIENT, StageHost, stage_context
-from omni_core.worker.scheduler import Scheduler
+from omni_core.worker.io_thread import IOThread
+from omni_core.worker.stage_thread import StageThread
 from omni_core.worker.state import WorkerState
 from omni_core.worker.work_queue import WorkQueue
 
@@ -113,10 +113,10 @@ class Worker:
                     self.zctx, self.addr.control(source), 100_000
                 )
 
-    def stage_loop(self) -> Scheduler:
+    def stage_loop(self) -> StageThread:
         """The stage thread's loop (after :meth:`open_sockets`: it sends through the
         sender)."""
-        return Scheduler(
+        return StageThread(
             self.state,
             self.queue,
             self.stage,
@@ -126,9 +126,9 @@ class Worker:
             trace=self.spec.config.trace,
         )
 
-    def io_loop(self) -> WorkerIO:
+    def io_loop(self) -> IOThread:
         """The I/O thread's loop (after :meth:`open_sockets`: it owns them from then on)."""
-        return WorkerIO(
+        return IOThread(
             self.state,
             self.queue,
             waker=self.waker,
@@ -240,13 +240,13 @@ def serve(spec: WorkerSpec) -> int:
     gc.set_threshold(20_000, 50, 100)
     # Ready goes out before the I/O thread owns the status socket
     worker.send_status(Ready(stage=name, pid=os.getpid(), load_s=time.monotonic() - t0))
-    io, scheduler = worker.io_loop(), worker.stage_loop()
+    io, stage_thread = worker.io_loop(), worker.stage_loop()
     thread = threading.Thread(
         target=io.run, args=(worker.io_failed,), name=f"omni-io-{name}", daemon=True
     )
     thread.start()
     try:
-        scheduler.run()
+        stage_thread.run()
     finally:
         try:
             worker.sender.flush()

@@ -1,8 +1,8 @@
 """What a worker's two threads share: one lock, what it guards, and the flags and
 counters one thread writes and the other reads.
 
-The I/O thread (:mod:`~omni_core.worker.control_io`) and the stage thread
-(:mod:`~omni_core.worker.scheduler`) each get this object and, as constructor arguments,
+The I/O thread (:mod:`~omni_core.worker.io_thread`) and the stage thread
+(:mod:`~omni_core.worker.stage_thread`) each get this object and, as constructor arguments,
 only what they use alone or what synchronizes itself (the sender, the waker, sockets).
 """
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("omni.worker")
 
 
-class WorkerIO(PollLoop):
+class IOThread(PollLoop):
     def __init__(
         self,
         state: WorkerState,

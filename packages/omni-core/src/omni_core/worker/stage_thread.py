@@ -50,7 +50,7 @@ class _Active:
     priority: int = 0  # its best request's (what pausing it would delay)
 
 
-class Scheduler:
+class StageThread:
     def __init__(
         self,
         state: WorkerState,

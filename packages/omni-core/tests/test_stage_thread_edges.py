@@ -10,7 +10,7 @@ import types
 import pytest
 from omni_core.stage import StageInput
 from omni_core.worker.host import WorkItem
-from omni_core.worker.scheduler import _Active
+from omni_core.worker.stage_thread import _Active
 from omni_testing.faults import wait_for
 from omni_testing.stage_thread import Rig, slot
 
@@ -516,7 +516,7 @@ def test_a_traced_batchs_span_names_the_window_of_its_first_request(windows, ind
         for rid, i in zip("ab", windows, strict=True)
     ]
     a = _Active(iter(()), items, {"a", "b"}, [], started=1.0, outputs=2)
-    rig.scheduler._finish(a, failed=True)
+    rig.stage_thread._finish(a, failed=True)
     (span,) = rig.state.spans
     assert (span.requests, span.start, span.outputs, span.window) == (["a", "b"], 1.0, 2, index)
 
