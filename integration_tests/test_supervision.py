@@ -12,7 +12,7 @@ import zmq
 from omni_core import Pipeline
 from omni_core.dataplane.serial import encode_frame
 from omni_core.errors import OverloadedError, RuntimeFailedError
-from omni_core.events import Completed, Segment, SegmentRun
+from omni_core.events import Completed, Segment, SegmentRun, Submit
 from omni_testing.configs import chain
 from omni_testing.faults import Gate, stopped, wait_for, wait_ready
 
@@ -258,6 +258,9 @@ def test_garbage_on_a_workers_control_socket_is_dropped_and_control_goes_on():
         push.connect(pipe.backend.addr.control("hold"))
         push.send(b"\x00garbage")
         push.send(encode_frame([{"event_type": "cancel", "request_id": 7}]))
+        # decodable, but not a control message a worker takes (its table has no submit):
+        # logged and dropped, never run as a request
+        push.send(encode_frame([Submit(request_id="stray", request={})]))
         push.close(linger=1000)
         acks = pipe.metrics()["cancel_acks"]
         assert pipe.cancel(queued.request_id)  # a real cancel still reaches the worker

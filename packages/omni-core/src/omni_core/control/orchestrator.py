@@ -41,7 +41,15 @@ from omni_core.dataplane.serial import (
     salvage_frame,
 )
 from omni_core.dataplane.shm import SegmentReader
-from omni_core.dataplane.transport import Addresses, Outbox, Waker, pull_socket, push_socket
+from omni_core.dataplane.transport import (
+    Addresses,
+    Outbox,
+    Waker,
+    control_dest,
+    data_dest,
+    pull_socket,
+    push_socket,
+)
 from omni_core.errors import StageDeadError, StageStartError
 from omni_core.events import (
     Ack,
@@ -205,7 +213,7 @@ class ControlLoop(PollLoop):
             ):
                 p.state = "stopping"  # its requests are past it, their output arrived
                 msg = Shutdown(drain=True, deadline=time.time() + 30.0)
-                self.outbox.put(f"ctl:{p.name}", msg, block=False)
+                self.outbox.put(control_dest(p.name), msg, block=False)
 
     def add_replica(self, name: str) -> None:
         try:
@@ -243,7 +251,7 @@ class ControlLoop(PollLoop):
         # slots the dead worker was reading go back to its producers; its own arena goes
         for e in self.cfg.inbound(p.stage):
             for source in self.cfg.workers(e.source):
-                self.outbox.put(f"ctl:{source}", ReaderLost(reader=p.name), block=False)
+                self.outbox.put(control_dest(source), ReaderLost(reader=p.name), block=False)
         downstream = [e.target for e in self.cfg.outbound(p.stage)]
         # a replica scaled down had nothing left; one that crashed while draining may have
         replayable = p.idempotent and p.state in ("restarting", "stopped")
@@ -275,19 +283,19 @@ class ControlLoop(PollLoop):
             for e in self.cfg.outbound(stage):
                 for target in self.cfg.workers(e.target):
                     msg = SegmentGone(segment=worker.segment)
-                    self.outbox.put(f"ctl:{target}", msg, block=False)
+                    self.outbox.put(control_dest(target), msg, block=False)
         self.retired = keep
 
     # -- messages out --------------------------------------------------------------
     def release(self, handles: list[ShmHandle]) -> None:
         for producer, msg in releases(handles, CLIENT):
-            self.outbox.put(f"ctl:{producer}", msg, block=False)
+            self.outbox.put(control_dest(producer), msg, block=False)
 
     def broadcast_cancel(self, wire_id: str, reason: str, include_dead: bool = False) -> None:
         for name, p in self.sup.procs.items():
             if include_dead or not p.dead:
                 msg = Cancel(request_id=wire_id, reason=reason)
-                self.outbox.put(f"ctl:{name}", msg, block=False)
+                self.outbox.put(control_dest(name), msg, block=False)
 
 
 class Orchestrator(Backend):
@@ -346,9 +354,9 @@ class Orchestrator(Backend):
         for st in self.cfg.stages:  # every replica a stage may have, started or not
             for name in self.cfg.workers(st.name):
                 hwm = self.cfg.setting(st, "queue_capacity")
-                self.sockets[f"data:{name}"] = push_socket(self.zctx, self.addr.data(name), hwm)
+                self.sockets[data_dest(name)] = push_socket(self.zctx, self.addr.data(name), hwm)
                 ctl = push_socket(self.zctx, self.addr.control(name), 1 << 16)
-                self.sockets[f"ctl:{name}"] = ctl
+                self.sockets[control_dest(name)] = ctl
         self.loop = ControlLoop(self)
         self._thread = threading.Thread(
             target=self.loop.run,
@@ -499,7 +507,7 @@ class Orchestrator(Backend):
         msg = Submit(request_id=wire_id, request=request, deadline=deadline, routes=routes)
         for s in self.sources:
             worker = s if routes is None or s not in routes else replica_name(s, routes[s])
-            self.outbox.put(f"data:{worker}", msg, block=block)
+            self.outbox.put(data_dest(worker), msg, block=block)
 
     def cancel(self, request_id: str) -> bool:
         wire_id = self.requests.cancel(request_id)
@@ -507,7 +515,7 @@ class Orchestrator(Backend):
             return False
         for name in self.procs:
             msg = Cancel(request_id=wire_id, reason="cancelled")
-            self.outbox.put(f"ctl:{name}", msg, block=False)
+            self.outbox.put(control_dest(name), msg, block=False)
         return True
 
     def health(self) -> dict[str, dict[str, Any]]:
@@ -564,7 +572,7 @@ class Orchestrator(Backend):
             deadline = time.time() + timeout_s
             for name in self.procs:
                 self.outbox.put(
-                    f"ctl:{name}", Shutdown(drain=False, deadline=deadline), block=False
+                    control_dest(name), Shutdown(drain=False, deadline=deadline), block=False
                 )
             t_end = time.monotonic() + 0.5
             while self.outbox.pending() and time.monotonic() < t_end:

@@ -74,6 +74,12 @@ class Supervisor:
         self.launcher = launcher
         self.clock = clock
         self.procs: dict[str, WorkerRecord] = {}
+        self.on_message: dict[type, Callable[[WorkerRecord, Any, float], None]] = {
+            Heartbeat: self._heartbeat,
+            Ready: self._ready,
+            LoadFailed: self._load_failed,
+        }
+        """The status messages the supervisor reads, by type, and what each does."""
 
     def spawn(self, name: str) -> WorkerRecord:
         """Start (or restart) worker ``name`` (a stage's, or ``STAGE#i``); the restart
@@ -91,33 +97,37 @@ class Supervisor:
 
     # -- what the loop sees ----------------------------------------------------
     def on_status(self, msg: Any) -> None:
-        """A worker's ready, load failure or heartbeat."""
+        """A worker's ready, load failure or heartbeat (an ack is the orchestrator's)."""
         p = self.procs.get(msg.stage)
-        if p is None:
+        handler = self.on_message.get(type(msg))
+        if p is None or handler is None:
             return
-        now = self.clock()
-        if isinstance(msg, Heartbeat):
-            if p.last_heartbeat and now > p.last_heartbeat:
-                dt = now - p.last_heartbeat
-                p.rates = {
-                    "enqueue_per_s": (msg.stats.received - p.stats.received) / dt,
-                    "dequeue_per_s": (msg.stats.dequeued - p.stats.dequeued) / dt,
-                }
-            p.last_heartbeat = now
-            p.stats = msg.stats
-        elif isinstance(msg, Ready):
-            p.load_s = msg.load_s
-            if p.retiring or p.state != "starting":  # scaled down, hung or ended: it stays so
-                log.info(
-                    "stage %s: ready too late, already %s", p.name, p.state, extra={"stage": p.name}
-                )
-                return
-            p.ready = True
-            p.state = "ready"
-            p.last_heartbeat = now
-            report(f"{p.name}: ready, loaded in {msg.load_s:.1f} s")
-        elif isinstance(msg, LoadFailed):
-            p.load_error = msg.message
+        handler(p, msg, self.clock())
+
+    def _heartbeat(self, p: WorkerRecord, msg: Heartbeat, now: float) -> None:
+        if p.last_heartbeat and now > p.last_heartbeat:
+            dt = now - p.last_heartbeat
+            p.rates = {
+                "enqueue_per_s": (msg.stats.received - p.stats.received) / dt,
+                "dequeue_per_s": (msg.stats.dequeued - p.stats.dequeued) / dt,
+            }
+        p.last_heartbeat = now
+        p.stats = msg.stats
+
+    def _ready(self, p: WorkerRecord, msg: Ready, now: float) -> None:
+        p.load_s = msg.load_s
+        if p.retiring or p.state != "starting":  # scaled down, hung or ended: it stays so
+            log.info(
+                "stage %s: ready too late, already %s", p.name, p.state, extra={"stage": p.name}
+            )
+            return
+        p.ready = True
+        p.state = "ready"
+        p.last_heartbeat = now
+        report(f"{p.name}: ready, loaded in {msg.load_s:.1f} s")
+
+    def _load_failed(self, p: WorkerRecord, msg: LoadFailed, now: float) -> None:
+        p.load_error = msg.message
 
     def ended(self, readable: dict[Any, int]) -> list[WorkerRecord]:
         """Live workers that ended: their exit fd is in ``readable``, or (no fd) they say so."""

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NewType
 
 import zmq
 
@@ -33,6 +33,21 @@ _FRAME_BUFFER_KEEP = 16 << 20  # a sender's frame buffer larger than this is let
 _IPC_PATH_MAX = 100
 STATUS = "orchestrator.status"  # workers -> orchestrator: ready, heartbeats, acks
 RESULTS = "client.results"  # streaming stages -> the caller's collector
+
+Dest = NewType("Dest", str)
+"""An :class:`Outbox` destination that is not a stage's data edge: a worker's control or
+data socket as the orchestrator (or an upstream worker) addresses it. Made only by
+:func:`control_dest` and :func:`data_dest`, never spelled out."""
+
+
+def control_dest(worker: str) -> Dest:
+    """Where control messages to ``worker`` (releases, reader changes, shutdown) go."""
+    return Dest(f"ctl:{worker}")
+
+
+def data_dest(worker: str) -> Dest:
+    """Where the orchestrator sends ``worker``'s submissions (a source stage's input)."""
+    return Dest(f"data:{worker}")
 
 
 SOCKET_DIR_PREFIX = "omni-"

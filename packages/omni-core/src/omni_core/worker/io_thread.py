@@ -72,6 +72,14 @@ class IOThread(PollLoop):
         self.next_beat = 0.0
         self.data_on = False
         self.gpu = GpuProbe(devices)
+        self.on_message: dict[type, Callable[[Any], None]] = {
+            Release: self._release,
+            ReaderLost: self._reader_lost,
+            SegmentGone: self._segment_gone,
+            Cancel: self._cancel,
+            Shutdown: self._shutdown,
+        }
+        """The control messages a worker takes, by type, and what each does."""
         self.watch(ctl_in, self.drain_control)
 
     def done(self) -> bool:
@@ -149,26 +157,38 @@ class IOThread(PollLoop):
                 self.on_control(msg)
 
     def on_control(self, msg: Any) -> None:
+        """Apply one control message through :attr:`on_message`, by its type."""
+        handler = self.on_message.get(type(msg))
+        if handler is None:  # decoded, so a known kind, but not one a worker takes
+            log.error("stage %s: unexpected control message %r", self.state.name, msg)
+            return
+        handler(msg)
+
+    def _release(self, msg: Release) -> None:
+        if msg.segment == self.arena.name:  # else: meant for an earlier life
+            self.arena.release(msg.slots, msg.reader)
+
+    def _reader_lost(self, msg: ReaderLost) -> None:
+        self.arena.forget_reader(msg.reader)
+
+    def _segment_gone(self, msg: SegmentGone) -> None:
+        self.reader.forget(msg.segment)
+
+    def _cancel(self, msg: Cancel) -> None:
         w = self.state
-        if isinstance(msg, Release):
-            if msg.segment == self.arena.name:  # else: meant for an earlier life
-                self.arena.release(msg.slots, msg.reader)
-        elif isinstance(msg, ReaderLost):
-            self.arena.forget_reader(msg.reader)
-        elif isinstance(msg, SegmentGone):
-            self.reader.forget(msg.segment)
-        elif isinstance(msg, Cancel):
-            with w.work:
-                freed = self.queue.drop(msg.request_id)
-            w.release(freed)
-            self.send_status(Ack(stage=w.name, kind="cancel", request_id=msg.request_id))
-        elif isinstance(msg, Shutdown):
-            self.sender.stop = True  # a producer blocked on a full socket gives up
-            with w.work:
-                w.stopping = True
-                w.drain = msg.drain
-                w.deadline = msg.deadline
-                w.work.notify_all()
+        with w.work:
+            freed = self.queue.drop(msg.request_id)
+        w.release(freed)
+        self.send_status(Ack(stage=w.name, kind="cancel", request_id=msg.request_id))
+
+    def _shutdown(self, msg: Shutdown) -> None:
+        w = self.state
+        self.sender.stop = True  # a producer blocked on a full socket gives up
+        with w.work:
+            w.stopping = True
+            w.drain = msg.drain
+            w.deadline = msg.deadline
+            w.work.notify_all()
 
     # -- upstream data ---------------------------------------------------------------
     def drain_data(self) -> None:

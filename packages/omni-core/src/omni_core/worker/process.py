@@ -20,7 +20,15 @@ import zmq
 from omni_core.config import PipelineConfig
 from omni_core.dataplane.serial import ArrayCodec, decode_json, encode_frame
 from omni_core.dataplane.shm import EXTERNAL_WRITERS, Arena, SegmentReader, owner_prefix
-from omni_core.dataplane.transport import Addresses, Outbox, Sender, Waker, pull_socket, push_socket
+from omni_core.dataplane.transport import (
+    Addresses,
+    Outbox,
+    Sender,
+    Waker,
+    control_dest,
+    pull_socket,
+    push_socket,
+)
 from omni_core.events import Error, LoadFailed, Ready, ShmHandle
 from omni_core.observability.logs import configure_logging
 from omni_core.registry import load_stage_class
@@ -109,7 +117,7 @@ class Worker:
         }
         for e in cfg.inbound(self.stage_name):
             for source in cfg.workers(e.source):
-                self.out[f"ctl:{source}"] = push_socket(
+                self.out[control_dest(source)] = push_socket(
                     self.zctx, self.addr.control(source), 100_000
                 )
 

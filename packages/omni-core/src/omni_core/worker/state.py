@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from omni_core.dataplane.serial import releases
+from omni_core.dataplane.transport import control_dest
 from omni_core.events import ShmHandle, StageStats, TraceMark, TraceSpan
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class WorkerState:
         if not handles:
             return
         for producer, msg in releases(handles, self.name):
-            self.outbox.put(f"ctl:{producer}", msg, block=False)
+            self.outbox.put(control_dest(producer), msg, block=False)
 
     def take_releasable(self) -> list[ShmHandle]:
         """(Lock held.) Slots the host let go of."""
