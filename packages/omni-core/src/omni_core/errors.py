@@ -6,6 +6,11 @@ for the same cause), so a server maps them to statuses without parsing messages.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omni_core.health import Failure
+
 
 class OmniError(RuntimeError):
     """Base of the runtime's own errors."""
@@ -46,7 +51,7 @@ class RuntimeFailedError(OmniError):
     code = "runtime_failed"
 
     @classmethod
-    def of(cls, failure: dict[str, str]) -> RuntimeFailedError:
+    def of(cls, failure: Failure) -> RuntimeFailedError:
         """The error for a runtime whose ``failure`` (``{"part", "error"}``) is set."""
         return cls(f"the runtime failed ({failure['part']}: {failure['error']})")
 

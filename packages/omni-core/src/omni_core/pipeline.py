@@ -25,6 +25,7 @@ from omni_core.control.launcher import ProcessLauncher
 from omni_core.control.orchestrator import Orchestrator
 from omni_core.control.supervisor import stage_health
 from omni_core.events import AnyEvent
+from omni_core.health import Failure, Health, Metrics, StageHealth
 from omni_core.registry import RegistryError, backend_registry
 
 
@@ -150,7 +151,7 @@ class Pipeline:
         """Cancel a request in flight: it ends with one ``cancelled`` event."""
         return self.backend.cancel(request_id)
 
-    def health(self) -> dict[str, dict[str, Any]]:
+    def health(self) -> Health:
         """Per worker (a stage's name, or ``STAGE#i`` for each replica of a replicated
         stage): its state; one that is dead or restarting is not healthy."""
         return self.backend.health()
@@ -159,7 +160,7 @@ class Pipeline:
         """Per worker (as in :meth:`health`), its process id (None until known)."""
         return {name: h.get("pid") for name, h in self.health().items()}
 
-    def stage_health(self) -> dict[str, dict[str, Any]]:
+    def stage_health(self) -> dict[str, StageHealth]:
         """Per stage, its replicas together: ``ok``, ``degraded`` (a replica is down but
         another serves) or ``failed`` (none serves), with the replicas running and
         serving."""
@@ -173,7 +174,7 @@ class Pipeline:
         return self.backend.zygote()
 
     @property
-    def failure(self) -> dict[str, str] | None:
+    def failure(self) -> Failure | None:
         """Set once the runtime itself failed for good: ``{"part", "error"}``; every
         request then fails with ``runtime_failed`` until the pipeline is started anew."""
         return self.backend.failure
@@ -186,7 +187,7 @@ class Pipeline:
             s["state"] != "failed" for s in self.stage_health().values()
         )
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> Metrics:
         """Per stage counters and rates, per request latencies, counts of outcomes."""
         return self.backend.metrics()
 

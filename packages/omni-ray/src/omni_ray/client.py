@@ -30,6 +30,7 @@ from omni_core.control.worker_env import inherited_env
 from omni_core.dataplane.serial import ArrayCodec, array_from_flat, decode_event_frame
 from omni_core.errors import StageStartError
 from omni_core.events import InlineArray
+from omni_core.health import Failure, Health, Metrics
 from omni_core.worker.host import CLIENT
 
 from omni_ray.control_actor import ControlActor, encode_config
@@ -73,7 +74,7 @@ class RayClientBackend(Backend):
         # actor's own collector did that), so this one only ends and hands them over
         self.collector = Collector([], [], ArrayCodec(CLIENT))
         self.lock = threading.Lock()  # the collector's: the pump and callers share it
-        self.failure: dict[str, str] | None = None
+        self.failure: Failure | None = None
         self.actor: Any = None
         # what every call to the actor carries: only this process may drive it
         self._token = secrets.token_hex(32)
@@ -215,7 +216,7 @@ class RayClientBackend(Backend):
             return False
         return bool(self._call(self.actor.cancel, request_id))
 
-    def health(self) -> dict[str, dict[str, Any]]:
+    def health(self) -> Health:
         if self.failure is None and self.actor is not None:
             try:
                 health = self._call(self.actor.health, timeout_s=10.0)
@@ -227,10 +228,10 @@ class RayClientBackend(Backend):
                 self._fail(why(e), e)
         return self._unhealthy(self.failure or {"part": "the pipeline", "error": "not running"})
 
-    def _unhealthy(self, f: dict[str, str]) -> dict[str, dict[str, Any]]:
+    def _unhealthy(self, f: Failure) -> Health:
         """Every worker failed (per worker, as the actor's health: a stage's, or each
         replica's, with its stage and replica index)."""
-        out = {}
+        out: Health = {}
         for w in self._workers:
             stage, replica = split_worker(w)
             out[w] = {
@@ -243,7 +244,7 @@ class RayClientBackend(Backend):
             }
         return out
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> Metrics:
         """The actor's metrics; once it is gone, the last it gave (nothing in flight)."""
         if self.failure is None and self.actor is not None:
             try:

@@ -18,6 +18,7 @@ from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
 from omni_core.dataplane.serial import check_request
 from omni_core.errors import RuntimeFailedError
+from omni_core.health import Failure, Health, Metrics
 from omni_core.scheduling import check_priority
 
 ReaderLoop = asyncio.AbstractEventLoop | None  # where an asyncio reader takes the events
@@ -35,7 +36,7 @@ class Backend(ABC):
     collector: Collector  # every open request, by the caller's id and by wire id
     lock: AbstractContextManager[Any]  # the collector's: callers and the I/O thread share it
     # set once a part of the runtime failed for good: {"part": ..., "error": ...}
-    failure: dict[str, str] | None = None
+    failure: Failure | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @abstractmethod
@@ -109,11 +110,11 @@ class Backend(ABC):
 
     # ------------------------------------------------------------------ state
     @abstractmethod
-    def health(self) -> dict[str, dict[str, Any]]:
+    def health(self) -> Health:
         """Per worker (a stage's name, or ``STAGE#i`` for a replica): its state."""
 
     @abstractmethod
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> Metrics:
         """Per stage counters, per request latencies, counts of outcomes."""
 
     def zygote(self) -> dict[str, Any] | None:

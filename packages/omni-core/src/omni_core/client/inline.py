@@ -20,6 +20,7 @@ from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig
 from omni_core.dataplane.serial import ArrayCodec, decode_event_frame, encode_frame
 from omni_core.events import Cancelled, Event, Submit
+from omni_core.health import Health, Metrics
 from omni_core.registry import load_stage_class
 from omni_core.worker.devices import worker_devices
 from omni_core.worker.host import CLIENT, StageHost, WorkItem, stage_context
@@ -83,7 +84,7 @@ class InlineRunner(Backend):
                             break
                         if step is None:  # a turn given to other requests (see Stage.process)
                             continue
-                        for out in step if type(step) is list else [step]:
+                        for out in step if isinstance(step, list) else [step]:
                             route(*host.emit(out))
                         if h.done:
                             break
@@ -102,10 +103,10 @@ class InlineRunner(Backend):
     def cancel(self, request_id: str) -> bool:
         return False  # requests have already run to their end when submit returns
 
-    def health(self) -> dict[str, dict[str, Any]]:
+    def health(self) -> Health:
         return {n: {"alive": True, "healthy": True, "state": "inline"} for n in self.hosts}
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> Metrics:
         return {
             "stages": {n: {"window_triggers": h.window_triggers} for n, h in self.hosts.items()},
             "requests": self.collector.metrics.report(),

@@ -35,6 +35,7 @@ from omni_core.control.supervisor import Supervisor, WorkerRecord
 from omni_core.dataplane.poll_loop import PollLoop
 from omni_core.dataplane.serial import (
     ArrayCodec,
+    BadMessage,
     decode_event_frame,
     decode_status_frame,
     releases,
@@ -63,6 +64,7 @@ from omni_core.events import (
     StageStats,
     Submit,
 )
+from omni_core.health import Failure, Health, Metrics
 from omni_core.observability.trace import TraceLog
 from omni_core.worker.host import CLIENT
 
@@ -125,11 +127,12 @@ class ControlLoop(PollLoop):
                 frame = self.o.results.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            bad: list[BadMessage] = []
             try:
-                events, bad = decode_event_frame(frame), []
+                events = decode_event_frame(frame)
             except msgspec.DecodeError:
                 events, bad = salvage_frame(frame, "event")
-            failed = [self.on_bad_message(b) for b in bad]
+            failed: list[str | None] = [self.on_bad_message(b) for b in bad]
             freed: list[ShmHandle] = []
             with self.table.lock:
                 for ev in events:
@@ -142,11 +145,11 @@ class ControlLoop(PollLoop):
                     if did_fail:
                         failed.append(wire_id)
             self.release(freed)
-            for wire_id in failed:
-                if wire_id is not None:
-                    self.broadcast_cancel(wire_id, "error")
+            for failed_id in failed:
+                if failed_id is not None:
+                    self.broadcast_cancel(failed_id, "error")
 
-    def on_bad_message(self, bad: Any) -> str | None:
+    def on_bad_message(self, bad: BadMessage) -> str | None:
         """A message for the caller that does not decode: its request fails with an error
         naming the stage; the other messages of its frame were delivered."""
         where = f"stage {bad.stage!r}" if bad.stage else "an unknown stage"
@@ -321,7 +324,7 @@ class Orchestrator(Backend):
         self.zctx = zmq.Context()
         self.status = pull_socket(self.zctx, self.addr.status, 1 << 20)
         self.results = pull_socket(self.zctx, self.addr.results, 1 << 16)
-        self.sockets: dict[str, zmq.Socket] = {}
+        self.sockets: dict[str, zmq.Socket[Any]] = {}
         self.acks: dict[str, int] = {}
         self.closing = False
         self.shutting_down = False  # workers were told to stop (close)
@@ -329,7 +332,7 @@ class Orchestrator(Backend):
         self._thread: threading.Thread | None = None
         self.trace = TraceLog(cfg.all_workers())
         # set once a part of the runtime failed for good: {"part": ..., "error": ...}
-        self.failure: dict[str, str] | None = None
+        self.failure: Failure | None = None
 
     @property
     def procs(self) -> dict[str, WorkerRecord]:
@@ -382,7 +385,7 @@ class Orchestrator(Backend):
                     f"stages {waiting} were not ready within ready_timeout_s="
                     f"{self.cfg.ready_timeout_s}{why}"
                 )
-            events = dict(poller.poll(min(left, 0.5) * 1000))
+            events = dict(poller.poll(int(min(left, 0.5) * 1000)))
             if self.status in events:
                 self.drain_status()
             ended = self.supervisor.ended(events)
@@ -518,14 +521,14 @@ class Orchestrator(Backend):
             self.outbox.put(control_dest(name), msg, block=False)
         return True
 
-    def health(self) -> dict[str, dict[str, Any]]:
+    def health(self) -> Health:
         """Per stage: alive, healthy, state (starting | ready | unresponsive | hung |
         restarting | dead | failed), pid, restarts; every stage is unhealthy once the
         runtime failed."""
         out = self.supervisor.health()
         if self.failure is not None:
             for h in out.values():
-                h.update(healthy=False, state="failed")
+                h["healthy"], h["state"] = False, "failed"
         return out
 
     def zygote(self) -> dict[str, Any] | None:
@@ -534,7 +537,7 @@ class Orchestrator(Backend):
         describe = getattr(self.launcher, "describe", None)
         return describe() if describe is not None else None
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> Metrics:
         """Stage counters (from heartbeats) with rates, and request latencies and counts."""
         stages = {}
         for n, p in self.procs.items():
@@ -554,14 +557,14 @@ class Orchestrator(Backend):
     def stage_stats(self) -> dict[str, StageStats]:
         return {n: p.stats for n, p in self.procs.items()}
 
-    def pids(self) -> dict[str, int]:
+    def pids(self) -> dict[str, int | None]:
         return {n: p.worker.pid for n, p in self.procs.items()}
 
     def chrome_trace(self) -> dict[str, Any]:
         """The workers' spans and marks so far, with the caller's arrivals."""
         self.trace.add("client", [], self.collector.trace or [])
         self.collector.trace = []
-        return self.trace.chrome(self.pids())
+        return self.trace.chrome({n: pid for n, pid in self.pids().items() if pid is not None})
 
     # ------------------------------------------------------------------ stop
     def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:

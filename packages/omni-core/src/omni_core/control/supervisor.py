@@ -24,6 +24,7 @@ from typing import Any
 from omni_core.config import PipelineConfig, split_worker
 from omni_core.control.launcher import Launcher, WorkerHandle, report
 from omni_core.events import Heartbeat, LoadFailed, Ready, StageStats
+from omni_core.health import Health, StageHealth
 from omni_core.registry import load_stage_class
 
 log = logging.getLogger("omni.supervisor")
@@ -231,10 +232,10 @@ class Supervisor:
         limit = max(MIN_LATE_S, LATE_HEARTBEATS * self.cfg.heartbeat_interval_s)
         return p.ready and not p.dead and now - p.last_heartbeat > limit
 
-    def health(self) -> dict[str, dict[str, Any]]:
+    def health(self) -> Health:
         """Per stage: alive, healthy, state, pid, restarts, why it last ended."""
         now = self.clock()
-        out = {}
+        out: Health = {}
         for n, p in list(self.procs.items()):
             late = self.late(p, now)
             out[n] = {
@@ -255,12 +256,12 @@ class Supervisor:
         return out
 
 
-def stage_health(workers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def stage_health(workers: Health) -> dict[str, StageHealth]:
     """Per stage, from :meth:`Supervisor.health`'s per-worker entries: ``ok`` (every
     replica healthy), ``degraded`` (one is not, but another serves: the stage still takes
     requests) or ``failed`` (none serves); with its replicas running and serving. A
     replica being scaled down (draining, stopping) counts as neither."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, StageHealth] = {}
     for name, h in workers.items():
         s = out.setdefault(h.get("stage", name), {"state": "failed", "replicas": 0, "serving": 0})
         if h.get("state") in ("draining", "stopping", "stopped"):
