@@ -208,7 +208,7 @@ def quality_rate(
     ``quality_char_error_rate`` (edits per character said), ``quality_reply_rate`` the
     same for the replies, and up to five misses as ``quality_wrong``. ``pipe``: a
     started ``omni_core.Pipeline`` (else one of ``config``, started and closed here)."""
-    from omni_core.plugin import Pipeline
+    from omni_core import Pipeline
 
     t0 = time.monotonic()
     requests = [{"input": t} for t in texts] + [{"prompt": p} for p in prompts]

@@ -29,6 +29,7 @@ from omni_core.client.backend import Backend, ReaderLoop
 from omni_core.client.collector import Collector, RequestHandle
 from omni_core.config import PipelineConfig, replica_name
 from omni_core.control.launcher import Launcher, ProcessLauncher, WorkerHandle, report
+from omni_core.control.lifecycle import Life
 from omni_core.control.replicas import Autoscaler, Router
 from omni_core.control.request_table import RequestTable
 from omni_core.control.supervisor import Supervisor, WorkerRecord
@@ -197,24 +198,23 @@ class ControlLoop(PollLoop):
             for name in start:
                 self.add_replica(name)
             for p in drain:
-                p.state = "draining"  # no new bindings from now on
-                p.retiring = True
+                self.sup.drain(p)  # no new bindings from now on
                 self.o.autoscaler.record("drain", p.stage, worker=p.name)
                 log.info("stage %s: draining replica %s", p.stage, p.name, extra={"stage": p.stage})
         now = self.sup.clock()
         for p in list(self.sup.procs.values()):
-            if p.scaled and p.state == "starting" and now - p.spawned_at > self.cfg.ready_timeout_s:
+            late = now - p.spawned_at > self.cfg.ready_timeout_s
+            if p.scaled and p.state == Life.STARTING and late:
                 # not placed or not loaded in time (e.g. Ray has no node for it): reported,
                 # and let go; its end is seen like a death that restarts nothing
                 why = self.o.launcher.waiting(p.name) or "not ready within ready_timeout_s"
                 self.o.autoscaler.cannot_place(p.stage, why)
-                p.state = "stopping"
-                p.retiring = True
+                self.sup.stop(p)
                 p.worker.kill()
-            if p.state == "draining" and not self.table.holds(
+            if p.state == Life.DRAINING and not self.table.holds(
                 p.stage, p.replica, [e.target for e in self.cfg.outbound(p.stage)]
             ):
-                p.state = "stopping"  # its requests are past it, their output arrived
+                self.sup.stop(p)  # its requests are past it, their output arrived
                 msg = Shutdown(drain=True, deadline=time.time() + 30.0)
                 self.outbox.put(control_dest(p.name), msg, block=False)
 
@@ -237,14 +237,12 @@ class ControlLoop(PollLoop):
             p.worker.reap()
             p.dead = True
             return
-        never_up = p.scaled and p.state == "starting"  # an added replica that failed
-        if never_up:
-            p.retiring = True  # not restarted: the autoscaler tries again later
-        self.sup.on_death(p)
+        never_up = p.scaled and p.state == Life.STARTING  # an added replica that failed
+        self.sup.on_death(p, restart=not never_up)
         why, code = self.sup.why(p)
         if never_up:
             self.o.autoscaler.cannot_place(p.stage, f"{p.name}: {p.load_error or why}")
-        if p.state == "stopped":  # a replica scaled down, or one that never came up
+        if p.state == Life.STOPPED:  # a replica scaled down, or one that never came up
             log.info("%s after draining", why, extra={"stage": p.stage})
             self.o.autoscaler.record("stopped", p.stage, worker=p.name)
             with self.table.lock:  # the replica set changes: not while submit reads it
@@ -257,7 +255,7 @@ class ControlLoop(PollLoop):
                 self.outbox.put(control_dest(source), ReaderLost(reader=p.name), block=False)
         downstream = [e.target for e in self.cfg.outbound(p.stage)]
         # a replica scaled down had nothing left; one that crashed while draining may have
-        replayable = p.idempotent and p.state in ("restarting", "stopped")
+        replayable = p.idempotent and p.state in (Life.RESTARTING, Life.STOPPED)
         replica = p.replica if self.cfg.replicated(p.stage) else None
         cancel, replay = self.table.on_stage_death(
             p.stage, replica, downstream, replayable, why, code
@@ -451,8 +449,8 @@ class Orchestrator(Backend):
     def check_serving(self) -> None:
         """Also raise :class:`StageDeadError` when a stage has no live worker left."""
         super().check_serving()
-        live = {p.stage for p in self.procs.values() if p.state != "dead"}
-        dead = [p for p in self.procs.values() if p.state == "dead" and p.stage not in live]
+        live = {p.stage for p in self.procs.values() if p.state != Life.DEAD}
+        dead = [p for p in self.procs.values() if p.state == Life.DEAD and p.stage not in live]
         if dead:
             p = dead[0]
             raise StageDeadError(
@@ -542,7 +540,7 @@ class Orchestrator(Backend):
         stages = {}
         for n, p in self.procs.items():
             m = msgspec.structs.asdict(p.stats)
-            m.update(restarts=p.restarts, state=p.state, **p.rates)
+            m.update(restarts=p.restarts, state=str(p.state), **p.rates)
             stages[n] = m
         with self.requests.lock:
             return {

@@ -31,11 +31,11 @@ from typing import Any
 
 from omni_core.client.collector import Collector
 from omni_core.config import PipelineConfig, ReplicaSpec, replica_name
+from omni_core.control.lifecycle import GONE, Life
 from omni_core.control.supervisor import Supervisor, WorkerRecord
 from omni_core.errors import StageDeadError
 
 log = logging.getLogger("omni.replicas")
-GONE = ("dead", "stopped", "draining", "stopping")  # never bound to
 PLACE_RETRY_S = 10.0  # a replica that could not be placed is tried again after this
 
 
@@ -91,9 +91,9 @@ class Router:
         """0: serving; 1: late with its heartbeats; 2: starting or restarting (requests
         wait for it); None: never (dead, hung, being scaled down). Ranked within the
         replicas with room: a full one is taken only when every other is full too."""
-        if p.state in GONE or p.state == "hung" or p.retiring:
+        if p.state in GONE or p.state == Life.HUNG or p.retiring:
             return None
-        if p.state == "ready" and not p.dead:
+        if p.state == Life.READY and not p.dead:
             return 1 if self.sup.late(p, self.sup.clock()) else 0
         return 2
 
@@ -191,7 +191,7 @@ class Autoscaler:
     def _victim(self, live: list[WorkerRecord]) -> WorkerRecord | None:
         """The replica to drain: the one with the fewest outstanding requests (the
         highest index among equals), never the last serving one."""
-        serving = [p for p in live if p.state == "ready"]
+        serving = [p for p in live if p.state == Life.READY]
         if len(serving) <= 1:
             return None
         return min(
@@ -213,9 +213,9 @@ class Autoscaler:
             unplaced = self.unplaced.get(st.name)
             out[st.name] = {
                 "live": len(live),
-                "ready": sum(p.state == "ready" for p in live),
+                "ready": sum(p.state == Life.READY for p in live),
                 "draining": sum(
-                    p.stage == st.name and p.state in ("draining", "stopping")
+                    p.stage == st.name and p.state in (Life.DRAINING, Life.STOPPING)
                     for p in self.sup.procs.values()
                 ),
                 "bound": self.load(st.name),

@@ -23,6 +23,7 @@ from typing import Any
 
 from omni_core.config import PipelineConfig, split_worker
 from omni_core.control.launcher import Launcher, WorkerHandle, report
+from omni_core.control.lifecycle import SERVING, Life, move
 from omni_core.events import Heartbeat, LoadFailed, Ready, StageStats
 from omni_core.health import Health, StageHealth
 from omni_core.registry import load_stage_class
@@ -45,10 +46,10 @@ class WorkerRecord:
     replica: int = 0  # its index among the stage's replicas
     ready: bool = False
     dead: bool = False  # this process has exited
-    # starting | ready | hung | restarting | dead (for good); a replica scaled down is
-    # draining (no new requests), then stopping (told to shut down), then gone; only a
-    # starting worker becomes ready (a late ready leaves a stopping or hung one as it is)
-    state: str = "starting"
+    # its life (omni_core.control.lifecycle): changed by the supervisor alone, through
+    # lifecycle.move; only a starting worker becomes ready (a late ready leaves a stopping
+    # or hung one as it is)
+    state: Life = Life.STARTING
     scaled: bool = False  # started by the autoscaler (not with the pipeline)
     retiring: bool = False  # being scaled down (or never came up): never restarted
     restarts: int = 0  # over the stage's whole life (metrics)
@@ -117,13 +118,13 @@ class Supervisor:
 
     def _ready(self, p: WorkerRecord, msg: Ready, now: float) -> None:
         p.load_s = msg.load_s
-        if p.retiring or p.state != "starting":  # scaled down, hung or ended: it stays so
+        if p.retiring or p.state != Life.STARTING:  # scaled down, hung or ended: it stays so
             log.info(
                 "stage %s: ready too late, already %s", p.name, p.state, extra={"stage": p.name}
             )
             return
         p.ready = True
-        p.state = "ready"
+        move(p, Life.READY)
         p.last_heartbeat = now
         report(f"{p.name}: ready, loaded in {msg.load_s:.1f} s")
 
@@ -142,25 +143,28 @@ class Supervisor:
                 out.append(p)
         return out
 
-    def on_death(self, p: WorkerRecord) -> None:
+    def on_death(self, p: WorkerRecord, restart: bool = True) -> None:
         """Reap an ended worker and decide: restart after a back-off, or dead for good
-        (``max_restarts`` restarts within ``restart_window_s`` already)."""
+        (``max_restarts`` restarts within ``restart_window_s`` already). ``restart``
+        False (an added replica that never came up) or a retiring one: stopped."""
         p.exit_reason = p.worker.reap()
         p.dead = True
         p.ready = False
+        if not restart:
+            p.retiring = True  # the autoscaler tries again later
         if p.retiring:  # scaled down (a crash or hang while draining too): not restarted
-            p.state = "stopped"
+            move(p, Life.STOPPED)
             return
         st = self.cfg.stage(p.stage)
         now = self.clock()
         while p.recent and now - p.recent[0] > st.restart_window_s:
             p.recent.popleft()
         if len(p.recent) < st.max_restarts:
-            p.state = "restarting"
+            move(p, Life.RESTARTING)
             backoff = min(MAX_BACKOFF_S, st.restart_backoff_s * (2 ** len(p.recent)))
             p.restart_at = now + backoff
         else:
-            p.state = "dead"
+            move(p, Life.DEAD)
 
     def why(self, p: WorkerRecord) -> tuple[str, str]:
         """(message, code) for the requests an ended worker takes down."""
@@ -175,7 +179,7 @@ class Supervisor:
         now = self.clock()
         out = []
         for p in list(self.procs.values()):
-            if p.state != "restarting" or now < p.restart_at:
+            if p.state != Life.RESTARTING or now < p.restart_at:
                 continue
             p.restarts += 1
             p.recent.append(now)
@@ -185,7 +189,7 @@ class Supervisor:
             try:
                 out.append(self.spawn(p.name))
             except Exception as e:  # cannot even start a process: the stage is dead
-                p.state = "dead"
+                move(p, Life.DEAD)
                 p.exit_reason = f"restart failed: {e}"
                 log.error("stage %s: %s", p.name, p.exit_reason, extra={"stage": p.name})
         return out
@@ -202,7 +206,7 @@ class Supervisor:
             reason = self._stalled(p, now)
             if reason:
                 p.hung = reason
-                p.state = "hung"
+                move(p, Life.HUNG)
                 log.error("stage %s %s: killing it", p.name, reason, extra={"stage": p.name})
                 p.worker.kill()
                 killed.append(p)
@@ -225,6 +229,18 @@ class Supervisor:
             return f"was busy on one step for {busy:.1f} s (stall_timeout_s={limit:g})"
         return ""
 
+    # -- scaling down (the autoscaler decides, the orchestrator asks) -------------
+    def drain(self, p: WorkerRecord) -> None:
+        """A replica scaled down: no new requests from now on; it is never restarted."""
+        p.retiring = True
+        move(p, Life.DRAINING)
+
+    def stop(self, p: WorkerRecord) -> None:
+        """A drained replica (its requests are past it) is told to shut down, or an added
+        one is let go before it was ready (the caller kills it): never restarted."""
+        p.retiring = True
+        move(p, Life.STOPPING)
+
     # -- what callers see ------------------------------------------------------
     def late(self, p: WorkerRecord, now: float) -> bool:
         """Its heartbeats stopped (a few intervals missed): not healthy, even before the
@@ -242,8 +258,8 @@ class Supervisor:
                 "stage": p.stage,
                 "replica": p.replica,
                 "alive": not p.dead and not p.worker.exited(),
-                "healthy": p.state in ("ready", "draining", "stopping") and not p.dead and not late,
-                "state": "unresponsive" if late and p.state == "ready" else p.state,
+                "healthy": p.state in SERVING and not p.dead and not late,
+                "state": "unresponsive" if late and p.state == Life.READY else str(p.state),
                 "pid": p.worker.pid,
                 "where": p.worker.where,
                 "restarts": p.restarts,
