@@ -11,26 +11,11 @@ pytest.importorskip("diffusers")
 
 import torch  # noqa: E402
 from omni_core import Pipeline  # noqa: E402
-from omni_dit import embedded  # noqa: E402
 from omni_dit.testing import stock_image, stock_pipeline  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 ENCODER_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    from omni_ar.testing import build_tiny_llama
-
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
-def dit(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    embedded.build_tiny_sd3(path, conditioning_width=64)  # the tiny Llama's hidden size
-    return str(path)
 
 
 def mixed_config(llm, dit, **top):

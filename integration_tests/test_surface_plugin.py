@@ -14,23 +14,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("omni_surface_plugin")
 
 from omni_core import Pipeline  # noqa: E402
-from omni_dit import embedded  # noqa: E402
 
 TALLY = {"name": "tally", "kind": "surface.tally", "options": {"arrays": ["image"]}}
-
-
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    from omni_ar.testing import build_tiny_llama
-
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
-def dit(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    embedded.build_tiny_sd3(path, conditioning_width=64)  # the tiny Llama's hidden size
-    return str(path)
 
 
 def of(stage, events):
