@@ -18,35 +18,43 @@ STREAM_ERROR_BOUND = 1e-3  # relative L2, streamed vs exact, tiny model (measure
 
 
 def config(
-    model: str, *, inline: bool, sample: bool = False, chunk: int = 0, max_chunk: int = 0
+    model: str,
+    *,
+    inline: bool,
+    sample: bool = False,
+    chunk: int = 0,
+    max_chunk: int = 0,
+    split: bool = False,
 ) -> dict:
+    """thinker -> talker -> token2wav, or with ``split`` -> code2mel -> mel2wav (the
+    vocoder in a process of its own), each stage streamed to the caller."""
     talker = {"model": model, "max_codes": MAX_CODES}
     if not sample:
         talker["sampling"] = {"do_sample": False}
     t2w = {"model": model, "chunk_codes": chunk, "context_codes": 8, "lookahead_codes": 4}
     t2w["max_chunk_codes"] = max_chunk
+    stages = [
+        {"name": "thinker", "kind": "speech.thinker", "options": {"model": model}},
+        {"name": "talker", "kind": "speech.talker", "options": talker},
+    ]
+    if split:
+        stages += [
+            {"name": "code2mel", "kind": "speech.code2mel", "options": t2w},
+            {"name": "mel2wav", "kind": "speech.mel2wav", "options": {"model": model}},
+        ]
+    else:
+        stages.append({"name": "token2wav", "kind": "speech.token2wav", "options": t2w})
+    names = [st["name"] for st in stages]
+    for st in stages:
+        st["client_stream"] = True
     return {
         "name": "speech_test",
         "ready_timeout_s": 120,
         "mrs": {"enabled": not inline},
-        "stages": [
-            {
-                "name": "thinker",
-                "kind": "speech.thinker",
-                "client_stream": True,
-                "options": {"model": model},
-            },
-            {"name": "talker", "kind": "speech.talker", "client_stream": True, "options": talker},
-            {
-                "name": "token2wav",
-                "kind": "speech.token2wav",
-                "client_stream": True,
-                "options": t2w,
-            },
-        ],
+        "stages": stages,
         "edges": [
-            {"from": "thinker", "to": "talker", "window": {"size": 1}},
-            {"from": "talker", "to": "token2wav", "window": {"size": 1}},
+            {"from": a, "to": b, "window": {"size": 1}}
+            for a, b in zip(names, names[1:], strict=False)
         ],
     }
 
@@ -94,11 +102,16 @@ def run_reference(reference, kw: dict, seed: int, sample: bool) -> tuple[list, l
     return seq[0, kw["input_ids"].shape[1] :].tolist(), codes, wav.numpy()
 
 
+def wave_events(result) -> list:
+    """The events of the stage that speaks: token2wav, or mel2wav when split."""
+    return result.by_stage("token2wav") or result.by_stage("mel2wav")
+
+
 def staged(result) -> tuple[list, list, np.ndarray]:
     assert result.ok, result.error
     text = [t for e in result.by_stage("thinker") for t in e.tokens or []]
     codes = [t for e in result.by_stage("talker") for t in e.tokens or []]
-    audio = [e.arrays["audio"] for e in result.by_stage("token2wav") if "audio" in e.arrays]
+    audio = [e.arrays["audio"] for e in wave_events(result) if "audio" in e.arrays]
     return text, codes, np.concatenate(audio) if audio else np.zeros(0, np.float32)
 
 
@@ -173,6 +186,80 @@ def test_streamed_waveform_close_to_exact(tiny_omni):
     error = np.linalg.norm(streamed - exact) / np.linalg.norm(exact)
     print(f"streamed vs exact: relative L2 {error:.3e}")
     assert error < STREAM_ERROR_BOUND, error
+
+
+def test_split_token2wav_in_two_processes(tiny_omni, reference):
+    """code2mel -> mel2wav, in two worker processes: exact, generate's waveform (within
+    float noise); streamed in growing windows, as close to it as token2wav's own stream,
+    as long, its chunks in order and none lost."""
+    _, kw = thinker_inputs(tiny_omni, TEXT)
+    want_text, want_codes, want_wav = run_reference(reference, kw, TEXT["seed"], False)
+    with Pipeline(config(tiny_omni, inline=False, split=True)) as p:
+        text, codes, exact = staged(p.generate([TEXT])[0])
+    assert (text, codes) == (want_text, want_codes)
+    np.testing.assert_allclose(exact, want_wav, rtol=0, atol=1e-5 * np.abs(want_wav).max())
+    with Pipeline(config(tiny_omni, inline=False, split=True, chunk=8, max_chunk=16)) as p:
+        result = p.generate([TEXT])[0]
+    _, codes, streamed = staged(result)
+    mels = [e for e in result.by_stage("code2mel") if "mel" in e.arrays]
+    assert len(codes) > 8 and len(mels) >= 2  # windows of 8, 16, 16, ... codes
+    assert sum(e.arrays["mel"].shape[2] for e in mels) == 2 * len(codes)  # 2 frames a code
+    assert [e.payload["offset"] for e in mels] == list(
+        np.cumsum([0] + [e.arrays["mel"].shape[2] for e in mels[:-1]])
+    )
+    chunks = [e for e in wave_events(result) if e.arrays.get("audio") is not None]
+    sizes = [e.arrays["audio"].size for e in chunks]
+    assert [e.payload["offset"] for e in chunks] == [sum(sizes[:k]) for k in range(len(sizes))]
+    assert streamed.shape == want_wav.shape
+    error = np.linalg.norm(streamed - want_wav) / np.linalg.norm(want_wav)
+    assert error < STREAM_ERROR_BOUND, error
+
+
+def mel_input(rid: str, mel, offset, last: bool = False):
+    from omni_core import StageInput
+    from omni_core.dataplane.windows import Piece, Window
+
+    window = Window("code2mel", 0, 0, 0, [Piece(0, None, {"mel": mel}, {"offset": offset})], last)
+    return StageInput(rid, {}, {"code2mel": window}, first=True, last=last)
+
+
+def test_mel2wav_refuses_bad_mel_for_its_request_alone(tiny_omni):
+    """A piece of the wrong shape or type, or one that does not start where the last
+    ended, fails its request with an error naming what; the others are vocoded, and a
+    whole stream gives the vocoder's waveform of the whole mel."""
+    from omni_speech.mel2wav import Mel2Wav
+
+    stage = Mel2Wav(StageContext("mel2wav", "speech.mel2wav", {"model": tiny_omni}))
+    stage.load()
+    bins = stage.mel_bins
+    mel = np.random.default_rng(0).normal(size=(1, bins, 40)).astype(np.float32)
+    bad = {
+        "shape": (mel[0], 0, f"expected a float array (1, {bins}, frames), got ({bins}, 40)"),
+        "bins": (mel[:, :8], 0, "got (1, 8, 40)"),
+        "type": ([1.0, 2.0], 0, "got list"),
+        "order": (mel, 8, "a piece at frame 8, expected 0: out of order"),
+    }
+    batch = [mel_input(rid, m, off) for rid, (m, off, _) in bad.items()]
+    batch += [mel_input("ok", mel[:, :, :24], 0), mel_input("ok2", mel, 0, last=True)]
+    events = [e for e in stage.process(batch) if e is not None]
+    errors = {e.request_id: e.message for e in events if hasattr(e, "message")}
+    assert set(errors) == set(bad)
+    for rid, (_, _, words) in bad.items():
+        assert errors[rid].startswith("upstream mel: ") and words in errors[rid], errors[rid]
+    assert set(stage.streams) == {"ok", "ok2"}  # the failed ones forgotten
+    rest = list(stage.process([mel_input("ok", mel[:, :, 24:], 24, last=True)]))
+    wave = {}
+    for e in events + rest:
+        if "audio" in getattr(e, "arrays", {}):
+            wave.setdefault(e.request_id, []).append(e.arrays["audio"])
+    import torch
+
+    with torch.inference_mode():
+        whole = stage.vocoder(torch.from_numpy(mel)).reshape(-1).numpy()
+    np.testing.assert_array_equal(np.concatenate(wave["ok2"]), whole)
+    cut = np.concatenate(wave["ok"])
+    assert cut.shape == whole.shape
+    assert np.linalg.norm(cut - whole) / np.linalg.norm(whole) < STREAM_ERROR_BOUND
 
 
 def test_growing_windows_double_up_to_their_cap(tiny_omni):

@@ -1,4 +1,4 @@
-"""SIGKILL and SIGSTOP of each speech stage (thinker, talker, token2wav, audio) in the
+"""SIGKILL and SIGSTOP of each speech stage (thinker, talker, code2mel, mel2wav, audio) in the
 middle of a request, in worker processes: configs/omni_speech.yaml on the tiny model.
 
 What the runtime promises (docs/failure-model.md), as each case checks it:
@@ -11,8 +11,8 @@ What the runtime promises (docs/failure-model.md), as each case checks it:
 * A request that had already gone past the stage (its stream through the stage ended and
   received by every stage after it) goes on: it completes, its audio whole and in order.
   Checked for the thinker and the talker, with a
-  request still speaking in token2wav (for token2wav and audio such a request has next
-  to nothing left to do). Every other request open at the fault that the stage might
+  request still speaking in token2wav's halves (for those and audio such a request has
+  next to nothing left to do). Every other request open at the fault that the stage might
   still hold fails like the first: the runtime cannot know what died in its buffers.
 * A request submitted right after the fault, while the stage restarts, completes once it
   is back, its audio whole and in order.
@@ -23,10 +23,11 @@ What the runtime promises (docs/failure-model.md), as each case checks it:
   pid, and ``/health`` answers 200 ``ok``.
 
 "Mid-request" is when the caller has seen the stage's first event of the request
-(thinker, talker and token2wav stream to the caller here for that), and the request
+(the model stages stream to the caller here for that), and the request
 holds the stage for seconds after it: a reply of 2000 tokens keeps the thinker busy and
 the talker's stream open (it ends only after the thinker's); a two-token reply makes the
-talker speak ~180 codes, which keep token2wav and the audio encoder busy for seconds.
+talker speak ~180 codes, which keep code2mel, mel2wav and the audio encoder busy for
+seconds.
 """
 
 from __future__ import annotations
@@ -45,18 +46,23 @@ from omni_speech.audio import encode_whole, finalize_wav
 from omni_testing.faults import kill_stage, stopped, wait_for, wait_ready
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "omni_speech.yaml"
-SPEECH_STAGES = ("thinker", "talker", "token2wav", "audio")
-# the speech stages' stall_timeout_s: a frozen one is killed after it. token2wav's step
-# (one window of 60 codes through the DiT) takes ~0.4 s on an idle core and several
-# seconds on a loaded one; the others' steps take milliseconds
-STALL_S = {"thinker": 3.0, "talker": 3.0, "token2wav": 12.0, "audio": 3.0}
+SPEECH_STAGES = ("thinker", "talker", "code2mel", "mel2wav", "audio")
+WAVE = "mel2wav"  # the stage that speaks samples
+# the speech stages' stall_timeout_s: a frozen one is killed after it. code2mel's step
+# (a window of up to 132 codes through the DiT) and mel2wav's (its 192 frames through
+# the vocoder) take ~0.4 s on an idle core and several seconds on a loaded one; the
+# others' steps take milliseconds
+STALL_S = {"thinker": 3.0, "talker": 3.0, "code2mel": 12.0, "mel2wav": 12.0, "audio": 3.0}
 
 # holds the thinker for seconds; the talker's stream stays open until the thinker's ends
 LONG_TEXT = {"prompt": "tell me a long story", "max_tokens": 2000, "ignore_eos": True, "seed": 1}
-# a two-token reply: the talker speaks ~180 codes, token2wav and audio work for seconds
+# a two-token reply: the talker speaks ~180 codes, the halves of token2wav and audio
+# work for seconds
 LONG_SPEECH = {"prompt": "say hello", "max_tokens": 2, "ignore_eos": True, "seed": 1}
 SHORT = {"prompt": "hi", "max_tokens": 4, "seed": 2}
-HOLDS = {"thinker": LONG_TEXT, "talker": LONG_TEXT, "token2wav": LONG_SPEECH, "audio": LONG_SPEECH}
+HOLDS = {"thinker": LONG_TEXT, "talker": LONG_TEXT} | dict.fromkeys(
+    ("code2mel", "mel2wav", "audio"), LONG_SPEECH
+)
 
 
 def fault_config(model: str) -> dict[str, Any]:
@@ -70,7 +76,7 @@ def fault_config(model: str) -> dict[str, Any]:
             st["options"]["model"] = model
         if st["name"] in SPEECH_STAGES:
             st["stall_timeout_s"] = STALL_S[st["name"]]
-        if st["name"] in ("thinker", "talker", "token2wav"):
+        if st["name"] in ("thinker", "talker", "code2mel", WAVE):
             st["client_stream"] = True
     return cfg
 
@@ -78,7 +84,7 @@ def fault_config(model: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def pipe(tiny_omni: str):
     with Pipeline(fault_config(tiny_omni)) as p:
-        # the request that holds token2wav and audio is streamed in several chunks
+        # the request that holds code2mel, mel2wav and audio is streamed in several chunks
         assert len(whole(list(p.submit(LONG_SPEECH)))) >= 4
         yield p
 
@@ -106,11 +112,11 @@ def check_http(http: Any, code: int, stage: str, state: str | tuple[str, ...]) -
 
 
 def whole(events: list[Any]) -> list[Any]:
-    """A completed request's token2wav chunks, checked whole and in order: each chunk's
+    """A completed request's waveform chunks, checked whole and in order: each chunk's
     offset is the samples before it, and the audio stage's bytes are one WAV of exactly
     those samples."""
     assert events[-1].event_type == "completed", events[-1]
-    chunks = [e for e in events if e.stage == "token2wav" and "audio" in e.arrays]
+    chunks = [e for e in events if e.stage == WAVE and "audio" in e.arrays]
     sizes = [e.arrays["audio"].size for e in chunks]
     assert [e.payload["offset"] for e in chunks] == [sum(sizes[:k]) for k in range(len(sizes))]
     assert sum(sizes) > 0

@@ -33,13 +33,14 @@ def test_the_loss_check_finds_a_lost_or_reordered_chunk():
     from omni_bench.audio import intact
 
     good = stream([480, 960, 480, 0])
-    assert intact(good) == (1920, 24000, True)
+    assert intact(good, "token2wav") == (1920, 24000, True)
+    assert intact(good, "mel2wav")[2] is False  # not the stage that spoke
     lost = [e for k, e in enumerate(good) if k != 2]  # token2wav's second chunk
-    assert not intact(lost)[2]
+    assert not intact(lost, "token2wav")[2]
     swapped = [good[2], good[1], good[0], *good[3:]]
-    assert not intact(swapped)[2]
+    assert not intact(swapped, "token2wav")[2]
     short = [e for k, e in enumerate(good) if k != 3]  # the audio stage's second bytes
-    assert not intact(short)[2]
+    assert not intact(short, "token2wav")[2]
 
 
 def test_audio_bench_keys(tmp_path, monkeypatch, bench_json):
@@ -61,8 +62,9 @@ def test_audio_bench_keys(tmp_path, monkeypatch, bench_json):
         assert 0 < lv["ttfa_ms"]["p50"] <= lv["latency_ms"]["p50"]
         assert lv["ttfa_ms"]["p50"] <= lv["ttfa_ms"]["p95"]
         assert lv["rtf"]["p50"] > 0 and lv["throughput_audio_s_per_s"] > 0
-    assert r["staged"]["torch_threads_by_stage"] == {"thinker": 1, "talker": 1, "token2wav": 1}
-    assert set(r["staged"]["c2"]["cpu_s_by_process"]) >= {"thinker", "talker", "token2wav"}
+    speaking = {"thinker": 1, "talker": 1, "code2mel": 1, "mel2wav": 1}
+    assert r["staged"]["torch_threads_by_stage"] == speaking
+    assert set(r["staged"]["c2"]["cpu_s_by_process"]) >= set(speaking)
     assert set(r["baseline"]["batched"]["c2"]["seconds_by_part"]) == {
         "thinker",
         "talker",

@@ -14,6 +14,10 @@ side has not come yet wait for the next window. The noise of each mel frame is t
 as the exact mode's (drawn in frame order from the request's seed), so the streams
 differ only where a window's attention and the solver's steps would have seen beyond
 its context (docs/speech.md gives the measured difference).
+
+``speech.code2mel`` is the same sampling without the vocoder: it sends each window's
+final mel (``arrays={"mel": (1, mel bins, frames)}``, ``payload={"offset": frames before
+it}``) to a ``speech.mel2wav`` stage, so the two halves run in two processes.
 """
 
 from __future__ import annotations
@@ -22,33 +26,29 @@ import math
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
-import numpy as np
 from omni_core.plugin import Stage, StageEvent, StageInput
 
 from omni_speech.checkpoint import Voice, load_part, load_voices, resolve
 from omni_speech.dit import WindowVelocity
+from omni_speech.mel2wav import SAMPLE_RATE, MelStream, audio_segment
 from omni_speech.thinker import TORCH_PRELOAD
 
-SAMPLE_RATE = 24000  # Qwen2.5-Omni's BigVGAN
 
-
-class Token2WavOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """``options:`` of ``speech.token2wav``."""
+class Code2MelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``options:`` of ``speech.code2mel``."""
 
     model: str
     threads: int | None = None
     num_steps: int = 10  # the ODE's time points (generate's default)
     guidance_scale: float = 0.5
     sway_coefficient: float = -1.0
-    sample_rate: int = SAMPLE_RATE
     chunk_codes: int = 0  # 0: exact, one window at the end; else the first window's codes
     max_chunk_codes: int = 0  # later windows' codes at most (each 2x the last's); 0: chunk_codes
     context_codes: int = 24  # codes of left context per window (whole DiT blocks)
     lookahead_codes: int = 12  # codes of right context a window waits for
-    vocoder_frames: int = 16  # mel frames on each side of a vocoded window
 
     def __post_init__(self) -> None:
         if min(self.chunk_codes, self.context_codes, self.lookahead_codes) < 0:
@@ -57,6 +57,13 @@ class Token2WavOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise ValueError("max_chunk_codes: at least chunk_codes (or 0: windows of chunk_codes)")
         if self.num_steps < 2:
             raise ValueError("num_steps: at least 2 time points")
+
+
+class Token2WavOptions(Code2MelOptions, kw_only=True):
+    """``options:`` of ``speech.token2wav``: ``speech.code2mel``'s and the vocoder's."""
+
+    sample_rate: int = SAMPLE_RATE
+    vocoder_frames: int = 16  # mel frames on each side of a vocoded window
 
 
 @dataclass
@@ -69,30 +76,28 @@ class _Wave:
     noise: Any = None  # (1, frames, mel) drawn so far, in frame order
     kept: int = 0  # codes whose mel is final
     windows: int = 0  # windows sampled
-    mel: list[Any] = field(default_factory=list)  # final mel, (1, mel, frames) pieces
-    frames: int = 0  # final mel frames
-    vocoded: int = 0  # frames whose samples went out
-    samples: int = 0  # samples sent
+    mel: MelStream = field(default_factory=MelStream)  # the final mel
 
 
-class Token2Wav(Stage):
-    """Codec tokens -> waveform."""
+class Code2Mel(Stage):
+    """Codec tokens -> mel frames (``speech.code2mel``; :class:`Token2Wav` vocodes them
+    too)."""
 
-    Options = Token2WavOptions
+    Options = Code2MelOptions
     preload = TORCH_PRELOAD
+    vocodes: ClassVar[bool] = False  # keeps the checkpoint's vocoder (``self.vocoder``)
 
     def load(self) -> None:
         import torch
 
-        o: Token2WavOptions = self.options
+        o: Code2MelOptions = self.options
         if o.threads:
             torch.set_num_threads(o.threads)
         path = resolve(o.model)
-        self.model = load_part(path, "token2wav")  # float32, as generate runs it
-        self.dit = self.model.code2wav_dit_model
-        self.vocoder = self.model.code2wav_bigvgan_model
+        model = load_part(path, "token2wav")  # float32, as generate runs it
+        self.dit = model.code2wav_dit_model
+        self.vocoder = model.code2wav_bigvgan_model if self.vocodes else None
         self.voices = load_voices(path)
-        self.hop = math.prod(self.vocoder.config.upsample_rates)
         block = self.dit.config.block_size // self.dit.repeats
         for name in ("chunk_codes", "max_chunk_codes", "context_codes", "lookahead_codes"):
             if getattr(o, name) % block:
@@ -122,7 +127,7 @@ class Token2Wav(Stage):
     def _window(self, inp: StageInput, w: _Wave) -> tuple[int, int, int] | None:
         """The request's next window to sample, ``(lo, end, hi)``: the mel of codes
         [lo, hi) sampled, that of [w.kept, end) kept; None while it waits for codes."""
-        o: Token2WavOptions = self.options
+        o: Code2MelOptions = self.options
         n = len(w.codes)
         if inp.cancelled or w.kept >= n:
             return None
@@ -149,15 +154,13 @@ class Token2Wav(Stage):
             if not streamed:
                 break
             for inp, w, _ in plans:
-                wave = self._vocode(w, final=inp.last and w.kept == len(w.codes))
-                if wave.size:
-                    yield self._out(inp, w, wave, False)
+                ev = self._emit(inp, w, final=inp.last and w.kept == len(w.codes), last=False)
+                if ev is not None:
+                    yield ev
                     sent.add(inp.request_id)
         for inp, w in ready:
-            if not streamed and w.frames:
-                yield self._out(inp, w, self._vocode(w, final=True), inp.last)
-            elif inp.last:
-                yield self._out(inp, w, np.zeros(0, np.float32), True)
+            if inp.last:  # (exact: its one window)
+                yield self._emit(inp, w, final=True, last=True)
             elif inp.request_id not in sent:
                 yield None
 
@@ -188,8 +191,7 @@ class Token2Wav(Stage):
                 torch.cat([w.noise[:, lo * r : hi * r] for w, (lo, _, hi) in group]),
             )
             for row, (w, (lo, end, _)) in enumerate(group):
-                w.mel.append(mel[row : row + 1, :, (w.kept - lo) * r : (end - lo) * r])
-                w.frames += (end - w.kept) * r
+                w.mel.add(mel[row : row + 1, :, (w.kept - lo) * r : (end - lo) * r])
                 w.kept = end
                 w.windows += 1
 
@@ -210,30 +212,43 @@ class Token2Wav(Stage):
             path = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)
         return path[-1].permute(0, 2, 1)
 
-    def _vocode(self, w: _Wave, final: bool) -> np.ndarray:
-        """The samples of the final mel frames not sent yet whose right side is known."""
+    def _emit(self, inp: StageInput, w: _Wave, final: bool, last: bool) -> StageEvent | None:
+        """The request's final mel not sent yet (None if none and not ``last``): this
+        stage sends every frame it keeps, ``final`` or not."""
+        pending = w.mel.pieces
+        frames = sum(p.shape[2] for p in pending)
+        if not frames and not last:
+            return None
         import torch
 
-        mel = torch.cat(w.mel, dim=2) if len(w.mel) > 1 else w.mel[0]
-        w.mel = [mel]
-        ctx = self.options.vocoder_frames if self.options.chunk_codes else 0
-        stop = w.frames if final else max(w.vocoded, w.frames - ctx)
-        if stop <= w.vocoded:
-            return np.zeros(0, np.float32)
-        lo, hi = max(0, w.vocoded - ctx), w.frames if final else min(w.frames, stop + ctx)
-        with torch.inference_mode():
-            wave = self.vocoder(mel[:, :, lo:hi]).reshape(-1).float().numpy()
-        out = wave[(w.vocoded - lo) * self.hop : (stop - lo) * self.hop]
-        w.vocoded = stop
-        return out
-
-    def _out(self, inp: StageInput, w: _Wave, wave: np.ndarray, last: bool) -> StageEvent:
-        payload = {"sample_rate": self.options.sample_rate, "offset": w.samples}
-        w.samples += wave.size
-        return inp.segment(payload=payload, arrays={"audio": wave}, is_last=last)
+        w.mel.pieces = []
+        arrays = {"mel": torch.cat(pending, dim=2).numpy()} if frames else None
+        offset = w.mel.frames - frames
+        return inp.segment(payload={"offset": offset}, arrays=arrays, is_last=last)
 
     def end_request(self, request_id: str) -> None:
         self.waves.pop(request_id, None)
+
+
+class Token2Wav(Code2Mel):
+    """Codec tokens -> waveform: :class:`Code2Mel`'s mel vocoded in the same process."""
+
+    Options = Token2WavOptions
+    vocodes = True
+
+    def load(self) -> None:
+        super().load()
+        self.hop = math.prod(self.vocoder.config.upsample_rates)
+
+    def _emit(self, inp: StageInput, w: _Wave, final: bool, last: bool) -> StageEvent | None:
+        """The samples of the final mel frames not sent yet whose right side is known."""
+        o: Token2WavOptions = self.options
+        offset = w.mel.samples
+        context = o.vocoder_frames if o.chunk_codes else 0
+        wave = w.mel.vocode(self.vocoder, self.hop, context, final)
+        if not wave.size and not last:
+            return None
+        return audio_segment(inp, wave, offset, o.sample_rate, last)
 
 
 def _generator(seed: int | None) -> Any:

@@ -8,8 +8,10 @@ sampled``: generate's default sampling, from each request's seed), at most
 ``--max-codes`` (the config's ``max_codes``); the voice is the checkpoint's first.
 
 * staged: ``configs/omni_speech.yaml`` in worker processes as shipped (each model stage
-  pins torch to one thread; token2wav streams windows of 24 codes, growing to 96), with
-  token2wav's events streamed to the caller too, for the order and loss check. At each
+  pins torch to one thread; token2wav's DiT streams windows of 24 codes, growing to 96,
+  to its vocoder in a process of its own), with the waveform stage's events (mel2wav,
+  or token2wav in a config that keeps the halves together) streamed to the caller too,
+  for the order and loss check. At each
   concurrency ``c`` the requests run as ``c`` clients that each send the next once
   theirs ended. Time to first audio (TTFA): submit to the first encoded audio bytes the
   caller receives.
@@ -28,7 +30,7 @@ request's synthesis time, submit to last audio, over its audio seconds) and thro
 (target <= 0.5), staged throughput over the baseline's best at the highest concurrency
 (target >= 1.5). Where the time goes: CPU seconds per process of the staged pipeline,
 and the baseline's seconds in its thinker, talker and token2wav. ``no_audio_lost``: in
-every staged request token2wav's chunk offsets are contiguous, and the audio stage's
+every staged request the waveform stage's chunk offsets are contiguous, and the audio stage's
 bytes concatenated are the WAV of exactly those samples; ``audio_samples_match_baseline``:
 each staged request spoke as many samples as the baseline's sequential run of it.
 """
@@ -58,6 +60,7 @@ CONFIG = Path(__file__).resolve().parents[4] / "configs" / "omni_speech.yaml"
 # the baseline's ways of serving a wave; "_1_thread": torch at one thread (on a shared
 # machine, two threads' spin-waits can cost more than they give)
 BASELINES = ("sequential", "batched", "batched_1_thread")
+WAVE_KINDS = ("speech.token2wav", "speech.mel2wav")  # the stages that speak samples
 
 
 @dataclass
@@ -110,14 +113,14 @@ def level(replies: Sequence[Reply], wall_s: float) -> dict[str, Any]:
     return out
 
 
-def intact(events: Sequence[Any]) -> tuple[int, int, bool]:
-    """(samples, sample rate, whole): token2wav's chunks in order with none lost (each
-    one's offset the samples before it) and the audio stage's bytes one WAV of exactly
-    those samples."""
+def intact(events: Sequence[Any], wave_stage: str) -> tuple[int, int, bool]:
+    """(samples, sample rate, whole): ``wave_stage``'s chunks in order with none lost
+    (each one's offset the samples before it) and the audio stage's bytes one WAV of
+    exactly those samples."""
     import numpy as np
     from omni_speech.audio import encode_whole, finalize_wav
 
-    chunks = [e for e in events if e.stage == "token2wav" and "audio" in (e.arrays or {})]
+    chunks = [e for e in events if e.stage == wave_stage and "audio" in (e.arrays or {})]
     if not chunks:
         return 0, 1, False
     sizes = [int(e.arrays["audio"].size) for e in chunks]
@@ -136,7 +139,7 @@ def intact(events: Sequence[Any]) -> tuple[int, int, bool]:
 
 
 def staged_config(path: Path, model: str, max_codes: int, talker: str) -> dict[str, Any]:
-    """The shipped config on ``model``, token2wav's events to the caller too."""
+    """The shipped config on ``model``, the waveform stage's events to the caller too."""
     cfg = msgspec.to_builtins(load_config(path))
     cfg["mrs"]["enabled"] = True
     for st in cfg["stages"]:
@@ -146,12 +149,20 @@ def staged_config(path: Path, model: str, max_codes: int, talker: str) -> dict[s
             st["options"]["max_codes"] = max_codes
             if talker == "greedy":
                 st["options"]["sampling"] = {"do_sample": False}
-        if st["kind"] == "speech.token2wav":
+        if st["kind"] in WAVE_KINDS:
             st["client_stream"] = True
     return cfg
 
 
-def staged_one(pipe: Pipeline, req: dict[str, Any]) -> Reply:
+def wave_stage(cfg: dict[str, Any]) -> str:
+    """The name of the stage that speaks samples (the audio stage encodes them)."""
+    names = [st["name"] for st in cfg["stages"] if st["kind"] in WAVE_KINDS]
+    if len(names) != 1:
+        raise ValueError(f"the config has {len(names)} stages of {' or '.join(WAVE_KINDS)}")
+    return names[0]
+
+
+def staged_one(pipe: Pipeline, req: dict[str, Any], wave: str) -> Reply:
     """Run ``req``, timing the first encoded audio bytes and the end as they arrive."""
     t0 = time.monotonic()
     first = None
@@ -163,7 +174,7 @@ def staged_one(pipe: Pipeline, req: dict[str, Any]) -> Reply:
     end = time.monotonic() - t0
     if events[-1].event_type != "completed":
         raise RuntimeError(f"staged request failed: {events[-1]}")
-    samples, rate, whole = intact(events)
+    samples, rate, whole = intact(events, wave)
     return Reply(first if first is not None else end, end, samples, rate, whole)
 
 
@@ -184,17 +195,18 @@ def staged_arm(
     model: str, reqs: list[dict[str, Any]], levels: list[int], args: argparse.Namespace
 ) -> dict[str, Any]:
     cfg = staged_config(Path(args.config), model, args.max_codes, args.talker)
+    wave = wave_stage(cfg)
     threads = {
         st["name"]: st["options"]["threads"] for st in cfg["stages"] if "threads" in st["options"]
     }
     res: dict[str, Any] = {"torch_threads_by_stage": threads, "replies": {}}
     with Pipeline(cfg) as pipe:
-        staged_one(pipe, reqs[0])  # warm up every stage
+        staged_one(pipe, reqs[0], wave)  # warm up every stage
         for c in levels:
             before = session_cpu(os.getsid(0))
             t0 = time.monotonic()
             with ThreadPoolExecutor(c) as pool:
-                replies = list(pool.map(lambda r: staged_one(pipe, r), reqs))
+                replies = list(pool.map(lambda r: staged_one(pipe, r, wave), reqs))
             wall = time.monotonic() - t0
             names = {pid: stage for stage, pid in pipe.pids().items() if pid is not None}
             res[f"c{c}"] = {**level(replies, wall), "cpu_s_by_process": cpu_s(before, names)}
