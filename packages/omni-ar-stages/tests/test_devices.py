@@ -70,8 +70,12 @@ MM_STAGES = [(MMPrefill, "ar.mm_prefill"), (MMDecode, "ar.mm_decode")]
 # -- the vLLM engine's settings, chosen by device (no vLLM needed) ------------------------
 
 
-def test_vllm_settings_on_the_cpu_are_todays():
+def test_vllm_settings_on_the_cpu_follow_its_bf16(monkeypatch):
+    monkeypatch.setenv("OMNI_CPU_BF16", "0")  # a CPU without native bfloat16
     assert engine_settings("cpu", "auto") == {"enforce_eager": True, "dtype": "float32"}
+    monkeypatch.setenv("OMNI_CPU_BF16", "1")  # one with it: vLLM's own choice there
+    assert engine_settings("cpu", "auto") == {"enforce_eager": True, "dtype": "bfloat16"}
+    assert engine_settings("cpu", "float32") == {"enforce_eager": True, "dtype": "float32"}
     assert engine_settings("cpu", "bfloat16", 0.5) == {"enforce_eager": True, "dtype": "bfloat16"}
 
 
@@ -192,6 +196,52 @@ def test_devices_cpu_loads_on_the_cpu_in_float32(tiny_model, llava, cls, kind):
     params = list(s.engine.model.parameters())
     assert {p.device.type for p in params} == {"cpu"}
     assert {p.dtype for p in params} == {torch.float32}
+
+
+@pytest.mark.parametrize("bf16,want", [("1", torch.bfloat16), ("0", torch.float32)])
+@pytest.mark.parametrize("cls,kind", MODEL_STAGES[:3], ids=lambda v: str(v))
+def test_dtype_auto_on_the_cpu_is_bfloat16_where_the_cpu_computes_it(
+    tiny_model, monkeypatch, cls, kind, bf16, want
+):
+    """``dtype: auto`` (the default) on the CPU loads a model in bfloat16 on a CPU with
+    native bfloat16 (as vLLM's server does there), float32 elsewhere; a dtype the config
+    names is kept either way; ``ar.text_encode`` (the DiT's conditioning) stays float32."""
+    monkeypatch.setenv("OMNI_CPU_BF16", bf16)
+    s = stage(cls, kind, tiny_model, devices="")
+    s.load()
+    assert s.engine.dtype == str(want).removeprefix("torch.")
+    assert {p.dtype for p in s.engine.model.parameters()} == {want}
+    named = stage(cls, kind, tiny_model, devices="", dtype="float32")
+    assert named._placement() == ("cpu", "float32")
+    assert stage(cls, kind, tiny_model, devices="", engine="vllm")._placement() == (
+        "cpu",
+        str(want).removeprefix("torch."),
+    )
+
+
+def test_a_bfloat16_cpu_runs_the_workers_in_bfloat16_end_to_end(tiny_model, monkeypatch):
+    """On a CPU with bfloat16 a pipeline at ``dtype: auto`` loads its models in bfloat16
+    in its worker processes (prefill's KV, as the caller sees it, is bfloat16), and the
+    request completes; on one without, float32 (the KV float32 numpy)."""
+    opts = {"model": tiny_model, "threads": 1}
+    config = {
+        "name": "bf16",
+        "mrs": {"enabled": True},
+        "stages": [
+            {"name": "intake", "kind": "ar.intake", "options": {"model": tiny_model}},
+            {"name": "prefill", "kind": "ar.prefill", "client_stream": True, "options": opts},
+            {"name": "decode", "kind": "ar.decode", "options": opts},
+        ],
+        "edges": [{"from": "intake", "to": "prefill"}, {"from": "prefill", "to": "decode"}],
+    }
+    for bf16, want in (("1", "torch.bfloat16"), ("0", "float32")):
+        monkeypatch.setenv("OMNI_CPU_BF16", bf16)  # the workers inherit it
+        with Pipeline(config) as p:
+            out = p.generate([{"prompt": PROMPT, "max_tokens": 8}])[0]
+        assert out.ok, out.error
+        (kv,) = [e for e in out.by_stage("prefill") if "keys" in e.arrays]
+        assert str(kv.arrays["keys"].dtype) == want, bf16
+        assert sum(len(e.tokens or []) for e in out.by_stage("decode")) == 8
 
 
 def _run(s, tokens=None, arrays=None, payload=None, request=None):

@@ -12,7 +12,7 @@ torch = pytest.importorskip(
 
 from omni_core.events import StageStats  # noqa: E402
 from omni_core.observability.gpu_stats import GpuProbe, nvml_device  # noqa: E402
-from omni_core.placement import DeviceError, default_dtype, place  # noqa: E402
+from omni_core.placement import DeviceError, cpu_has_bf16, default_dtype, place  # noqa: E402
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 
@@ -49,6 +49,31 @@ def test_gpu_dtype_default_follows_bf16_support(monkeypatch):
     assert default_dtype("cuda:0") == "bfloat16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     assert default_dtype("cuda:0") == "float16"
+
+
+SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+EPYC_ROME = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd atomics\n"
+
+
+def test_cpu_bf16_is_read_from_the_cpus_flags():
+    assert cpu_has_bf16(SAPPHIRE_RAPIDS) and cpu_has_bf16(GRAVITON3)
+    assert not cpu_has_bf16(EPYC_ROME) and not cpu_has_bf16(GRAVITON2)
+    assert not cpu_has_bf16("") and not cpu_has_bf16("flags: avx512_bf16x\n")  # whole flags
+    assert cpu_has_bf16("flags\t: avx512bw\n") is False  # AVX-512 alone emulates bf16
+    assert isinstance(cpu_has_bf16(), bool)  # this machine's, whatever it is
+
+
+def test_cpu_bf16_can_be_forced_either_way(monkeypatch):
+    monkeypatch.setenv("OMNI_CPU_BF16", "1")
+    assert cpu_has_bf16() is True
+    assert cpu_has_bf16(EPYC_ROME) is False  # given flags are read as they are
+    monkeypatch.setenv("OMNI_CPU_BF16", "0")
+    assert cpu_has_bf16() is False
+    monkeypatch.setenv("OMNI_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match="OMNI_CPU_BF16='yes': expected 0 or 1"):
+        cpu_has_bf16()
 
 
 def test_nvml_finds_the_first_visible_gpu_by_index_or_uuid():

@@ -40,6 +40,7 @@ SURFACE = {
     "apply_thread_env",
     "build_once",
     "cached",
+    "cpu_has_bf16",
     "default_dtype",
     "installed_models",
 }

@@ -18,6 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
+# dtype auto runs text models in float32 here, as the tests' references are, whatever the
+# CPU (its workers inherit this); OMNI_CPU_BF16=1 runs them as a BF16 CPU would
+os.environ.setdefault("OMNI_CPU_BF16", "0")
+
 OMNI = "import sys; from omni_core.cli import main; sys.exit(main())"
 START_TIMEOUT_S = 240
 

@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+# dtype auto runs text models in float32 here, as the tests' references are, whatever the
+# CPU (its workers inherit this); OMNI_CPU_BF16=1 runs them as a BF16 CPU would
+os.environ.setdefault("OMNI_CPU_BF16", "0")
 
 OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.exit(main())"]
 

@@ -94,10 +94,19 @@ def test_schema_is_one_omni_accepts():
 def test_vllm_commands():
     default = vllm_command("/m", 8000)
     assert "--structured-outputs-config" not in default
+    assert not {"--dtype", "--enforce-eager"} & set(default)  # vLLM's own choices
     same = vllm_command("/m", 8000, OMNI_STRUCTURED_OUTPUTS)
     i = same.index("--structured-outputs-config")
     assert json.loads(same[i + 1]) == {"backend": "xgrammar", "disable_any_whitespace": True}
     assert same[:i] == default
+    tuned = vllm_command("/m", 8000, dtype="bfloat16")
+    assert tuned[: len(default)] == default
+    assert tuned[len(default) :] == [
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+        "--disable-log-stats",
+    ]
 
 
 def test_classify():
@@ -139,6 +148,8 @@ def test_compare_names_both_baselines():
     assert targets["tok_per_s_c1 >= 0.9 x vllm"] is True
     assert targets["tok_per_s_c1 >= 0.9 x vllm_default (vLLM at its defaults)"] is False
     assert targets["ttft_p50_c1 <= 1.25 x vllm_default (vLLM at its defaults)"] is False
+    compare(res, targets, omni, {"c1": {"tok_per_s": 9.0, "ttft_p50_ms": 100.0}}, [1], "x", 1.0)
+    assert targets["tok_per_s_c1 >= 1 x x (vLLM at its defaults)"] is True  # at the target
 
 
 def test_the_tools_arm_times_the_first_calls_name():

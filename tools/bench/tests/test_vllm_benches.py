@@ -47,7 +47,8 @@ def test_serve_keys(tiny_model):
     )
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    for server in ("vllm", "omni", "omni_split_local"):  # omni: the fused ar.generate layout
+    # vllm_default: vLLM as its users start it; omni: the fused ar.generate layout
+    for server in ("vllm_default", "vllm", "omni", "omni_split_local"):
         for level in ("c1", "c2"):
             m = r[server][level]
             assert m["tokens"] == 4 * 12, (server, level, m)  # ignore_eos: every token
@@ -63,10 +64,13 @@ def test_serve_keys(tiny_model):
         "omni_vs_vllm_tok_per_s_c1",
         "omni_vs_vllm_tok_per_s_c2",
         "omni_vs_vllm_ttft_p50_c1",
+        "omni_vs_vllm_default_tok_per_s_c2",
         "split_local_vs_fused_tok_per_s_c1",
     ):
         assert r[key] > 0, key
     assert "split_local_tok_per_s_c2 >= 0.8 x fused" in r["targets"]
+    assert "tok_per_s_c2 >= 1 x vllm_default (vLLM at its defaults)" in r["targets"]
+    assert r["vllm_dtype"] in ("bfloat16", "float32")
     assert isinstance(r["targets_met"], bool)
 
 

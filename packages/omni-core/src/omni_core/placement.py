@@ -31,6 +31,38 @@ class Placement:
         return self.device.startswith("cuda")
 
 
+CPUINFO = "/proc/cpuinfo"
+# the flags of a CPU that computes bfloat16 natively: x86's AVX-512 BF16 or AMX, Arm's BF16
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+CPU_BF16_ENV = "OMNI_CPU_BF16"
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 natively (its ``/proc/cpuinfo`` flags, or the
+    text ``cpuinfo``): there a bfloat16 model runs about twice as fast as in float32;
+    elsewhere bfloat16 is emulated and slower than float32. False where the flags cannot
+    be read. ``OMNI_CPU_BF16=0`` (or ``1``) in the environment overrides what the flags
+    say for this machine (the test suites set 0: their references are float32)."""
+    if cpuinfo is None:
+        forced = os.environ.get(CPU_BF16_ENV)
+        if forced in ("0", "1"):
+            return forced == "1"
+        if forced is not None:
+            raise ValueError(f"{CPU_BF16_ENV}={forced!r}: expected 0 or 1")
+        try:
+            with open(CPUINFO, encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() in ("flags", "features"):  # x86, Arm
+            return not BF16_FLAGS.isdisjoint(value.split())
+    return False
+
+
 def default_dtype(device: str) -> str:
     """float32 on a CPU; bfloat16 on a GPU that has it (Ampere on), else float16."""
     if not device.startswith("cuda"):

@@ -31,9 +31,11 @@ What the names are for, by group:
   through ``inp.fail`` or raised from ``process``), :class:`DeviceError` (a placement
   the worker cannot give).
 * **Placement:** :class:`Placement`, :func:`default_dtype` (the dtype ``auto`` stands
-  for on a device), :func:`apply_thread_env` (a library loaded before the worker's thread
-  count was known, as in a worker forked from the zygote, gets it applied: call it after
-  importing one that sizes a thread pool at import).
+  for on a device), :func:`cpu_has_bf16` (whether the CPU computes bfloat16 natively:
+  a family may run its models in bfloat16 there), :func:`apply_thread_env` (a library
+  loaded before the worker's thread count was known, as in a worker forked from the
+  zygote, gets it applied: call it after importing one that sizes a thread pool at
+  import).
 * **Scheduling:** :data:`PRIORITY_KEY` (the request field a priority is read from) and
   :data:`SchedulerPolicy` (a stage over an engine with its own scheduler passes
   :attr:`StageInput.priority` on under ``priority``).
@@ -62,7 +64,7 @@ from omni_core.media import IMAGE_INPUT_FORMATS, MEDIA_TYPE
 from omni_core.models.model_cache import build_once, cached
 from omni_core.models.named_models import NamedModel, installed_models
 from omni_core.observability.progress import Reporter
-from omni_core.placement import DeviceError, Placement, default_dtype
+from omni_core.placement import DeviceError, Placement, cpu_has_bf16, default_dtype
 from omni_core.scheduling import PRIORITY_KEY, SchedulerPolicy
 from omni_core.stage import Stage, StageContext, StageEvent, StageInput
 from omni_core.threads import apply_thread_env
@@ -92,6 +94,7 @@ __all__ = [
     "apply_thread_env",
     "build_once",
     "cached",
+    "cpu_has_bf16",
     "default_dtype",
     "installed_models",
 ]

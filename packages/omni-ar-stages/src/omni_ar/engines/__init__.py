@@ -32,8 +32,9 @@ def load_engine(
     **vllm_options: Any,
 ) -> Engine:
     """An engine by name, for a model on ``device`` (``"cpu"`` or ``"cuda:0"``, see
-    :meth:`omni_core.plugin.StageContext.place`) in ``dtype`` (``"auto"``: float32 on the CPU; on a
-    GPU bfloat16 or float16 for transformers, vLLM's own choice for vLLM); a missing
+    :meth:`omni_core.plugin.StageContext.place`) in ``dtype`` (``"auto"``: bfloat16 on a CPU that
+    computes it natively, else float32 (:mod:`omni_ar.engines.dtype`); on a GPU bfloat16
+    or float16 for transformers, vLLM's own choice for vLLM); a missing
     engine is a clear error. ``cpu_turns``: engines naming the same turn compute in turns
     on the CPU (:mod:`omni_ar.engines.cpu_turns`). ``vllm_options`` (``kv_role``, ``kv_connector``,
     ``engine_args``, ``gpu_memory_utilization``, ``scheduling_policy``) configure the vLLM

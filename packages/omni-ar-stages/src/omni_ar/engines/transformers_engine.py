@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from omni_core.plugin import default_dtype
 from omni_hf import quiet_offline
 
 from omni_ar.engines.base import TokenizedEngine, eos_set
 from omni_ar.engines.cpu_turns import cpu_turn
+from omni_ar.engines.dtype import resolve_dtype
 from omni_ar.engines.protocol import Source
 from omni_ar.engines.transformers_batch import BatchRequest, BatchSteps, DecodeBatch
 from omni_ar.engines.transformers_kv import cache_of, kv_arrays
@@ -62,7 +62,7 @@ class TransformersEngine(TokenizedEngine):
         quiet_offline()
         super().__init__(model)
         self.device = device  # "cpu" or "cuda:0" (omni_core.plugin.StageContext.place)
-        self.dtype = default_dtype(device) if dtype == "auto" else dtype
+        self.dtype = resolve_dtype(device, dtype)
         self.threads = threads
         self.model: Any = None
         self.batch = DecodeBatch(self)

@@ -52,6 +52,7 @@ from omni_hf import quiet_offline
 
 from omni_ar.engines.base import TokenizedEngine, eos_set
 from omni_ar.engines.cpu_turns import cpu_turn
+from omni_ar.engines.dtype import resolve_dtype
 from omni_ar.engines.protocol import Source
 from omni_ar.engines.vllm_mm import MMContinuation, VllmMultimodal, media_prompt
 from omni_ar.engines.vllm_requires_kv import failure, forget_failure
@@ -94,8 +95,10 @@ def set_vllm_env(
 def engine_settings(device: str, dtype: str, gpu_memory_utilization: float = 0.9) -> dict[str, Any]:
     """The ``LLM`` arguments that depend on the device (``"cpu"`` or ``"cuda:0"``).
 
-    * CPU: ``enforce_eager`` (no graph capture), ``dtype`` float32 for ``"auto"`` (as the
-      transformers engine on a CPU); the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB.
+    * CPU: ``enforce_eager`` (no graph capture), ``dtype`` for ``"auto"`` as the
+      transformers engine's (:func:`~omni_ar.engines.dtype.auto_dtype`: bfloat16 on a CPU
+      that computes it natively, else float32); the KV cache is
+      ``VLLM_CPU_KVCACHE_SPACE`` GiB.
     * GPU: CUDA graphs (vLLM's default), ``dtype`` as asked (``"auto"``: vLLM's choice,
       the checkpoint's dtype, float32 checkpoints in bfloat16 or float16), and a KV cache
       sized by ``gpu_memory_utilization``, the share of the GPU's memory this engine may
@@ -104,7 +107,7 @@ def engine_settings(device: str, dtype: str, gpu_memory_utilization: float = 0.9
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization!r}: expected 0 < x <= 1")
     if device == "cpu":
-        return {"enforce_eager": True, "dtype": "float32" if dtype == "auto" else dtype}
+        return {"enforce_eager": True, "dtype": resolve_dtype(device, dtype)}
     if not device.startswith("cuda"):
         raise ValueError(f"vLLM engine: device {device!r}: expected 'cpu' or 'cuda:N'")
     return {"dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization}

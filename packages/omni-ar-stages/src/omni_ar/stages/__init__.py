@@ -15,7 +15,8 @@
 
 The stages that hold a model (prefill, decode, talker) load it where
 :meth:`omni_core.plugin.StageContext.place` puts them: the stage's ``devices`` (``cpu``,
-or GPUs: the first one it is given) in its ``dtype`` (``auto``: float32 on a CPU,
-bfloat16 or float16 on a GPU). A GPU asked for where torch sees none fails the load,
-naming the stage. Intake and postprocess load only a tokenizer.
+or GPUs: the first one it is given) in its ``dtype`` (``auto``: bfloat16 on a CPU
+that computes it natively, else float32; bfloat16 or float16 on a GPU). A GPU asked for
+where torch sees none fails the load, naming the stage. Intake and postprocess load only
+a tokenizer.
 """

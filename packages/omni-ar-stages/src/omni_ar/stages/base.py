@@ -9,6 +9,7 @@ import msgspec
 from omni_core.plugin import Stage, StageInput
 
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
+from omni_ar.engines.dtype import auto_dtype
 from omni_ar.engines.protocol import Engine, require_engine
 from omni_ar.models import resolve_model
 from omni_ar.params import (
@@ -35,8 +36,8 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: Literal["transformers", "vllm"] = "transformers"  # what runs the model
     kv_connector: Literal["shm", "file"] = "shm"  # vLLM: how prefill's KV reaches decode
     engine_args: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM: extra args
-    # the model's dtype; auto: float32 on a CPU, bfloat16 (else float16) on a GPU, and
-    # vLLM's own choice on a GPU
+    # the model's dtype; auto: bfloat16 on a CPU that computes it natively, else float32
+    # (omni_ar.engines.dtype); bfloat16 (else float16) on a GPU, and vLLM's own choice there
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # vLLM on a GPU: the share of its memory the engine may take (weights + KV cache)
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
@@ -124,12 +125,15 @@ class ModelStage(Stage):
     def _placement(self) -> tuple[str, str]:
         """(device, dtype) of the stage's model: :meth:`omni_core.plugin.StageContext.place` of its
         ``devices`` and ``dtype`` (a :class:`omni_core.plugin.DeviceError` where it asks
-        for a GPU torch does not see). vLLM on a GPU keeps ``auto``: it picks the dtype."""
+        for a GPU torch does not see). ``auto``: :func:`~omni_ar.engines.dtype.auto_dtype`;
+        vLLM on a GPU keeps it: it picks the dtype."""
         o = self.options
         p = self.ctx.place(o.dtype)
-        if o.engine == "vllm" and p.is_gpu and o.dtype == "auto":
+        if o.dtype != "auto":
+            return p.device, p.dtype
+        if o.engine == "vllm" and p.is_gpu:
             return p.device, "auto"
-        return p.device, p.dtype
+        return p.device, auto_dtype(p.device)
 
     def read(self, request: dict[str, Any]) -> tuple[Any, SamplingParams]:
         """(prompt text or token ids, or messages; sampling params) of a request entering
