@@ -95,18 +95,16 @@ def test_vllm_commands():
     default = vllm_command("/m", 8000)
     assert "--structured-outputs-config" not in default
     assert not {"--dtype", "--enforce-eager"} & set(default)  # vLLM's own choices
+    assert default[-2:] == ["--gpu-memory-utilization", "0.5"]  # what its error asks for
+    base = default[:-2]
     same = vllm_command("/m", 8000, OMNI_STRUCTURED_OUTPUTS)
     i = same.index("--structured-outputs-config")
     assert json.loads(same[i + 1]) == {"backend": "xgrammar", "disable_any_whitespace": True}
-    assert same[:i] == default
+    assert same[:i] == base
     tuned = vllm_command("/m", 8000, dtype="bfloat16")
-    assert tuned[: len(default)] == default
-    assert tuned[len(default) :] == [
-        "--enforce-eager",
-        "--dtype",
-        "bfloat16",
-        "--disable-log-stats",
-    ]
+    assert tuned[: len(base)] == base
+    flags = ["--enforce-eager", "--dtype", "bfloat16", "--disable-log-stats"]
+    assert tuned[len(base) :] == flags
 
 
 def test_classify():

@@ -38,6 +38,7 @@ def test_serve_keys(tiny_model):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     args = ["--model", tiny_model, "--concurrency", "1,2", "--requests-per-level", "4"]
     args += ["--layouts", "fused,split_local"]  # split_local: decode prefills these prompts
+    args += ["--eager"]  # omni's engines start in seconds (vLLM's own default compiles)
     out = subprocess.run(
         [*OMNI, "bench", "serve", *args, "--max-tokens", "12", "--ready-timeout", "240", "--json"],
         capture_output=True,

