@@ -33,6 +33,7 @@ def tiny_model(tmp_path_factory):
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-64"), head_dim=64))
 
 
+@pytest.mark.timeout(1200)  # four servers start, vLLM's default one compiling its model
 def test_serve_keys(tiny_model):
     # the servers get this environment, less any VLLM_* of an in-process engine
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
@@ -40,10 +41,10 @@ def test_serve_keys(tiny_model):
     args += ["--layouts", "fused,split_local"]  # split_local: decode prefills these prompts
     args += ["--eager"]  # omni's engines start in seconds (vLLM's own default compiles)
     out = subprocess.run(
-        [*OMNI, "bench", "serve", *args, "--max-tokens", "12", "--ready-timeout", "240", "--json"],
+        [*OMNI, "bench", "serve", *args, "--max-tokens", "12", "--ready-timeout", "480", "--json"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1100,
         env=env,
     )
     assert out.returncode == 0, out.stderr[-4000:]
