@@ -34,9 +34,7 @@ class Placement:
 CPUINFO = "/proc/cpuinfo"
 # the flags of a CPU that computes bfloat16 natively: x86's AVX-512 BF16 or AMX, Arm's BF16
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
-
-
-CPU_BF16_ENV = "OMNI_CPU_BF16"
+CPU_BF16_ENV = "OMNI_CPU_BF16"  # 0 or 1: what cpu_has_bf16 says, whatever the flags
 
 
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:

@@ -62,11 +62,15 @@ class MelStream:
         return out
 
 
+def hop(vocoder: Any) -> int:
+    """The samples BigVGAN makes of one mel frame."""
+    return math.prod(vocoder.config.upsample_rates)
+
+
 def load_vocoder(model: str) -> tuple[Any, int]:
     """(BigVGAN, samples per mel frame) of a Qwen2.5-Omni checkpoint."""
-    t2w = load_part(resolve(model), "token2wav")
-    vocoder = t2w.code2wav_bigvgan_model
-    return vocoder, math.prod(vocoder.config.upsample_rates)
+    vocoder = load_part(resolve(model), "token2wav").code2wav_bigvgan_model
+    return vocoder, hop(vocoder)
 
 
 def audio_segment(inp: StageInput, wave: np.ndarray, offset: int, rate: int, last: bool) -> Any:

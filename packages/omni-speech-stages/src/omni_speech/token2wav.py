@@ -22,7 +22,6 @@ it}``) to a ``speech.mel2wav`` stage, so the two halves run in two processes.
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from omni_core.plugin import Stage, StageEvent, StageInput
 
 from omni_speech.checkpoint import Voice, load_part, load_voices, resolve
 from omni_speech.dit import WindowVelocity
-from omni_speech.mel2wav import SAMPLE_RATE, MelStream, audio_segment
+from omni_speech.mel2wav import SAMPLE_RATE, MelStream, audio_segment, hop
 from omni_speech.thinker import TORCH_PRELOAD
 
 
@@ -238,7 +237,7 @@ class Token2Wav(Code2Mel):
 
     def load(self) -> None:
         super().load()
-        self.hop = math.prod(self.vocoder.config.upsample_rates)
+        self.hop = hop(self.vocoder)
 
     def _emit(self, inp: StageInput, w: _Wave, final: bool, last: bool) -> StageEvent | None:
         """The samples of the final mel frames not sent yet whose right side is known."""
