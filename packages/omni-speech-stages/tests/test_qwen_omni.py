@@ -219,7 +219,8 @@ def mel_input(rid: str, mel, offset, last: bool = False):
     from omni_core import StageInput
     from omni_core.dataplane.windows import Piece, Window
 
-    window = Window("code2mel", 0, 0, 0, [Piece(0, None, {"mel": mel}, {"offset": offset})], last)
+    arrays, payload = ({}, {}) if mel is None else ({"mel": mel}, {"offset": offset})
+    window = Window("code2mel", 0, 0, 0, [Piece(0, None, arrays, payload)], last)
     return StageInput(rid, {}, {"code2mel": window}, first=True, last=last)
 
 
@@ -247,6 +248,9 @@ def test_mel2wav_refuses_bad_mel_for_its_request_alone(tiny_omni):
     for rid, (_, _, words) in bad.items():
         assert errors[rid].startswith("upstream mel: ") and words in errors[rid], errors[rid]
     assert set(stage.streams) == {"ok", "ok2"}  # the failed ones forgotten
+    # a request that spoke nothing (modalities ["text"]) ends without audio, as token2wav's
+    (quiet,) = stage.process([mel_input("quiet", None, None, last=True)])
+    assert quiet.is_last and not getattr(quiet, "arrays", None)
     rest = list(stage.process([mel_input("ok", mel[:, :, 24:], 24, last=True)]))
     wave = {}
     for e in events + rest:

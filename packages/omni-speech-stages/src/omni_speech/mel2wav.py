@@ -9,7 +9,8 @@ do: ``arrays={"audio": float32 (n,)}``, ``payload={"sample_rate", "offset"}`` (s
 before it). The frames whose right side has not come yet wait for the next window
 (:class:`MelStream`), so a waveform cut at other window bounds differs from the whole
 one only where the vocoder's receptive field passes ``vocoder_frames``; one window with
-every frame (upstream in exact mode) gives the whole one.
+every frame (upstream in exact mode) gives the whole one. A request that spoke no mel
+(``modalities: ["text"]``) ends with a segment without audio, as token2wav's does.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ class Mel2Wav(Stage):
             except ValueError as e:  # upstream's fault: this request's alone
                 self.end_request(inp.request_id)
                 yield inp.fail(f"upstream mel: {e}")
+                continue
+            if not s.frames:  # nothing spoken (yet): a request without speech passes
+                yield inp.segment(is_last=True) if inp.last else None  # as token2wav's
                 continue
             offset = s.samples
             wave = s.vocode(self.vocoder, self.hop, o.vocoder_frames, final=inp.last)
