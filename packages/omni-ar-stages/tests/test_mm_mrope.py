@@ -219,6 +219,37 @@ def test_the_position_delta_is_what_makes_decode_right(stages, reference):
     assert [t for t, _ in engine.resume(ids, a["keys"], a["values"], n, params, wrong)] != got
 
 
+def test_requests_resumed_together_decode_in_one_batch_each_at_its_own_positions(
+    stages, reference
+):
+    """Every request resumed at once joins the engine's decode batch: one forward per
+    step for all of them (not one each), and each still gets its reference tokens, its
+    own position delta applied to its row (the text-only request has none)."""
+    engine = stages[2].engine
+    streams = []
+    for r in REQUESTS:
+        ev, _ = _handoff(stages, r)
+        h, a = ev.payload["handoff"], ev.arrays
+        ids = h["prompt_token_ids"]
+        m = h.get("mrope")
+        mrope = MRope(position_delta=m["position_delta"], grids=m["grids"]) if m else None
+        params = SamplingParams(max_tokens=r["max_tokens"])
+        streams.append(engine.resume(ids, a["keys"], a["values"], len(ids) - 1, params, mrope))
+    outs = [[next(s)[0]] for s in streams]
+    before = engine.batch.forwards
+    active = list(range(len(streams)))
+    while active:  # in turn, as the decode stage drives its requests
+        for i in list(active):
+            try:
+                outs[i].append(next(streams[i])[0])
+            except StopIteration:
+                active.remove(i)
+    assert outs == reference
+    steps = engine.batch.forwards - before
+    assert steps == max(len(t) for t in reference) - 1 < sum(len(t) - 1 for t in reference)
+    assert not engine.batch.requests  # every one left the batch
+
+
 def test_each_altered_position_field_fails_only_its_request(stages, reference):
     """A batch of the good request and one altered copy at a time: the copy fails with
     the field named, the good one is served."""

@@ -49,6 +49,7 @@ class BatchRequest:
     done: bool = False
     matcher: Matcher | None = None  # its grammar's state, for structured output
     logits: Logits | None = None  # its penalties, biases, bad words... (omni_ar.logits)
+    position_offset: int = 0  # its positions: its cache's length plus this (M-RoPE's delta)
 
 
 class DecodeBatch:
@@ -144,7 +145,9 @@ class DecodeBatch:
             out = e.model(
                 e.tensor([[q.tok] for q in reqs]),
                 attention_mask=self.mask,
-                position_ids=e.tensor([[n] for n in self.lengths]),
+                position_ids=e.tensor(
+                    [[n + q.position_offset] for n, q in zip(self.lengths, reqs, strict=True)]
+                ),
                 use_cache=True,
                 **{e.cache_kw: self.cache},
             )

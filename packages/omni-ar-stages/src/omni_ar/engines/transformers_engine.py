@@ -272,7 +272,42 @@ class TransformersEngine(TokenizedEngine):
         layers = [
             (self._kv_tensor(keys[i]), self._kv_tensor(values[i])) for i in range(keys.shape[0])
         ]
+        return self._join(first, layers, params, prompt)
+
+    def continue_from(
+        self,
+        first: Sampled,
+        cache: Any,
+        params: SamplingParams,
+        prompt: list[int] | None = None,
+        position_offset: int = 0,
+    ) -> Iterator[Sampled]:
+        """``first`` (already picked), then the tokens after it until EOS or
+        ``max_tokens`` in all, decoded in the batch with every other request in flight
+        (the multimodal engine's resume). ``cache`` (one row) holds every position before
+        ``first``; it joins the batch at this call. ``position_offset``: each token sits at
+        its index plus this (an M-RoPE model's delta); ``prompt``: its ids, for
+        ``repetition_penalty``."""
+        if params.max_tokens <= 1 or ends(first[0], params, self.eos_ids):
+            return iter([first])
+        layers = [(ly.keys[0], ly.values[0]) for ly in cache.layers]
+        return self._join(first[0], layers, params, prompt, position_offset, queued=first)
+
+    def _join(
+        self,
+        first: int,
+        layers: list[tuple[Any, Any]],
+        params: SamplingParams,
+        prompt: list[int] | None,
+        position_offset: int = 0,
+        queued: Sampled | None = None,
+    ) -> BatchSteps:
+        """A request into the decode batch: ``first`` is its next step's input, its KV
+        ``layers`` everything before it; ``queued``: a token it gives before any step."""
         req = BatchRequest(params, self.generator(params, offset=1), first, params.max_tokens - 1)
+        req.position_offset = position_offset
+        if queued is not None:
+            req.queue.append(queued)
         req.matcher = self.matcher(params, [first])
         req.logits = self.logits(params, prompt, [first])
         return BatchSteps(self.batch, self.batch.add(req, layers))
@@ -295,38 +330,6 @@ class TransformersEngine(TokenizedEngine):
         if isinstance(a, torch.Tensor):
             return a.to(device=self.device, dtype=dtype, copy=True)
         return torch.tensor(a, device=self.device, dtype=dtype)
-
-    def steps(
-        self,
-        first: int,
-        cache: Any,
-        params: SamplingParams,
-        position_offset: int | None = None,
-        prompt: list[int] | None = None,
-    ) -> Iterator[Sampled]:
-        """The tokens after ``first`` (the cache holds everything before it), one per
-        step, until EOS or ``max_tokens`` in all: one request alone, in its own cache
-        (the multimodal engine's resume; ``decode`` batches). ``position_offset``: each
-        token's position is given, its index plus this (an M-RoPE model's delta), instead
-        of left to the model; ``prompt``: its ids, for ``repetition_penalty``."""
-        import torch
-
-        gen = self.generator(params, offset=1)
-        matcher = self.matcher(params, [first])
-        state = self.logits(params, prompt, [first])
-        tok = first
-        for _ in range(params.max_tokens - 1):
-            if ends(tok, params, self.eos_ids):
-                return
-            kwargs = {self.cache_kw: cache}
-            if position_offset is not None:
-                kwargs["position_ids"] = self.tensor([[cache.get_seq_length() + position_offset]])
-            with torch.inference_mode():
-                out = self.model(self.tensor([[tok]]), use_cache=True, **kwargs)
-            cache = cache_of(out)
-            s = pick(out.logits[0, -1], params, gen, matcher, state)
-            tok = s[0]
-            yield s
 
     def generate(self, source: Source, params: SamplingParams) -> list[int]:
         """The whole request in one call (the parity oracle's one-process run)."""

@@ -35,7 +35,7 @@ from omni_ar.multimodal.handoff import (
 )
 from omni_ar.multimodal.media import flatten
 from omni_ar.multimodal.mrope import grid_tokens, uses_mrope
-from omni_ar.params import SamplingParams
+from omni_ar.params import Sampled, SamplingParams
 
 # checkpoint prefixes of a Llava-style model's language part (the saved layout, and the
 # in-memory one of transformers 5) -> the prefix in a plain causal LM
@@ -236,12 +236,13 @@ class VLMEngine(TransformersEngine):
         kv_tokens: int,
         params: SamplingParams,
         mrope: MRope | None = None,
-    ) -> Iterator[tuple[int, float]]:
+    ) -> Iterator[Sampled]:
         """Continue a prompt from the KV of its first ``kv_tokens`` positions: recompute
-        the rest of the prompt (text only; placeholders are never recomputed), then
-        yield the first generated token and the ones after it. ``mrope`` (an M-RoPE
-        model's, admitted): every token from here on sits at its index plus the
-        position delta."""
+        the rest of the prompt (text only; placeholders are never recomputed), pick the
+        first generated token, and join the decode batch (at this call: its errors are
+        raised here) for the ones after it. The iterator gives the first token, then the
+        rest; close it to leave the batch. ``mrope`` (an M-RoPE model's, admitted): every
+        token from here on sits at its index plus the position delta."""
         import torch
 
         rest = ids[kv_tokens:]
@@ -265,8 +266,7 @@ class VLMEngine(TransformersEngine):
             out = self.model(self.tensor([rest]), use_cache=True, logits_to_keep=1, **kwargs)
         state = self.logits(params, ids)
         first = pick(out.logits[0, -1], params, self.generator(params), state=state)
-        yield first  # as picked: with its top_logprobs alternatives
-        yield from self.steps(first[0], cache_of(out), params, offset, ids)
+        return self.continue_from(first, cache_of(out), params, ids, offset or 0)
 
 
 def _merge_size(config: Any) -> int | None:

@@ -337,7 +337,11 @@ class MMDecode(_MMStage, Decode):
             except (AdmissionError, HandoffError) as e:
                 yield inp.fail(f"requires_kv admission: {e}")
                 continue
-            yield from self._stream(inp, params, [first], steps, prompt_tokens=len(ids))
+            self.streams[inp.request_id] = steps  # (to pause: it is in the decode batch)
+            try:
+                yield from self._stream(inp, params, [first], steps, prompt_tokens=len(ids))
+            finally:
+                self._close(inp.request_id, steps)
 
     def _process_paged(self, batch: list[StageInput]) -> Iterator[StageEvent | None]:
         """On vLLM: admit (:func:`~omni_ar.multimodal.handoff.admit_paged`), then continue
