@@ -114,6 +114,14 @@ def parser() -> argparse.ArgumentParser:
         f"a valid key; one more is answered 429 and closed (default: {PER_ADDRESS} with "
         "--api-keys-file, else none)",
     )
+    p.add_argument(
+        "--max-running-requests",
+        type=positive_int,
+        default=None,
+        help="pipeline requests running at once, shared fairly between the keys of "
+        "--api-keys-file: past it a request waits (in its key's max_queued), and the key "
+        "with the fewest running goes next (default: no cap); see docs/security.md",
+    )
     p.add_argument("--served-model-name", help="the model id clients use (default: config name)")
     p.add_argument(
         "--request-timeout",
@@ -380,6 +388,7 @@ def settings_of(
         api_key=None if keys else api_key_of(args),
         api_keys=keys,
         max_connections_per_address=per_address,
+        max_running_requests=args.max_running_requests,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         max_body_bytes_in_flight=args.max_body_bytes_in_flight,

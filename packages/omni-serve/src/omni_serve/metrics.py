@@ -124,8 +124,10 @@ KEY_GAUGES = (
     ("omni_http_key_inflight", "HTTP requests of an API key being answered, by key name"),
     ("omni_http_key_queued", "pipeline requests of an API key open, by key name"),
     ("omni_http_key_held_refusals", "429s of an API key held before they are sent, by key name"),
+    ("omni_http_key_running", "pipeline requests of an API key past the fair gate, by key name"),
+    ("omni_http_key_waiting", "pipeline requests of an API key waiting their turn, by key name"),
 )
-Usage = Callable[[], dict[str, tuple[int, int, int, int]]]
+Usage = Callable[[], dict[str, tuple[int, ...]]]
 
 
 class SharesCollector(Collector):

@@ -101,7 +101,9 @@ class Server:
         self.parsing, self.image_headers = FairSlot(self.work), FairSlot(self.work)
         self.metrics.body_bytes.set_function(lambda: self.bodies.used)
         s = self.settings
-        self.shares = Shares(s.keys, s.max_connections_per_address, self.metrics)
+        self.shares = Shares(
+            s.keys, s.max_connections_per_address, self.metrics, s.max_running_requests
+        )
         if s.keys:  # each pipeline request counted against its key (max_queued)
             self.metrics.track_shares(self.shares.usage)
             self.pipe = SharedPipeline(self.pipe, self.shares)  # type: ignore[assignment]

@@ -62,6 +62,10 @@ class ServeSettings:
     max_connections_per_address: int | None = None
     """Connections one address may hold before a key is known on them (past it: 429 and
     closed, see ``omni_serve.shares``); None: no cap."""
+    max_running_requests: int | None = None
+    """Pipeline requests running at once, shared fairly between the keys of
+    ``api_keys`` (past it a request waits its key's turn, see ``omni_serve.shares``);
+    None: no cap."""
     request_timeout_s: float | None = None
     """The cap of a request's timeout: a body's ``timeout_s`` may lower it, never raise
     it (None: the pipeline config's ``request_timeout_s``)."""
@@ -124,6 +128,14 @@ class ServeSettings:
             raise SettingsError("one key (--api-key, --api-key-file) or a keys file, not both")
         if self.max_connections_per_address is not None and self.max_connections_per_address < 1:
             raise SettingsError("max_connections_per_address: expected a positive number")
+        if self.max_running_requests is not None:
+            if self.max_running_requests < 1:
+                raise SettingsError("max_running_requests: expected a positive number")
+            if not self.api_keys:
+                raise SettingsError(
+                    "--max-running-requests shares the running requests between the keys "
+                    "of --api-keys-file: give one"
+                )
         check_timeout(self.request_timeout_s, "--request-timeout")
         check_timeout(self.header_timeout_s, "--header-timeout")
         check_timeout(self.body_timeout_s, "--body-timeout")

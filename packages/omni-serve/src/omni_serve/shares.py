@@ -10,6 +10,13 @@ hold of the server, so that no client can starve the others.
   ``/health`` aside, at most its ``max_inflight``.
 - Queued requests: a key's pipeline requests open at once (``n`` images: ``n``), at most
   its ``max_queued`` (a share of ``--max-queued-requests``).
+- Running requests: with ``--max-running-requests N``, at most N pipeline requests run at
+  once, shared between the active keys (running, waiting, or between two requests: see
+  :data:`ANTICIPATE_S`): a key alone may run N, with others its fair share (N over the
+  active keys, rounded up). Past it a request waits (counted in its key's
+  ``max_queued``); each time one ends, the oldest waiting request of the key with the
+  fewest running that may run goes next. A key that floods cannot take the places of
+  another that asks, even while that one's client is between two requests.
 - Priority: a request asking a ``priority`` better (lower) than its key's
   ``best_priority`` is a 400 naming ``priority`` (:meth:`omni_serve.server.Server.check_priority`).
 
@@ -30,7 +37,9 @@ import contextlib
 import contextvars
 import json
 import logging
+import time
 from collections import Counter as Tally
+from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +60,11 @@ CONNECTION = "omni.connection"  # the scope key of a request's ConnectionShare
 CLIENT: contextvars.ContextVar[ApiKey | None] = contextvars.ContextVar(
     "omni_serve_client", default=None
 )
+# how long a key that ended its last running request still counts as active at the fair
+# gate: a client that sends its next request on the answer to the last is between two
+# requests for a few milliseconds, and another key's flood must not take its share then
+# (deceptive idleness, which Linux's anticipatory I/O scheduler waited out the same way)
+ANTICIPATE_S = 0.1
 HEALTH = "/health"  # never counted against a key: a monitor must see an overloaded key
 
 
@@ -82,6 +96,10 @@ class KeyUse:
     inflight: int = 0
     queued: int = 0
     held: int = 0  # refusals being held (Shares.hold_refusal)
+    running: int = 0  # pipeline requests past the fair gate (Shares.running)
+    ended_at: float = float("-inf")  # when its last running request ended (monotonic)
+    # its requests waiting at the gate, oldest first: (arrival number, the turn's future)
+    waiting: deque[tuple[int, asyncio.Future[None]]] = field(default_factory=deque)
 
 
 @dataclass
@@ -91,8 +109,11 @@ class Shares:
     keys: Sequence[ApiKey]
     per_address: int | None
     metrics: ServerMetrics
+    max_running: int | None = None  # --max-running-requests (None: no gate)
     unkeyed: Tally[str] = field(default_factory=Tally)  # connections by address
     use: dict[str, KeyUse] = field(init=False)
+    running_total: int = 0
+    arrivals: int = 0  # requests that waited at the gate (their order)
 
     def __post_init__(self) -> None:
         self.use = {k.name: KeyUse() for k in self.keys}
@@ -189,10 +210,84 @@ class Shares:
         finally:
             use.queued -= 1
 
-    def usage(self) -> dict[str, tuple[int, int, int, int]]:
+    @contextlib.asynccontextmanager
+    async def running(self, key: ApiKey | None) -> AsyncIterator[None]:
+        """One pipeline request of ``key`` running, past the fair gate (see the module):
+        at once where :meth:`_may_run`, else once it is its turn."""
+        if key is None or self.max_running is None:
+            yield
+            return
+        use = self.use[key.name]
+        if self._may_run(use):
+            use.running += 1
+            self.running_total += 1
+        else:
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.arrivals += 1
+            use.waiting.append((self.arrivals, turn))
+            try:
+                await turn  # (its slot is counted for it when its turn comes)
+            except BaseException:
+                if turn.done() and not turn.cancelled():  # its turn came as it was cancelled
+                    self._end(use)
+                else:
+                    use.waiting = deque(w for w in use.waiting if w[1] is not turn)
+                    self._dispatch()  # (a key less active: another's share grows)
+                raise
+        try:
+            yield
+        finally:
+            self._end(use)
+
+    def _may_run(self, use: KeyUse) -> bool:
+        """A request of ``use``'s key may run now: a place is free, and its key runs fewer
+        than its fair share (``max_running`` over the keys that are active, itself
+        included, rounded up) or no other key is active."""
+        assert self.max_running is not None
+        if self.running_total >= self.max_running:
+            return False
+        active = sum(1 for u in self.use.values() if u is use or self._active(u))
+        return active == 1 or use.running < -(-self.max_running // active)
+
+    def _active(self, use: KeyUse) -> bool:
+        """``use``'s key runs or waits, or ended a request within :data:`ANTICIPATE_S`
+        (its client is likely about to send the next)."""
+        if use.running or use.waiting:
+            return True
+        return time.monotonic() - use.ended_at < ANTICIPATE_S
+
+    def _end(self, use: KeyUse) -> None:
+        """A running request of ``use``'s key ended: the next waiting one gets its turn."""
+        use.running -= 1
+        self.running_total -= 1
+        if not use.running:
+            use.ended_at = time.monotonic()
+            if any(u.waiting for u in self.use.values()):  # its share held a moment: then
+                asyncio.get_running_loop().call_later(ANTICIPATE_S, self._dispatch)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Turns to waiting requests while one may run: of the keys that may, the one with
+        the fewest running first, then the oldest request."""
+        while True:
+            ready = [u for u in self.use.values() if u.waiting and self._may_run(u)]
+            if not ready:
+                return
+            nxt = min(ready, key=lambda u: (u.running, u.waiting[0][0]))
+            _, turn = nxt.waiting.popleft()
+            if turn.done():  # cancelled while it waited
+                continue
+            nxt.running += 1
+            self.running_total += 1
+            turn.set_result(None)
+
+    def usage(self) -> dict[str, tuple[int, int, int, int, int, int]]:
         """Per key name: (connections, requests in flight, pipeline requests open, refusals
-        held)."""
-        return {n: (u.connections, u.inflight, u.queued, u.held) for n, u in self.use.items()}
+        held, pipeline requests running, pipeline requests waiting their turn)."""
+        return {
+            n: (u.connections, u.inflight, u.queued, u.held, u.running, len(u.waiting))
+            for n, u in self.use.items()
+        }
 
 
 class SharedPipeline:
@@ -217,8 +312,9 @@ class SharedPipeline:
                 await self._shares.hold_refusal(key)
                 raise err
         with self._shares.queued(key):
-            async for ev in self._pipe.astream(request, request_id, timeout_s):
-                yield ev
+            async with self._shares.running(key):
+                async for ev in self._pipe.astream(request, request_id, timeout_s):
+                    yield ev
 
 
 class ClientShares:

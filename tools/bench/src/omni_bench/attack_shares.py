@@ -2,8 +2,9 @@
 client uses it, each attack measured as a ratio in one run.
 
 The server is ``omni serve configs/mm_chat.yaml`` (the tiny Llava: it takes images) with a
-keys file of two keys, ``normal`` and ``attacker`` (:data:`ATTACKER_LIMITS`), shared by
-the arms (:class:`SharesServer`). Each arm (:func:`run_arm`) measures the normal client's
+keys file of two keys, ``normal`` and ``attacker`` (:data:`ATTACKER_LIMITS`), and
+``--max-running-requests`` :data:`MAX_RUNNING` (the fair gate between keys), shared by the
+arms (:class:`SharesServer`). Each arm (:func:`run_arm`) measures the normal client's
 latency (``CLIENTS`` threads sending requests one after another) for ``measure_s`` idle,
 then starts the attacker in a process of its own (its CPU is not the normal client's
 GIL), waits until it says its attack is under way, and measures again for ``measure_s``:
@@ -55,6 +56,10 @@ IMAGE_THREADS = 2
 FLOOD_THREADS = 32
 ATTACKER_ADDRESS = "127.0.0.2"  # another client address than the normal client's
 ATTACKER_LIMITS = {"max_inflight": 4, "max_queued": 8, "max_connections": 16}
+# --max-running-requests: about where this pipeline stops gaining throughput on 2 cores
+# (the normal client's 2 chats alone keep 1.7 of them busy); with two keys active, each
+# runs at most 2 (its share), so the flood cannot outnumber the normal client in the pipeline
+MAX_RUNNING = 4
 PNG_1X1 = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
 )
@@ -123,6 +128,8 @@ class SharesServer:
                 str(free_port()),
                 "--api-keys-file",
                 str(keys_file),
+                "--max-running-requests",
+                str(MAX_RUNNING),
                 *self.extra,
             ]
             env = {k: v for k, v in __import__("os").environ.items() if k != "OMNI_API_KEY"}

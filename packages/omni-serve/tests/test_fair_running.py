@@ -1,0 +1,258 @@
+"""The fair gate of ``--max-running-requests`` (``omni_serve.shares.Shares.running``): at
+most N pipeline requests run, a key alone may run all N, with other keys active each runs
+at most its share (N over them, rounded up), a freed place goes to the key with the fewest
+running, a key between two requests keeps its share for ``ANTICIPATE_S``, and a request
+cancelled while it waits (or as its turn comes) gives its place on. Then against a real
+server: a key's request passes another key's earlier ones."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from omni_serve import shares as shares_mod
+from omni_serve.keys import ApiKey
+from omni_serve.metrics import ServerMetrics
+from omni_serve.shares import Shares
+
+from .conftest import intake_then, slow, start_server, stop_server
+from .test_fair_shares import Background, sample, wait_for
+
+FLOOD, CALM = ApiKey("flood", "f" * 40), ApiKey("calm", "c" * 40)
+THIRD = ApiKey("third", "t" * 40)
+
+
+def gate(max_running: int) -> Shares:
+    return Shares([FLOOD, CALM, THIRD], None, ServerMetrics(None), max_running)
+
+
+class Runner:
+    """Requests through the gate, each held running until :meth:`end`."""
+
+    def __init__(self, shares: Shares) -> None:
+        self.shares = shares
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.started: list[str] = []
+        self.ends: dict[str, asyncio.Event] = {}
+
+    def start(self, name: str, key: ApiKey) -> None:
+        self.ends[name] = asyncio.Event()
+
+        async def run() -> None:
+            async with self.shares.running(key):
+                self.started.append(name)
+                await self.ends[name].wait()
+
+        self.tasks[name] = asyncio.create_task(run())
+
+    async def end(self, name: str) -> None:
+        self.ends[name].set()
+        await self.tasks[name]
+
+    def use(self, key: ApiKey) -> tuple[int, int]:
+        u = self.shares.use[key.name]
+        return u.running, len(u.waiting)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_key_alone_runs_up_to_the_cap_and_one_past_it_waits():
+    async def main() -> None:
+        r = Runner(gate(3))
+        for i in range(4):
+            r.start(f"f{i}", FLOOD)
+        await settle()
+        assert r.started == ["f0", "f1", "f2"] and r.use(FLOOD) == (3, 1)
+        await r.end("f0")
+        await settle()
+        assert r.started == ["f0", "f1", "f2", "f3"] and r.use(FLOOD) == (3, 0)
+        for n in ("f1", "f2", "f3"):
+            await r.end(n)
+        assert r.shares.running_total == 0 and r.use(FLOOD) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_freed_place_goes_to_the_key_under_its_share_before_the_floods_older_requests():
+    async def main() -> None:
+        r = Runner(gate(4))
+        for i in range(6):  # alone: all 4 places, 2 wait
+            r.start(f"f{i}", FLOOD)
+        await settle()
+        r.start("c0", CALM)
+        r.start("c1", CALM)
+        await settle()
+        assert r.use(FLOOD) == (4, 2) and r.use(CALM) == (0, 2)  # the cap holds for calm too
+        await r.end("f0")
+        await settle()
+        assert r.started[-1] == "c0"  # before f4, f5 (older): calm runs 0 of its share 2
+        await r.end("f1")
+        await settle()
+        assert r.started[-1] == "c1" and r.use(CALM) == (2, 0)
+        await r.end("f2")  # flood runs 1 of its share 2: its oldest goes
+        await settle()
+        assert r.started[-1] == "f4" and r.use(FLOOD) == (2, 1)
+        await r.end("f3")
+        await settle()
+        assert r.use(FLOOD) == (2, 0)  # at its share: f5 got the place calm does not ask for
+        for n in ("c0", "c1", "f4", "f5"):
+            await r.end(n)
+        assert r.shares.running_total == 0
+
+    asyncio.run(main())
+
+
+def test_of_the_keys_under_their_share_the_one_running_fewest_goes_first():
+    async def main() -> None:
+        r = Runner(gate(6))
+        for i in range(6):
+            r.start(f"f{i}", FLOOD)
+        await settle()
+        r.start("c0", CALM)
+        r.start("c1", CALM)
+        r.start("t0", THIRD)  # after calm's two; the shares are 2 each now
+        await settle()
+        await r.end("f0")
+        await settle()
+        assert r.started[-1] == "c0"  # both run 0: the oldest
+        await r.end("f1")
+        await settle()
+        assert r.started[-1] == "t0"  # third runs 0, calm 1: third, though c1 is older
+        await r.end("f2")
+        await settle()
+        assert r.started[-1] == "c1"
+        for n in ("f3", "f4", "f5", "c0", "c1", "t0"):
+            await r.end(n)
+        assert r.shares.running_total == 0
+
+    asyncio.run(main())
+
+
+def test_a_key_between_two_requests_keeps_its_share_for_the_anticipation_time(monkeypatch):
+    monkeypatch.setattr(shares_mod, "ANTICIPATE_S", 0.2)
+
+    async def main() -> None:
+        r = Runner(gate(2))
+        r.start("c0", CALM)
+        r.start("f0", FLOOD)
+        r.start("f1", FLOOD)
+        await settle()
+        assert r.use(CALM) == (1, 0) and r.use(FLOOD) == (1, 1)  # one each
+        t0 = time.monotonic()
+        await r.end("c0")  # calm's client is between two requests now
+        await settle()
+        assert r.use(FLOOD) == (1, 1)  # the place is calm's a moment longer
+        r.start("c1", CALM)  # ... and calm's next request takes it at once
+        await settle()
+        assert r.started[-1] == "c1" and r.use(FLOOD) == (1, 1)
+        await r.end("c1")  # calm does not come back this time
+        while r.use(FLOOD) != (2, 0):
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - t0 >= 0.2  # its share went to flood once it lapsed
+        for n in ("f0", "f1"):
+            await r.end(n)
+
+    asyncio.run(main())
+
+
+def test_requests_cancelled_waiting_or_as_their_turn_comes_give_their_place_on():
+    async def main() -> None:
+        r = Runner(gate(1))
+        r.start("f0", FLOOD)
+        r.start("f1", FLOOD)
+        r.start("f2", FLOOD)
+        await settle()
+        r.tasks["f1"].cancel()  # waiting: it leaves the queue
+        with contextlib.suppress(asyncio.CancelledError):
+            await r.tasks["f1"]
+        assert r.use(FLOOD) == (1, 1)
+        r.ends["f0"].set()
+        await asyncio.sleep(0)  # f0 ended (one step of its task): f2's turn came ...
+        assert r.use(FLOOD) == (1, 0) and "f2" not in r.started
+        r.tasks["f2"].cancel()  # ... and f2 is cancelled before it could run
+        with contextlib.suppress(asyncio.CancelledError):
+            await r.tasks["f2"]
+        await r.tasks["f0"]
+        assert "f2" not in r.started
+        assert r.shares.running_total == 0 and r.use(FLOOD) == (0, 0)
+        r.start("f3", FLOOD)  # the place is free
+        await settle()
+        assert r.started[-1] == "f3"
+        await r.end("f3")
+
+    asyncio.run(main())
+
+
+def test_the_flag_needs_a_keys_file_and_a_positive_number():
+    from omni_serve.settings import ServeSettings, SettingsError
+
+    with pytest.raises(SettingsError, match="--api-keys-file"):
+        ServeSettings(model_name="m", max_running_requests=2)
+    with pytest.raises(SettingsError, match="max_running_requests"):
+        ServeSettings(model_name="m", api_keys=(FLOOD,), max_running_requests=0)
+    ServeSettings(model_name="m", api_keys=(FLOOD,), max_running_requests=1)
+
+
+# ---------------------------------------------------------------------- a real server
+HOLD_S = 0.5
+KEYS = {"flood": "flood-" + "k" * 40, "calm": "calm-" + "k" * 40}
+KEYS_FILE = "".join(f'[[keys]]\nname = "{n}"\nkey = "{k}"\n\n' for n, k in KEYS.items())
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    where = tmp_path_factory.mktemp("fair-running")
+    keys = where / "keys.toml"
+    keys.write_text(KEYS_FILE)
+    keys.chmod(0o600)
+    s = start_server(
+        intake_then("running", tiny_llama, slow(HOLD_S)),
+        where,
+        *("--api-keys-file", str(keys), "--max-running-requests", "2"),
+    )
+    yield s
+    stop_server(s)
+
+
+def test_a_keys_request_passes_the_floods_older_ones_and_the_gauges_say_so(server):
+    url = f"{server.url}/v1/completions"
+    auth = {n: {"Authorization": f"Bearer {k}"} for n, k in KEYS.items()}
+    done: list[str] = []
+    body: dict[str, Any] = {"prompt": "hello", "max_tokens": 1}
+
+    def scrape(name: str, key: str) -> float:
+        text = httpx.get(f"{server.url}/metrics", headers=auth["calm"], timeout=10).text
+        return sample(text, name, key=key)
+
+    bg = Background()
+
+    def post(tag: str, key: str) -> None:
+        def record(u: str, h: dict[str, str], b: dict[str, Any]) -> None:
+            r = httpx.post(u, json=b, headers=h, timeout=60)
+            assert r.status_code == 200, r.text
+            done.append(tag)
+
+        t = threading.Thread(target=record, args=(url, auth[key], body))
+        t.start()
+        bg.threads.append(t)
+
+    for i in range(4):
+        post(f"f{i}", "flood")
+    wait_for(lambda: scrape("omni_http_key_waiting", "flood") == 2, "flood: 2 running, 2 waiting")
+    assert scrape("omni_http_key_running", "flood") == 2
+    post("c0", "calm")
+    wait_for(lambda: scrape("omni_http_key_waiting", "calm") == 1, "calm waits at the cap")
+    bg.join()
+    # the stage holds one request at a time: two of flood's ran first; the first place
+    # freed went to calm (0 running, share 1), not to flood's other two, which came before
+    # it (first come, first served would have made calm fourth)
+    assert done.index("c0") == 2, done
+    assert scrape("omni_http_key_running", "flood") == scrape("omni_http_key_waiting", "calm") == 0
