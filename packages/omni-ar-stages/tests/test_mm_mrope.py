@@ -219,9 +219,7 @@ def test_the_position_delta_is_what_makes_decode_right(stages, reference):
     assert [t for t, _ in engine.resume(ids, a["keys"], a["values"], n, params, wrong)] != got
 
 
-def test_requests_resumed_together_decode_in_one_batch_each_at_its_own_positions(
-    stages, reference
-):
+def test_requests_resumed_together_decode_in_one_batch_each_at_its_own_positions(stages, reference):
     """Every request resumed at once joins the engine's decode batch: one forward per
     step for all of them (not one each), and each still gets its reference tokens, its
     own position delta applied to its row (the text-only request has none)."""
