@@ -148,6 +148,30 @@ def test_dtype_is_auto_or_a_torch_float_type(kind):
         parse_config(_config(kind, dtype="float64"))
 
 
+@pytest.mark.parametrize("kind", ["ar.prefill", "ar.decode", "ar.text_encode", "ar.mm_decode"])
+def test_threads_is_a_positive_count_or_all(kind):
+    for good in (1, 3, "all"):
+        parse_config(_config(kind, threads=good))
+    for bad in (0, -1, "every"):
+        with pytest.raises(ConfigError, match=r"stages\[0\]\.options\.threads"):
+            parse_config(_config(kind, threads=bad))
+
+
+@pytest.mark.parametrize("cls,kind", MODEL_STAGES + MM_STAGES, ids=lambda v: str(v))
+def test_threads_all_is_every_core_the_worker_may_run_on(tiny_model, llava, cls, kind):
+    """``all`` is counted where the stage loads: the process's CPU affinity."""
+    from omni_core.plugin import usable_cores
+
+    model = llava if kind.startswith("ar.mm_") else tiny_model
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        stage(cls, kind, model, devices="", threads="all").load()
+        assert torch.get_num_threads() == usable_cores() == len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("bad", [0, 1.5])
 def test_gpu_memory_utilization_option_is_checked_at_config_load(bad):
     parse_config(_config("ar.decode", engine="vllm", gpu_memory_utilization=0.4))

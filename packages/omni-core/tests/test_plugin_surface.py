@@ -43,6 +43,7 @@ SURFACE = {
     "cpu_has_bf16",
     "default_dtype",
     "installed_models",
+    "usable_cores",
 }
 CONSTANTS = {
     "IMAGE_INPUT_FORMATS",

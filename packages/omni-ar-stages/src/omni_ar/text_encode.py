@@ -25,6 +25,7 @@ import numpy as np
 from omni_core.plugin import Stage, StageEvent, StageInput
 
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
+from omni_ar.engines.threads import Threads, thread_count
 from omni_ar.models import resolve_model
 from omni_ar.params import RequestError
 
@@ -35,7 +36,7 @@ class TextEncodeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     model: str  # a Hugging Face model directory, or a named model ("smollm2")
     # auto: float32 on a CPU, bfloat16 (else float16) on a GPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    threads: int | None = None  # torch threads in this worker
+    threads: Threads = None  # torch threads in this worker; all: every core (at run time)
     max_tokens: int = 64  # every prompt is padded or cut to this many tokens
     layer: int = -1  # which hidden layer conditions the image (-1: the last)
     # a special token put before every text (its text, e.g. "<|endoftext|>"; None: none).
@@ -56,7 +57,7 @@ class TextEncode(Stage):
         o = self.options
         p = self.ctx.place(o.dtype)
         self.encoder = TextEncoder(
-            o.model, p.dtype, o.threads, p.device, o.max_tokens, o.layer, o.lead_token
+            o.model, p.dtype, thread_count(o.threads), p.device, o.max_tokens, o.layer, o.lead_token
         )
         self.engine = self.encoder.engine  # as every model stage has one
 

@@ -35,7 +35,7 @@ What the names are for, by group:
   a family may run its models in bfloat16 there), :func:`apply_thread_env` (a library
   loaded before the worker's thread count was known, as in a worker forked from the
   zygote, gets it applied: call it after importing one that sizes a thread pool at
-  import).
+  import), :func:`usable_cores` (the cores the worker may run on, read at run time).
 * **Scheduling:** :data:`PRIORITY_KEY` (the request field a priority is read from) and
   :data:`SchedulerPolicy` (a stage over an engine with its own scheduler passes
   :attr:`StageInput.priority` on under ``priority``).
@@ -67,7 +67,7 @@ from omni_core.observability.progress import Reporter
 from omni_core.placement import DeviceError, Placement, cpu_has_bf16, default_dtype
 from omni_core.scheduling import PRIORITY_KEY, SchedulerPolicy
 from omni_core.stage import Stage, StageContext, StageEvent, StageInput
-from omni_core.threads import apply_thread_env
+from omni_core.threads import apply_thread_env, usable_cores
 
 __all__ = [
     "IMAGE_INPUT_FORMATS",
@@ -97,4 +97,5 @@ __all__ = [
     "cpu_has_bf16",
     "default_dtype",
     "installed_models",
+    "usable_cores",
 ]

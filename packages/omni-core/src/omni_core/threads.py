@@ -24,6 +24,16 @@ BLAS_SET_THREADS = (
 )
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or
+    ``taskset`` narrows; the machine's count where the platform has none), read when
+    asked: what a thread count of "every core" means on the machine it runs on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def openblas_libs() -> list[ctypes.CDLL]:
     """The OpenBLAS builds loaded in this process (numpy's, scipy's)."""
     try:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from omni_core.plugin import StageEvent, StageInput
 
+from omni_ar.engines.threads import thread_count
 from omni_ar.errors import HandoffError
 from omni_ar.handoff import Handoff, MMHandoff, MMItem, MRope
 from omni_ar.models import resolve_model
@@ -90,7 +91,7 @@ class _MMStage(ModelStage):
                 require()
             return super()._engine(model, multimodal=True, **vllm_options)
         device, dtype = self._placement() if model else ("cpu", "float32")
-        return VLMEngine(path, dtype=dtype, threads=o.threads, device=device)
+        return VLMEngine(path, dtype=dtype, threads=thread_count(o.threads), device=device)
 
     @property
     def vllm(self) -> bool:

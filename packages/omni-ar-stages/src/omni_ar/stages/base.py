@@ -11,6 +11,7 @@ from omni_core.plugin import Stage, StageInput
 from omni_ar.engines import TRANSFORMERS_PRELOAD, load_engine
 from omni_ar.engines.dtype import auto_dtype
 from omni_ar.engines.protocol import Engine, require_engine
+from omni_ar.engines.threads import Threads, thread_count
 from omni_ar.models import resolve_model
 from omni_ar.params import (
     RAW_PROMPT_KEY,
@@ -41,7 +42,7 @@ class ModelOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # vLLM on a GPU: the share of its memory the engine may take (weights + KV cache)
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
-    threads: int | None = None  # torch threads in this worker
+    threads: Threads = None  # torch threads in this worker; all: every core (at run time)
     # on the CPU: engines naming the same turn compute one forward at a time, each on all
     # of its threads (a split pipeline's prefill and decode on one machine's cores)
     cpu_turns: str | None = None
@@ -110,7 +111,7 @@ class ModelStage(Stage):
             o.engine,
             resolve_model(o.model),
             dtype,
-            o.threads,
+            thread_count(o.threads),
             device,
             kv_role=self.kv_role,
             kv_connector=o.kv_connector,
