@@ -155,6 +155,7 @@ def test_a_key_between_two_requests_keeps_its_share_for_the_anticipation_time(mo
         assert r.started[-1] == "c1" and r.use(FLOOD) == (1, 1)
         await r.end("c1")  # calm does not come back this time
         while r.use(FLOOD) != (2, 0):
+            assert time.monotonic() - t0 < 5, "flood still waits"
             await asyncio.sleep(0.01)
         assert time.monotonic() - t0 >= 0.2  # its share went to flood once it lapsed
         for n in ("f0", "f1"):
@@ -187,6 +188,52 @@ def test_requests_cancelled_waiting_or_as_their_turn_comes_give_their_place_on()
         await settle()
         assert r.started[-1] == "f3"
         await r.end("f3")
+
+    asyncio.run(main())
+
+
+def test_a_request_waiting_past_its_timeout_is_a_504_and_leaves_the_queue():
+    from omni_serve.errors import APIError
+
+    async def main() -> None:
+        shares = gate(1)
+        r = Runner(shares)
+        r.start("f0", FLOOD)
+        await settle()
+        t0 = time.monotonic()
+        with pytest.raises(APIError) as err:
+            async with shares.running(CALM, timeout_s=0.05):
+                raise AssertionError("it never ran")
+        assert err.value.status == 504 and err.value.code == "timeout"
+        assert "--max-running-requests 1" in err.value.message
+        assert 0.05 <= time.monotonic() - t0 < 5
+        assert r.use(CALM) == (0, 0) and r.use(FLOOD) == (1, 0)
+        await r.end("f0")
+        assert shares.running_total == 0
+
+    asyncio.run(main())
+
+
+def test_a_request_held_back_by_an_anticipated_share_runs_once_it_lapses(monkeypatch):
+    """Nothing else ends meanwhile: the gate looks again when the share it kept lapses."""
+    monkeypatch.setattr(shares_mod, "ANTICIPATE_S", 0.2)
+
+    async def main() -> None:
+        r = Runner(gate(2))
+        r.start("c0", CALM)
+        r.start("f0", FLOOD)
+        await settle()
+        await r.end("c0")  # nobody waits: calm's share is kept for 0.2 s
+        t0 = time.monotonic()
+        r.start("f1", FLOOD)  # flood runs its share (1 of 2 while calm is active)
+        await settle()
+        assert r.use(FLOOD) == (1, 1)
+        while r.use(FLOOD) != (2, 0):  # f0 never ends: only the lapse lets f1 in
+            assert time.monotonic() - t0 < 5, "f1 still waits"
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - t0 >= 0.15
+        for n in ("f0", "f1"):
+            await r.end(n)
 
     asyncio.run(main())
 

@@ -211,9 +211,12 @@ class Shares:
             use.queued -= 1
 
     @contextlib.asynccontextmanager
-    async def running(self, key: ApiKey | None) -> AsyncIterator[None]:
+    async def running(
+        self, key: ApiKey | None, timeout_s: float | None = None
+    ) -> AsyncIterator[None]:
         """One pipeline request of ``key`` running, past the fair gate (see the module):
-        at once where :meth:`_may_run`, else once it is its turn."""
+        at once where :meth:`_may_run`, else once it is its turn; a 504 when its turn has
+        not come within ``timeout_s`` (the request's own timeout)."""
         if key is None or self.max_running is None:
             yield
             return
@@ -222,17 +225,30 @@ class Shares:
             use.running += 1
             self.running_total += 1
         else:
-            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            turn: asyncio.Future[None] = loop.create_future()
             self.arrivals += 1
             use.waiting.append((self.arrivals, turn))
+            # what holds it back may be another key's anticipated share: look again once
+            # that has lapsed, whatever else happens meanwhile
+            loop.call_later(ANTICIPATE_S, self._dispatch)
             try:
-                await turn  # (its slot is counted for it when its turn comes)
-            except BaseException:
-                if turn.done() and not turn.cancelled():  # its turn came as it was cancelled
+                # (its slot is counted for it when its turn comes)
+                await asyncio.wait_for(turn, timeout_s)
+            except BaseException as e:
+                if turn.done() and not turn.cancelled():  # its turn came as it ended
                     self._end(use)
                 else:
                     use.waiting = deque(w for w in use.waiting if w[1] is not turn)
                     self._dispatch()  # (a key less active: another's share grows)
+                if isinstance(e, TimeoutError):
+                    raise APIError(
+                        504,
+                        f"the request timed out after {timeout_s} s waiting for its turn "
+                        f"among the server's --max-running-requests {self.max_running}",
+                        type="timeout",
+                        code="timeout",
+                    ) from None
                 raise
         try:
             yield
@@ -312,7 +328,10 @@ class SharedPipeline:
                 await self._shares.hold_refusal(key)
                 raise err
         with self._shares.queued(key):
-            async with self._shares.running(key):
+            t0 = time.monotonic()
+            async with self._shares.running(key, timeout_s):
+                if timeout_s is not None:  # the wait for a turn counts against it
+                    timeout_s = max(0.001, timeout_s - (time.monotonic() - t0))
                 async for ev in self._pipe.astream(request, request_id, timeout_s):
                     yield ev
 
