@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -21,7 +22,7 @@ from omni_serve.metrics import ServerMetrics
 from omni_serve.shares import Shares
 
 from .conftest import intake_then, slow, start_server, stop_server
-from .test_fair_shares import Background, sample, wait_for
+from .test_fair_shares import sample, wait_for
 
 FLOOD, CALM = ApiKey("flood", "f" * 40), ApiKey("calm", "c" * 40)
 THIRD = ApiKey("third", "t" * 40)
@@ -62,6 +63,14 @@ class Runner:
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+async def until(check: Callable[[], bool], what: str, timeout_s: float = 5) -> None:
+    """Wait (polling the loop) until ``check()``; fail naming ``what`` after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < end, what
+        await asyncio.sleep(0.01)
 
 
 def test_a_key_alone_runs_up_to_the_cap_and_one_past_it_waits():
@@ -154,9 +163,7 @@ def test_a_key_between_two_requests_keeps_its_share_for_the_anticipation_time(mo
         await settle()
         assert r.started[-1] == "c1" and r.use(FLOOD) == (1, 1)
         await r.end("c1")  # calm does not come back this time
-        while r.use(FLOOD) != (2, 0):
-            assert time.monotonic() - t0 < 5, "flood still waits"
-            await asyncio.sleep(0.01)
+        await until(lambda: r.use(FLOOD) == (2, 0), "flood still waits")
         assert time.monotonic() - t0 >= 0.2  # its share went to flood once it lapsed
         for n in ("f0", "f1"):
             await r.end(n)
@@ -228,9 +235,8 @@ def test_a_request_held_back_by_an_anticipated_share_runs_once_it_lapses(monkeyp
         r.start("f1", FLOOD)  # flood runs its share (1 of 2 while calm is active)
         await settle()
         assert r.use(FLOOD) == (1, 1)
-        while r.use(FLOOD) != (2, 0):  # f0 never ends: only the lapse lets f1 in
-            assert time.monotonic() - t0 < 5, "f1 still waits"
-            await asyncio.sleep(0.01)
+        # f0 never ends: only the lapse lets f1 in
+        await until(lambda: r.use(FLOOD) == (2, 0), "f1 still waits")
         assert time.monotonic() - t0 >= 0.15
         for n in ("f0", "f1"):
             await r.end(n)
@@ -279,17 +285,17 @@ def test_a_keys_request_passes_the_floods_older_ones_and_the_gauges_say_so(serve
         text = httpx.get(f"{server.url}/metrics", headers=auth["calm"], timeout=10).text
         return sample(text, name, key=key)
 
-    bg = Background()
+    threads: list[threading.Thread] = []
+    statuses: dict[str, int] = {}
 
     def post(tag: str, key: str) -> None:
-        def record(u: str, h: dict[str, str], b: dict[str, Any]) -> None:
-            r = httpx.post(u, json=b, headers=h, timeout=60)
-            assert r.status_code == 200, r.text
+        def record() -> None:
+            r = httpx.post(url, json=body, headers=auth[key], timeout=60)
+            statuses[tag] = r.status_code
             done.append(tag)
 
-        t = threading.Thread(target=record, args=(url, auth[key], body))
-        t.start()
-        bg.threads.append(t)
+        threads.append(threading.Thread(target=record))
+        threads[-1].start()
 
     for i in range(4):
         post(f"f{i}", "flood")
@@ -297,7 +303,9 @@ def test_a_keys_request_passes_the_floods_older_ones_and_the_gauges_say_so(serve
     assert scrape("omni_http_key_running", "flood") == 2
     post("c0", "calm")
     wait_for(lambda: scrape("omni_http_key_waiting", "calm") == 1, "calm waits at the cap")
-    bg.join()
+    for t in threads:
+        t.join(60)
+    assert statuses == dict.fromkeys(("f0", "f1", "f2", "f3", "c0"), 200), statuses
     # the stage holds one request at a time: two of flood's ran first; the first place
     # freed went to calm (0 running, share 1), not to flood's other two, which came before
     # it (first come, first served would have made calm fourth)

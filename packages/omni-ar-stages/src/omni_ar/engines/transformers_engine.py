@@ -304,8 +304,13 @@ class TransformersEngine(TokenizedEngine):
     ) -> BatchSteps:
         """A request into the decode batch: ``first`` is its next step's input, its KV
         ``layers`` everything before it; ``queued``: a token it gives before any step."""
-        req = BatchRequest(params, self.generator(params, offset=1), first, params.max_tokens - 1)
-        req.position_offset = position_offset
+        req = BatchRequest(
+            params,
+            self.generator(params, offset=1),
+            first,
+            params.max_tokens - 1,
+            position_offset=position_offset,
+        )
         if queued is not None:
             req.queue.append(queued)
         req.matcher = self.matcher(params, [first])
