@@ -1,8 +1,9 @@
 """Each client's fair share of the heavy body work (``omni_serve.fair``), and what that
 work costs: a client at its share goes on and one past it waits, before its next big body
-is read, just until the window forgets enough of its work, while another client's big
-body is read at once and its own small bodies never wait; the body parsing slot and the
-image header slot count to one share; the connection's body deadline is held while the
+is read, just until enough of its work is paid off, while another client's big body is
+read at once and its own small bodies never wait; a client's big bodies sent at once
+pass one at a time, spaced by its share; the body parsing slot and the image header slot count to
+one share; the connection's body deadline is held while the
 server holds a body back; an image's header check decodes no more of its base64 than
 the header takes (a chunk bomb's megabytes are never decoded)."""
 
@@ -22,7 +23,15 @@ from omni_serve import body as body_module
 from omni_serve import connections, media
 from omni_serve.body import COUNT_PIECE, INLINE_BYTES, _structural
 from omni_serve.errors import APIError
-from omni_serve.fair import BODY_HELD, SHARE, WINDOW_S, FairSlot, WorkShares, body_turn
+from omni_serve.fair import (
+    BODY_HELD,
+    BURST_S,
+    PARSE_S_PER_BYTE,
+    SHARE,
+    FairSlot,
+    WorkShares,
+    body_turn,
+)
 from omni_serve.keys import ApiKey
 from omni_serve.media import B64_FIRST, B64_PIECE, MAX_HEADER_READS, BadBase64, check_pixels
 from omni_serve.settings import ServeSettings
@@ -31,7 +40,8 @@ from .test_app_inprocess import FakePipe, client_of
 from .test_limits_before_work import WHERE, data_url, png_with_chunks, reads_of
 from .test_remote_image_ssrf import PNG
 
-ALLOWANCE = SHARE * WINDOW_S  # the seconds of heavy work a client may have in the window
+ALLOWANCE = BURST_S  # the seconds of heavy work a client may owe and go on
+PAY_S = BURST_S / SHARE  # how long that takes to pay off
 KEYS = {name: f"{name}-{'k' * 40}" for name in ("a", "b")}
 BIG = {"prompt": "hi", "stop": "y" * 70_000}  # over INLINE_BYTES: parsed in the slot
 
@@ -51,24 +61,39 @@ class Clock:
         self.now += seconds
 
 
-def test_a_client_at_its_share_goes_on_and_one_past_waits_until_the_window_forgets():
+def test_a_client_at_its_share_goes_on_and_one_past_waits_until_it_is_paid_off():
     clock = Clock()
     shares = WorkShares(clock=clock, sleep=clock.sleep)
 
     async def run() -> None:
-        shares.add("key:a", ALLOWANCE)  # exactly its share, ending at 1000
+        shares.add("key:a", ALLOWANCE)  # exactly what it may owe, ending at 1000
         await shares.turn("key:a")
         assert clock.waits == []
-        clock.now += 0.5
-        shares.add("key:a", 0.01)  # one past it, ending at 1000.5
+        clock.now += 0.5  # pays off 0.5 x SHARE of it
+        shares.add("key:a", 0.5 * SHARE + 0.01)  # one past it
         await shares.turn("key:b")  # another client: at once
         assert clock.waits == []
-        await shares.turn("key:a")  # until the first span leaves the window
-        assert clock.waits == [pytest.approx(WINDOW_S - 0.5)]
-        await shares.turn("key:a")  # within it again: at once
-        assert len(clock.waits) == 1 and shares.used("key:a", clock.now) == 0.01
+        await shares.turn("key:a")  # until 0.01 s of work more is paid off
+        assert clock.waits == [pytest.approx(0.01 / SHARE)]
+        assert shares.owed_s("key:a", clock.now) == pytest.approx(ALLOWANCE)
+        await shares.turn("key:a")  # at its share again: at once
+        assert len(clock.waits) == 1
 
     asyncio.run(run())
+
+
+def test_work_is_paid_off_at_the_share_and_never_saved_up():
+    """A client idle for a long time may still owe only ``BURST_S`` before it waits:
+    the time it did no work is not credit for a longer burst later."""
+    clock = Clock()
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
+    shares.add("key:a", 0.001)
+    clock.now += 3600
+    assert shares.owed_s("key:a", clock.now) == 0
+    shares.add("key:a", ALLOWANCE)
+    assert shares.wait_s("key:a") == 0
+    shares.add("key:a", 0.001)
+    assert shares.wait_s("key:a") == pytest.approx(0.001 / SHARE)
 
 
 def test_both_slots_count_to_one_share():
@@ -88,7 +113,8 @@ def test_both_slots_count_to_one_share():
         assert clock.waits == []
         async with parsing.hold("key:a"):
             pass
-        assert clock.waits == [pytest.approx(WINDOW_S)]
+        # it owed ALLOWANCE + 0.01 at the end of its read: it waits to pay off 0.01
+        assert clock.waits == [pytest.approx(0.01 / SHARE)]
 
     asyncio.run(run())
 
@@ -98,9 +124,73 @@ def test_clients_gone_are_swept():
     shares = WorkShares(clock=clock, sleep=clock.sleep)
     for i in range(64):
         shares.add(f"address:10.0.0.{i}", 0.001)
-    clock.now += WINDOW_S
-    shares.add("address:10.0.1.1", 0.001)  # the 65th: the 64 others left the window
-    assert list(shares.held) == ["address:10.0.1.1"]
+    clock.now += 0.001 / SHARE  # all 64 paid off
+    shares.add("address:10.0.1.1", 0.001)  # the 65th
+    assert list(shares.paid_at) == ["address:10.0.1.1"]
+
+
+def test_big_bodies_sent_at_once_pass_the_gate_one_at_a_time_as_the_share_has_room():
+    """Four big bodies of one client at once: each is counted (by its size) from the
+    time it passes the gate, so past the client's burst the next waits until the share
+    has room for it, rather than all passing before any is parsed; another client's
+    passes meanwhile. Once a body's block ends its estimate is taken back: what counts
+    is its parse, as timed."""
+    clock = Clock()
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
+    size = int(0.6 * BURST_S / PARSE_S_PER_BYTE)  # each counted as 0.6 of the burst
+    passed: list[tuple[str, float]] = []
+    request = {host: SimpleNamespace(client=SimpleNamespace(host=host), scope={}) for host in "ab"}
+
+    async def body(host: str) -> None:
+        async with body_turn(request[host], shares, size):  # type: ignore[arg-type]
+            passed.append((host, clock.now))
+            await asyncio.sleep(0)  # the others try to pass meanwhile
+
+    async def run() -> None:
+        await asyncio.gather(body("a"), body("a"), body("a"), body("b"))
+
+    asyncio.run(run())
+    ahead = 0.6 * BURST_S
+    # a's first two pass at once (0.6, then 1.2 of the burst owed); its third waits
+    # until 0.2 of the burst is paid off (no earlier: the first two hold their estimates)
+    third = 1000.0 + (2 * ahead - BURST_S) / SHARE
+    assert [t for host, t in passed if host == "a"] == [1000.0, 1000.0, pytest.approx(third)]
+    assert clock.waits == [pytest.approx(third - 1000.0)]  # a's third alone waited: not b
+    # every estimate taken back: nothing was parsed, so nothing is owed
+    assert shares.owed_s("address:a", clock.now) == 0
+    # a parse timed in the slot stays counted
+    shares.add("address:a", 0.01)
+    assert shares.owed_s("address:a", clock.now) == pytest.approx(0.01)
+
+
+def test_a_bodys_own_estimate_never_holds_its_parse():
+    """A client exactly at its share reads its big body, and then its parse goes on at
+    once: the estimate counted while the body was read is taken back before the slot."""
+    clock = Clock()
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
+    request = SimpleNamespace(client=SimpleNamespace(host="a"), scope={})
+    shares.add("address:a", BURST_S)
+
+    async def run() -> None:
+        async with body_turn(request, shares, 8 << 20):  # type: ignore[arg-type]
+            assert shares.owed_s("address:a", clock.now) > BURST_S  # read meanwhile
+        async with FairSlot(shares).hold("address:a"):  # its parse
+            clock.now += 0.001
+        assert clock.waits == []
+
+    asyncio.run(run())
+
+
+def test_a_refund_is_never_credit():
+    clock = Clock()
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
+    shares.add("key:a", 0.01)
+    clock.now += 1.0  # paid off
+    shares.refund("key:a", 0.01)
+    shares.add("key:a", BURST_S)
+    assert shares.wait_s("key:a") == 0
+    shares.add("key:a", 0.001)
+    assert shares.wait_s("key:a") == pytest.approx(0.001 / SHARE)
 
 
 def test_a_client_past_its_share_waits_unread_while_another_is_served(monkeypatch):
@@ -125,7 +215,7 @@ def test_a_client_past_its_share_waits_unread_while_another_is_served(monkeypatc
         async def sleep(seconds: float) -> None:
             waiting.set()
             await asyncio.to_thread(release.wait, 10)
-            server.work.held.pop("key:a", None)  # the window forgot a's work
+            server.work.paid_at.pop("key:a", None)  # a's work is paid off
 
         server.work.sleep = sleep
 
@@ -135,7 +225,7 @@ def test_a_client_past_its_share_waits_unread_while_another_is_served(monkeypatc
 
         server.work.add("key:a", ALLOWANCE)  # at its share
         assert post("a", BIG).is_success and not waiting.is_set()
-        assert reads == ["a"] and server.work.used("key:a", server.work.clock()) > ALLOWANCE
+        assert reads == ["a"] and server.work.owed_s("key:a", server.work.clock()) > ALLOWANCE
         t = threading.Thread(target=lambda: answers.append(post("a", BIG)))
         t.start()
         try:
@@ -278,11 +368,11 @@ def test_body_turn_holds_the_deadline_only_while_it_waits():
 
     async def run() -> None:
         shares.add("address:?", ALLOWANCE)  # at its share: read at once
-        await body_turn(request, shares)  # type: ignore[arg-type]
-        assert told == [] and clock.waits == []
+        async with body_turn(request, shares, 0):  # type: ignore[arg-type]
+            assert told == [] and clock.waits == []
         shares.add("address:?", 0.01)  # one past
-        await body_turn(request, shares)  # type: ignore[arg-type]
-        assert told == [True, False] and clock.waits == [pytest.approx(WINDOW_S)]
+        async with body_turn(request, shares, 0):  # type: ignore[arg-type]
+            assert told == [True, False] and clock.waits == [pytest.approx(0.01 / SHARE)]
 
     asyncio.run(run())
 
@@ -299,7 +389,7 @@ def test_the_body_work_share_is_the_servers(share: float):
     with client_of(FakePipe(), body_work_share=share) as client:
         work = client.app.state.server.work  # type: ignore[attr-defined]
         assert work.share == share
-        work.add("key:a", share * work.window_s)  # at its share: goes on
+        work.add("key:a", work.burst_s)  # at its share: goes on
         assert work.wait_s("key:a") == 0
         work.add("key:a", 0.01)  # one past
         assert work.wait_s("key:a") > 0

@@ -239,11 +239,13 @@ async def json_body(request: Request, limit: int) -> AsyncIterator[bytearray]:
     check_content_type(request.headers.get("content-type"))
     server = request.app.state.server
     length = declared_length(request)
-    if length is None or length > INLINE_BYTES:
-        await body_turn(request, server.work)
+    big = length is None or length > INLINE_BYTES
+    turn = body_turn(request, server.work, min(limit, length or limit))
     lease = _Lease(server.bodies)
     try:
-        yield await read_body(request, limit, lease)
+        async with turn if big else contextlib.nullcontext():
+            raw = await read_body(request, limit, lease)
+        yield raw
     finally:
         lease.release()
 

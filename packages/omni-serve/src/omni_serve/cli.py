@@ -166,8 +166,8 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=BODY_WORK_SHARE,
         help="the share of the server's time one client's heavy body work (parsing big "
-        "bodies, reading image headers) may take over the last 2 s; past it its next big "
-        f"body waits, unread (default: {BODY_WORK_SHARE}; 1: the whole window)",
+        "bodies, reading image headers) may take, paced; past it its next big body waits, "
+        f"unread (default: {BODY_WORK_SHARE}; 1: all of it)",
     )
     p.add_argument(
         "--max-body-bytes-in-flight",

@@ -1,29 +1,39 @@
 """Fair shares of the server's heavy body work: parsing and checking big bodies, reading
 chat images' headers. That work holds the GIL (every other request's threads wait for it),
 so each client (its API key's name, else its address) may spend at most :data:`SHARE` of
-the last :data:`WINDOW_S` in it, both slots together (:class:`WorkShares`). A client past
-its share waits, just long enough to be back under it, before it queues for a slot and,
-earlier, before its next big body is read at all (:func:`body_turn`): its bytes wait in
-the kernel, TCP holds its sender back, and the connection's body deadline waits too
-(:mod:`omni_serve.connections`). One client's big bodies then
-take at most that share of the server however fast it sends them; a client that sends a
-few big bodies never waits for its own past; small bodies (parsed on the event loop) are
-never counted nor held."""
+the server's time in it, both slots together, paced (:class:`WorkShares`, a token bucket
+per client): work of ``s`` seconds is paid off in ``s / SHARE`` seconds, and a client may
+owe at most :data:`BURST_S` seconds of it before its next piece waits; it waits just long
+enough to be back under that, before it queues for a slot and, earlier, before its next
+big body is read at all (:func:`body_turn`): its bytes wait in the kernel, TCP holds its
+sender back, and the connection's body deadline waits too (:mod:`omni_serve.connections`).
+A big body's parse is counted to its client ahead, from the time it passes the gate
+until it is read (an estimate by its size; its parse's real time is counted once known),
+so a client that sends many at once cannot have them all pass before any is counted.
+
+One client's big bodies then take at most that share of the server however fast it sends
+them, spread out (a piece every ``s / SHARE`` seconds) rather than in bursts that stall
+every request under way at once; a client that sends a few big bodies never waits for its
+own past; small bodies (parsed on the event loop) are never counted nor held."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 
 from omni_serve.shares import CLIENT
 
-SHARE = 0.05  # of the window's time, one client's heavy body work may take
-WINDOW_S = 2.0  # over this last stretch
+SHARE = 0.05  # of the server's time, one client's heavy body work may take
+BURST_S = 0.03  # seconds of that work a client may owe at once (two 8 MB bodies' parse here)
+# a big body's parse, as counted to its client ahead of it (a nominal 0.5 GB/s: msgspec
+# parses about twice as fast here on an idle core, half as fast beside the stages' work);
+# the time its parse took is counted instead once it is known
+PARSE_S_PER_BYTE = 2e-9
+WAIT_TOLERANCE_S = 1e-6  # a shorter wait is none
 # how long a thread holding the GIL runs on while another waits for it (``omni serve``
 # sets it; Python's default is 5 ms): each time the event loop wakes while a body is
 # parsed or a header read in a worker thread it waits that long, several times a request
@@ -42,48 +52,34 @@ def client_name(request: Request) -> str:
 
 
 class WorkShares:
-    """The seconds of heavy work each client had in the last ``window_s``; one past
-    ``share`` of it waits its :meth:`turn`. Used on the event loop only (``clock`` and
-    ``sleep``: the time it reads and waits by)."""
+    """Each client's heavy work, held to ``share`` of the server's time: the time when
+    its work so far is paid off (``s`` seconds of work take ``s / share`` to pay); a
+    client owing more than ``burst_s`` seconds of work waits its :meth:`turn`. Used on
+    the event loop only (``clock`` and ``sleep``: the time it reads and waits by)."""
 
     def __init__(
         self,
         share: float = SHARE,
-        window_s: float = WINDOW_S,
+        burst_s: float = BURST_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.share = share
-        self.window_s = window_s
+        self.burst_s = burst_s
         self.clock = clock
         self.sleep = sleep
-        self.held: dict[str, deque[tuple[float, float]]] = {}  # client -> (end, seconds)
-        self.sweep_at = 64  # clients held: past it, those with nothing in the window go
+        self.paid_at: dict[str, float] = {}  # client -> when its work so far is paid off
+        self.sweep_at = 64  # clients held: past it, those who owe nothing go
 
-    def used(self, client: str, now: float) -> float:
-        """The seconds of ``client``'s work that ended in the window before ``now``."""
-        spans = self.held.get(client)
-        if not spans:
-            return 0.0
-        while spans and spans[0][0] <= now - self.window_s:
-            spans.popleft()
-        if not spans:
-            del self.held[client]
-            return 0.0
-        return sum(s for _, s in spans)
+    def owed_s(self, client: str, now: float) -> float:
+        """The seconds of ``client``'s work not yet paid off at ``now``."""
+        return max(0.0, self.paid_at.get(client, now) - now) * self.share
 
     def wait_s(self, client: str) -> float:
-        """How long until the window has forgotten enough of ``client``'s work for it to
-        be within its share (0: it is now)."""
+        """How long until ``client`` owes no more than ``burst_s`` (0: it does now)."""
         now = self.clock()
-        over = self.used(client, now) - self.share * self.window_s
-        wait = 0.0
-        for end, seconds in self.held.get(client, ()):  # the oldest first
-            if over <= 0:
-                break
-            over -= seconds
-            wait = end + self.window_s - now  # when this span leaves the window
-        return wait
+        wait = self.paid_at.get(client, now) - now - self.burst_s / self.share
+        return wait if wait > WAIT_TOLERANCE_S else 0.0  # (not a float's rounding)
 
     async def turn(self, client: str) -> None:
         """Return once ``client`` is within its share (at once when it is)."""
@@ -93,11 +89,19 @@ class WorkShares:
     def add(self, client: str, seconds: float) -> None:
         """Count ``seconds`` of ``client``'s work, ending now."""
         now = self.clock()
-        self.held.setdefault(client, deque()).append((now, seconds))
-        if len(self.held) > self.sweep_at:  # many clients came and went
-            for name in list(self.held):
-                self.used(name, now)
-            self.sweep_at = max(64, 2 * len(self.held))
+        self.paid_at[client] = max(self.paid_at.get(client, now), now) + seconds / self.share
+        if len(self.paid_at) > self.sweep_at:  # many clients came and went
+            for name, at in list(self.paid_at.items()):
+                if at <= now:
+                    del self.paid_at[name]
+            self.sweep_at = max(64, 2 * len(self.paid_at))
+
+    def refund(self, client: str, seconds: float) -> None:
+        """Take back ``seconds`` counted to ``client`` ahead of its work (a reservation),
+        down to owing nothing: what it did not use is never credit."""
+        at = self.paid_at.get(client)
+        if at is not None:
+            self.paid_at[client] = max(self.clock(), at - seconds / self.share)
 
 
 class FairSlot:
@@ -120,17 +124,27 @@ class FairSlot:
                 self.shares.add(client, self.shares.clock() - start)
 
 
-async def body_turn(request: Request, shares: WorkShares) -> None:
-    """Return once the request's client is within its share, its body unread meanwhile
-    (the connection's body deadline held; at once when it is within)."""
+@contextlib.asynccontextmanager
+async def body_turn(request: Request, shares: WorkShares, size: int) -> AsyncIterator[None]:
+    """Read the request's big body (of ``size`` bytes at most) in the block, once its
+    client is within its share: its body unread meanwhile (the connection's body deadline
+    held; at once when it is within). The body's parse (:data:`PARSE_S_PER_BYTE`) is
+    counted to the client ahead, while the block reads it (its parse's time in the slot
+    is counted once known): so the client's other big bodies sent at once pass the gate
+    one at a time, each once the share has room for it."""
     client = client_name(request)
-    if shares.wait_s(client) <= 0:
-        return
-    held = request.scope.get(BODY_HELD)
-    if held is not None:
-        held(True)
-    try:
-        await shares.turn(client)
-    finally:
+    if shares.wait_s(client) > 0:
+        held = request.scope.get(BODY_HELD)
         if held is not None:
-            held(False)
+            held(True)
+        try:
+            await shares.turn(client)
+        finally:
+            if held is not None:
+                held(False)
+    ahead = size * PARSE_S_PER_BYTE
+    shares.add(client, ahead)
+    try:
+        yield
+    finally:
+        shares.refund(client, ahead)

@@ -75,9 +75,9 @@ class ServeSettings:
     """Bytes of request bodies held at once in the whole server (past it: 503 with
     ``Retry-After``); None: ``BODIES_IN_FLIGHT`` x ``max_body_bytes``."""
     body_work_share: float = BODY_WORK_SHARE
-    """The share of the server's time (over the last ``omni_serve.fair.WINDOW_S``) one
-    client's heavy body work (parsing big bodies, reading image headers) may take; past
-    it the client's next big body waits, unread (``omni_serve.fair``)."""
+    """The share of the server's time one client's heavy body work (parsing big bodies,
+    reading image headers) may take, paced: past ``omni_serve.fair.BURST_S`` seconds of
+    it owed, the client's next big body waits, unread (``omni_serve.fair``)."""
     max_image_pixels: int = 1024 * 1024
     """The largest image (width x height) an image request may ask for (``size``)."""
     max_chat_image_pixels: int = MAX_CHAT_IMAGE_PIXELS
