@@ -224,6 +224,8 @@ def test_requests_resumed_together_decode_in_one_batch_each_at_its_own_positions
     step for all of them (not one each), and each still gets its reference tokens, its
     own position delta applied to its row (the text-only request has none)."""
     engine = stages[2].engine
+    forwards = []  # the language model's forwards, one a step of the batch
+    hook = engine.model.register_forward_hook(lambda *_: forwards.append(1))
     streams = []
     for r in REQUESTS:
         ev, _ = _handoff(stages, r)
@@ -242,10 +244,39 @@ def test_requests_resumed_together_decode_in_one_batch_each_at_its_own_positions
                 outs[i].append(next(streams[i])[0])
             except StopIteration:
                 active.remove(i)
+    hook.remove()
     assert outs == reference
     steps = engine.batch.forwards - before
     assert steps == max(len(t) for t in reference) - 1 < sum(len(t) - 1 for t in reference)
+    # the first tokens too: one step for all of them, no forward of its own for any
+    assert len(forwards) == max(len(t) for t in reference)
     assert not engine.batch.requests  # every one left the batch
+
+
+def test_a_seed_gives_the_same_tokens_whether_the_first_is_picked_in_the_batch_or_alone(
+    stages,
+):
+    """Resumed at the prompt's last token, the first token is picked by the batch's
+    step; resumed one token earlier, by a forward of the request's own: with the same
+    seed both pick the same tokens (the first with the request's first generator, the
+    rest with the next)."""
+    ev, _ = _handoff(stages, REQUESTS[1])
+    h, a = ev.payload["handoff"], ev.arrays
+    engine = stages[2].engine
+    ids = h["prompt_token_ids"]
+    mrope = MRope(position_delta=h["mrope"]["position_delta"], grids=h["mrope"]["grids"])
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+    forwards = engine.batch.forwards
+    in_batch = [
+        t for t, _ in engine.resume(ids, a["keys"], a["values"], len(ids) - 1, params, mrope)
+    ]
+    assert engine.batch.forwards - forwards == 6  # every token from the batch's steps
+    alone = [t for t, _ in engine.resume(ids, a["keys"], a["values"], len(ids) - 2, params, mrope)]
+    assert in_batch == alone and len(in_batch) == 6
+    other = SamplingParams(max_tokens=6, temperature=1.0, seed=8)
+    assert [
+        t for t, _ in engine.resume(ids, a["keys"], a["values"], len(ids) - 1, other, mrope)
+    ] != in_batch
 
 
 def test_each_altered_position_field_fails_only_its_request(stages, reference):

@@ -50,6 +50,7 @@ class BatchRequest:
     matcher: Matcher | None = None  # its grammar's state, for structured output
     logits: Logits | None = None  # its penalties, biases, bad words... (omni_ar.logits)
     position_offset: int = 0  # its positions: its cache's length plus this (M-RoPE's delta)
+    gen_after: Any = None  # the generator from its second pick on (None: ``gen`` throughout)
 
 
 class DecodeBatch:
@@ -156,6 +157,8 @@ class DecodeBatch:
         self.lengths = [n + 1 for n in self.lengths]
         for row, q in enumerate(reqs):
             s = pick(out.logits[row, -1], q.params, q.gen, q.matcher, q.logits)
+            if q.gen_after is not None:
+                q.gen, q.gen_after = q.gen_after, None
             q.queue.append(s)
             q.tok, q.left = s[0], q.left - 1
             if q.left <= 0 or ends(q.tok, q.params, e.eos_ids):

@@ -293,6 +293,35 @@ class TransformersEngine(TokenizedEngine):
         layers = [(ly.keys[0], ly.values[0]) for ly in cache.layers]
         return self._join(first[0], layers, params, prompt, position_offset, queued=first)
 
+    def join_before_first(
+        self,
+        last: int,
+        cache: Any,
+        params: SamplingParams,
+        prompt: list[int],
+        position_offset: int = 0,
+    ) -> Iterator[Sampled]:
+        """A request whose first token is still to pick, into the decode batch: ``last``
+        (its prompt's last token) is the input of its first step, where the batch picks
+        the first token with everyone else's next one; ``cache`` (one row) holds every
+        position before ``last`` (the multimodal engine's resume: one forward fewer a
+        request than picking the first token alone). ``position_offset`` and ``prompt``:
+        as :meth:`continue_from`. The first pick uses the generator a request picking its
+        first token alone would, the rest :meth:`continue_from`'s: a seed gives the same
+        tokens either way."""
+        req = BatchRequest(
+            params,
+            self.generator(params),
+            last,
+            params.max_tokens,
+            position_offset=position_offset,
+            gen_after=self.generator(params, offset=1),
+        )
+        req.matcher = self.matcher(params)
+        req.logits = self.logits(params, prompt)
+        layers = [(ly.keys[0], ly.values[0]) for ly in cache.layers]
+        return BatchSteps(self.batch, self.batch.add(req, layers))
+
     def _join(
         self,
         first: int,

@@ -240,7 +240,9 @@ class VLMEngine(TransformersEngine):
         """Continue a prompt from the KV of its first ``kv_tokens`` positions: recompute
         the rest of the prompt (text only; placeholders are never recomputed), pick the
         first generated token, and join the decode batch (at this call: its errors are
-        raised here) for the ones after it. The iterator gives the first token, then the
+        raised here) for the ones after it; where only the prompt's last token is left
+        (prefill hands over all the others), it joins the batch at once and the batch's
+        next step picks the first token. The iterator gives the first token, then the
         rest; close it to leave the batch. ``mrope`` (an M-RoPE model's, admitted): every
         token from here on sits at its index plus the position delta."""
         import torch
@@ -258,6 +260,8 @@ class VLMEngine(TransformersEngine):
                 f"admission, {kv_tokens} were admitted"
             )
         offset = None if self.merge is None else (mrope.position_delta if mrope else 0)
+        if len(rest) == 1:  # the prompt's last token: the batch's next step picks the first
+            return self.join_before_first(rest[0], cache, params, ids, offset or 0)
         kwargs: dict[str, Any] = {self.cache_kw: cache}
         if offset is not None:
             at = range(kv_tokens + offset, len(ids) + offset)
