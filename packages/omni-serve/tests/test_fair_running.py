@@ -171,6 +171,36 @@ def test_a_key_between_two_requests_keeps_its_share_for_the_anticipation_time(mo
     asyncio.run(main())
 
 
+def test_a_key_running_with_none_waiting_is_active_however_long_ago_it_last_ended():
+    """A key whose one request runs (nothing waiting, none ended before) counts among
+    the active keys: another key's flood gets its share, not every place left."""
+
+    async def main() -> None:
+        r = Runner(gate(4))
+        r.start("c0", CALM)
+        await settle()
+        for i in range(4):
+            r.start(f"f{i}", FLOOD)
+        await settle()
+        assert r.use(CALM) == (1, 0) and r.use(FLOOD) == (2, 2)  # ceil(4 / 2)
+        for name in ("c0", "f0", "f1", "f2", "f3"):
+            await r.end(name)
+            await settle()
+        assert r.shares.running_total == 0
+
+    asyncio.run(main())
+
+
+def test_every_keys_request_counter_is_there_before_its_first_request():
+    """A scrape shows each key's counter from the start (at 0), so a rate over it is
+    defined before the key's first request."""
+    metrics = ServerMetrics(None)
+    Shares([FLOOD, CALM, THIRD], None, metrics, None)
+    (family,) = metrics.key_requests.collect()
+    totals = {s.labels["key"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert totals == {"flood": 0.0, "calm": 0.0, "third": 0.0}
+
+
 def test_requests_cancelled_waiting_or_as_their_turn_comes_give_their_place_on():
     async def main() -> None:
         r = Runner(gate(1))
@@ -238,6 +268,32 @@ def test_a_request_held_back_by_an_anticipated_share_runs_once_it_lapses(monkeyp
         # f0 never ends: only the lapse lets f1 in
         await until(lambda: r.use(FLOOD) == (2, 0), "f1 still waits")
         assert time.monotonic() - t0 >= 0.15
+        for n in ("f0", "f1"):
+            await r.end(n)
+
+    asyncio.run(main())
+
+
+def test_a_request_waiting_before_another_keys_last_end_runs_once_that_share_lapses(
+    monkeypatch,
+):
+    """f1 waits from before calm's last request ends (its own look-again, on waiting,
+    long spent): calm's end, keeping its share a moment, is what makes the gate look
+    again once that lapses; f0 never ends."""
+    monkeypatch.setattr(shares_mod, "ANTICIPATE_S", 0.1)
+
+    async def main() -> None:
+        r = Runner(gate(2))
+        r.start("c0", CALM)
+        r.start("f0", FLOOD)
+        await settle()
+        r.start("f1", FLOOD)  # past flood's share (1 of 2 while calm is active)
+        await settle()
+        await asyncio.sleep(0.3)  # its own look-again came and went
+        assert r.use(FLOOD) == (1, 1)
+        await r.end("c0")  # calm's share is kept for 0.1 s, then lapses
+        assert r.use(FLOOD) == (1, 1)
+        await until(lambda: r.use(FLOOD) == (2, 0), "f1 still waits", timeout_s=2)
         for n in ("f0", "f1"):
             await r.end(n)
 
