@@ -28,7 +28,7 @@ from fastapi import Request
 from omni_serve.shares import CLIENT
 
 SHARE = 0.05  # of the server's time, one client's heavy body work may take
-BURST_S = 0.03  # seconds of that work a client may owe at once (two 8 MB bodies' parse here)
+BURST_S = 0.03  # seconds of that work a client may owe at once (2-4 parses of 8 MB here)
 # a big body's parse, as counted to its client ahead of it (a nominal 0.5 GB/s: msgspec
 # parses about twice as fast here on an idle core, half as fast beside the stages' work);
 # the time its parse took is counted instead once it is known
