@@ -34,6 +34,9 @@ BURST_S = 0.03  # seconds of that work a client may owe at once (2-4 parses of 8
 # the time its parse took is counted instead once it is known
 PARSE_S_PER_BYTE = 2e-9
 WAIT_TOLERANCE_S = 1e-6  # a shorter wait is none
+# a client waiting its turn looks again this often: an estimate given back meanwhile (a
+# body read, of no Content-Length and so counted at the body limit) lets it on at once
+RECHECK_S = 0.02
 # how long a thread holding the GIL runs on while another waits for it (``omni serve``
 # sets it; Python's default is 5 ms): each time the event loop wakes while a body is
 # parsed or a header read in a worker thread it waits that long, several times a request
@@ -54,8 +57,9 @@ def client_name(request: Request) -> str:
 class WorkShares:
     """Each client's heavy work, held to ``share`` of the server's time: the time when
     its work so far is paid off (``s`` seconds of work take ``s / share`` to pay); a
-    client owing more than ``burst_s`` seconds of work waits its :meth:`turn`. Used on
-    the event loop only (``clock`` and ``sleep``: the time it reads and waits by)."""
+    client owing more than ``burst_s`` seconds of work waits its :meth:`turn`, looking
+    again every ``recheck_s``. Used on the event loop only (``clock`` and ``sleep``: the
+    time it reads and waits by)."""
 
     def __init__(
         self,
@@ -63,9 +67,11 @@ class WorkShares:
         burst_s: float = BURST_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        recheck_s: float = RECHECK_S,
     ) -> None:
         self.share = share
         self.burst_s = burst_s
+        self.recheck_s = recheck_s
         self.clock = clock
         self.sleep = sleep
         self.paid_at: dict[str, float] = {}  # client -> when its work so far is paid off
@@ -84,7 +90,7 @@ class WorkShares:
     async def turn(self, client: str) -> None:
         """Return once ``client`` is within its share (at once when it is)."""
         while (wait := self.wait_s(client)) > 0:
-            await self.sleep(wait)
+            await self.sleep(min(wait, self.recheck_s))
 
     def add(self, client: str, seconds: float) -> None:
         """Count ``seconds`` of ``client``'s work, ending now."""
