@@ -19,7 +19,7 @@ import pytest
 from omni_serve import shares as shares_mod
 from omni_serve.keys import ApiKey
 from omni_serve.metrics import ServerMetrics
-from omni_serve.shares import Shares
+from omni_serve.shares import SharedPipeline, Shares
 
 from .conftest import intake_then, slow, start_server, stop_server
 from .test_fair_shares import sample, wait_for
@@ -298,6 +298,55 @@ def test_a_request_waiting_before_another_keys_last_end_runs_once_that_share_lap
             await r.end(n)
 
     asyncio.run(main())
+
+
+def test_the_wait_for_a_turn_counts_against_the_requests_timeout():
+    """A request that waited about 0.3 s for its turn reaches the pipeline with what is
+    left of its 1 s timeout, not all of it (nor nothing)."""
+    seen: list[float | None] = []
+
+    class Pipe:
+        async def astream(self, request: Any, request_id: Any = None, timeout_s: Any = None):
+            seen.append(timeout_s)
+            yield "event"
+
+    async def main() -> None:
+        shares = gate(1)
+        shared = SharedPipeline(Pipe(), shares)
+        r = Runner(shares)
+        r.start("f0", FLOOD)  # holds the one place
+        await settle()
+        token = shares_mod.CLIENT.set(CALM)
+        try:
+            task = asyncio.create_task(_drain(shared.astream({}, "x", 1.0)))
+        finally:
+            shares_mod.CLIENT.reset(token)
+        await asyncio.sleep(0.3)
+        await r.end("f0")
+        assert await task == ["event"]
+
+    asyncio.run(main())
+    (left,) = seen
+    assert left is not None and 0.05 < left <= 0.71, left
+
+
+async def _drain(stream: Any) -> list[Any]:
+    return [ev async for ev in stream]
+
+
+def test_an_address_counts_to_its_last_connection_and_is_forgotten_after_it():
+    """Two connections of an address at its cap of 2: one past is refused; one closing
+    leaves the other counted (one more may open, not two); the last closing leaves no
+    entry behind."""
+    shares = Shares([FLOOD], 2, ServerMetrics(None))
+    a, b = shares.connect("10.0.0.1"), shares.connect("10.0.0.1")
+    assert a is not None and b is not None and shares.connect("10.0.0.1") is None
+    shares.disconnect(a)
+    c = shares.connect("10.0.0.1")
+    assert c is not None and shares.connect("10.0.0.1") is None
+    shares.disconnect(b)
+    shares.disconnect(c)
+    assert "10.0.0.1" not in shares.unkeyed
 
 
 def test_the_flag_needs_a_keys_file_and_a_positive_number():
