@@ -145,6 +145,26 @@ def test_of_the_keys_under_their_share_the_one_running_fewest_goes_first():
     asyncio.run(main())
 
 
+def test_between_keys_running_as_many_the_older_waiting_request_goes_first():
+    async def main() -> None:
+        r = Runner(gate(4))  # three keys active: a share of 2 each
+        for name, key in (("t0", THIRD), ("t1", THIRD), ("f0", FLOOD), ("c0", CALM)):
+            r.start(name, key)
+        await settle()
+        r.start("c1", CALM)  # waits first
+        await settle()
+        r.start("f1", FLOOD)  # waits second
+        await settle()
+        await r.end("t0")  # a place: flood and calm run 1 each, both under their share
+        await settle()
+        assert r.started[-1] == "c1" and r.use(FLOOD) == (1, 1)
+        for name in ("t1", "f0", "c0", "c1", "f1"):
+            await r.end(name)
+            await settle()
+
+    asyncio.run(main())
+
+
 def test_a_key_between_two_requests_keeps_its_share_for_the_anticipation_time(monkeypatch):
     monkeypatch.setattr(shares_mod, "ANTICIPATE_S", 0.2)
 
