@@ -19,7 +19,7 @@ import pytest
 from omni_serve import shares as shares_mod
 from omni_serve.keys import ApiKey
 from omni_serve.metrics import ServerMetrics
-from omni_serve.shares import SharedPipeline, Shares
+from omni_serve.shares import ClientShares, SharedPipeline, Shares
 
 from .conftest import intake_then, slow, start_server, stop_server
 from .test_fair_shares import sample, wait_for
@@ -155,10 +155,12 @@ def test_between_keys_running_as_many_the_older_waiting_request_goes_first():
         await settle()
         r.start("f1", FLOOD)  # waits second
         await settle()
+        r.start("c2", CALM)  # waits third: calm's newest is younger than flood's
+        await settle()
         await r.end("t0")  # a place: flood and calm run 1 each, both under their share
         await settle()
         assert r.started[-1] == "c1" and r.use(FLOOD) == (1, 1)
-        for name in ("t1", "f0", "c0", "c1", "f1"):
+        for name in ("t1", "f0", "c0", "c1", "f1", "c2"):
             await r.end(name)
             await settle()
 
@@ -367,6 +369,19 @@ def test_an_address_counts_to_its_last_connection_and_is_forgotten_after_it():
     shares.disconnect(b)
     shares.disconnect(c)
     assert "10.0.0.1" not in shares.unkeyed
+
+
+def test_a_scope_other_than_http_passes_the_shares_untouched():
+    """The lifespan (and a websocket) scope goes to the app as it came, keys or not."""
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["type"])
+
+    middleware = ClientShares(app, Shares([FLOOD], None, ServerMetrics(None)))
+    for kind in ("lifespan", "websocket"):
+        asyncio.run(middleware({"type": kind}, None, None))  # type: ignore[arg-type]
+    assert seen == ["lifespan", "websocket"]
 
 
 def test_the_flag_needs_a_keys_file_and_a_positive_number():
