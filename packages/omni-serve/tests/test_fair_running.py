@@ -65,6 +65,15 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def calm_and_flood_running() -> Runner:
+    """A gate of 2 places, calm's c0 and flood's f0 running in them."""
+    r = Runner(gate(2))
+    r.start("c0", CALM)
+    r.start("f0", FLOOD)
+    await settle()
+    return r
+
+
 async def until(check: Callable[[], bool], what: str, timeout_s: float = 5) -> None:
     """Wait (polling the loop) until ``check()``; fail naming ``what`` after ``timeout_s``."""
     end = time.monotonic() + timeout_s
@@ -278,10 +287,7 @@ def test_a_request_held_back_by_an_anticipated_share_runs_once_it_lapses(monkeyp
     monkeypatch.setattr(shares_mod, "ANTICIPATE_S", 0.2)
 
     async def main() -> None:
-        r = Runner(gate(2))
-        r.start("c0", CALM)
-        r.start("f0", FLOOD)
-        await settle()
+        r = await calm_and_flood_running()
         await r.end("c0")  # nobody waits: calm's share is kept for 0.2 s
         t0 = time.monotonic()
         r.start("f1", FLOOD)  # flood runs its share (1 of 2 while calm is active)
@@ -305,10 +311,7 @@ def test_a_request_waiting_before_another_keys_last_end_runs_once_that_share_lap
     monkeypatch.setattr(shares_mod, "ANTICIPATE_S", 0.1)
 
     async def main() -> None:
-        r = Runner(gate(2))
-        r.start("c0", CALM)
-        r.start("f0", FLOOD)
-        await settle()
+        r = await calm_and_flood_running()
         r.start("f1", FLOOD)  # past flood's share (1 of 2 while calm is active)
         await settle()
         await asyncio.sleep(0.3)  # its own look-again came and went
