@@ -27,7 +27,6 @@ from omni_serve.fair import (
     BODY_HELD,
     BURST_S,
     PARSE_S_PER_BYTE,
-    RECHECK_S,
     SHARE,
     FairSlot,
     WorkShares,
@@ -64,7 +63,7 @@ class Clock:
 
 def test_a_client_at_its_share_goes_on_and_one_past_waits_until_it_is_paid_off():
     clock = Clock()
-    shares = WorkShares(clock=clock, sleep=clock.sleep, recheck_s=math.inf)
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
 
     async def run() -> None:
         shares.add("key:a", ALLOWANCE)  # exactly what it may owe, ending at 1000
@@ -79,6 +78,7 @@ def test_a_client_at_its_share_goes_on_and_one_past_waits_until_it_is_paid_off()
         assert shares.owed_s("key:a", clock.now) == pytest.approx(ALLOWANCE)
         await shares.turn("key:a")  # at its share again: at once
         assert len(clock.waits) == 1
+        assert shares.gave_back == {}  # nothing of the wait left behind
 
     asyncio.run(run())
 
@@ -87,7 +87,7 @@ def test_work_is_paid_off_at_the_share_and_never_saved_up():
     """A client idle for a long time may still owe only ``BURST_S`` before it waits:
     the time it did no work is not credit for a longer burst later."""
     clock = Clock()
-    shares = WorkShares(clock=clock, sleep=clock.sleep, recheck_s=math.inf)
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
     shares.add("key:a", 0.001)
     clock.now += 3600
     assert shares.owed_s("key:a", clock.now) == 0
@@ -101,7 +101,7 @@ def test_both_slots_count_to_one_share():
     """Time in the image header slot makes the same client wait for the parsing slot
     (and is counted even though the work raised)."""
     clock = Clock()
-    shares = WorkShares(clock=clock, sleep=clock.sleep, recheck_s=math.inf)
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
     parsing, headers = FairSlot(shares), FairSlot(shares)
 
     async def run() -> None:
@@ -122,7 +122,7 @@ def test_both_slots_count_to_one_share():
 
 def test_clients_gone_are_swept():
     clock = Clock()
-    shares = WorkShares(clock=clock, sleep=clock.sleep, recheck_s=math.inf)
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
     for i in range(64):
         shares.add(f"address:10.0.0.{i}", 0.001)
     clock.now += 0.001 / SHARE  # all 64 paid off
@@ -137,7 +137,7 @@ def test_big_bodies_sent_at_once_pass_the_gate_one_at_a_time_as_the_share_has_ro
     passes meanwhile. Once a body's block ends its estimate is taken back: what counts
     is its parse, as timed."""
     clock = Clock()
-    shares = WorkShares(clock=clock, sleep=clock.sleep, recheck_s=math.inf)
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
     size = int(0.6 * BURST_S / PARSE_S_PER_BYTE)  # each counted as 0.6 of the burst
     passed: list[tuple[str, float]] = []
     request = {host: SimpleNamespace(client=SimpleNamespace(host=host), scope={}) for host in "ab"}
@@ -168,7 +168,7 @@ def test_a_bodys_own_estimate_never_holds_its_parse():
     """A client exactly at its share reads its big body, and then its parse goes on at
     once: the estimate counted while the body was read is taken back before the slot."""
     clock = Clock()
-    shares = WorkShares(clock=clock, sleep=clock.sleep, recheck_s=math.inf)
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
     request = SimpleNamespace(client=SimpleNamespace(host="a"), scope={})
     shares.add("address:a", BURST_S)
 
@@ -182,16 +182,16 @@ def test_a_bodys_own_estimate_never_holds_its_parse():
     asyncio.run(run())
 
 
-def test_a_waiting_body_goes_on_at_its_next_look_once_an_estimate_is_given_back():
+def test_a_waiting_body_goes_on_once_an_estimate_is_given_back():
     """B waits for A's estimate (twice the burst: a body of no Content-Length counts at
-    the body limit); A's read ends first and gives it back, and B goes on at its next
-    look (``RECHECK_S``), not after the wait the estimate alone would have made."""
+    the body limit); A's read ends first and gives it back, and B goes on then, not
+    after the wait the estimate alone made (its timer here never fires); nothing of the
+    wait is left behind."""
     clock = Clock()
 
-    async def sleep(seconds: float) -> None:
+    async def sleep(seconds: float) -> None:  # a timer that never fires
         clock.waits.append(seconds)
-        clock.now += seconds
-        await asyncio.sleep(0)  # A reads meanwhile
+        await asyncio.Event().wait()
 
     shares = WorkShares(clock=clock, sleep=sleep)
     request = SimpleNamespace(client=SimpleNamespace(host="a"), scope={})
@@ -205,16 +205,17 @@ def test_a_waiting_body_goes_on_at_its_next_look_once_an_estimate_is_given_back(
                 await asyncio.sleep(0)
 
     async def run() -> None:
-        await asyncio.gather(body("A", 1), body("B", 0))
+        await asyncio.wait_for(asyncio.gather(body("A", 1), body("B", 0)), 5)
 
     asyncio.run(run())
-    assert passed == [("A", 1000.0), ("B", pytest.approx(1000.0 + RECHECK_S))]
-    assert clock.waits == [RECHECK_S]  # (the estimate alone: BURST_S / SHARE = 0.6 s)
+    assert passed == [("A", 1000.0), ("B", 1000.0)]
+    assert clock.waits == [pytest.approx(BURST_S / SHARE)]  # what B would have waited
+    assert shares.gave_back == {}
 
 
 def test_a_refund_is_never_credit():
     clock = Clock()
-    shares = WorkShares(clock=clock, sleep=clock.sleep, recheck_s=math.inf)
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
     shares.add("key:a", 0.01)
     clock.now += 1.0  # paid off
     shares.refund("key:a", 0.01)
@@ -393,7 +394,7 @@ def test_a_body_held_by_the_server_has_no_deadline_meanwhile():
 
 def test_body_turn_holds_the_deadline_only_while_it_waits():
     clock = Clock()
-    shares = WorkShares(clock=clock, sleep=clock.sleep, recheck_s=math.inf)
+    shares = WorkShares(clock=clock, sleep=clock.sleep)
     told: list[bool] = []
     request = SimpleNamespace(client=None, scope={BODY_HELD: told.append})
 

@@ -34,9 +34,6 @@ BURST_S = 0.03  # seconds of that work a client may owe at once (2-4 parses of 8
 # the time its parse took is counted instead once it is known
 PARSE_S_PER_BYTE = 2e-9
 WAIT_TOLERANCE_S = 1e-6  # a shorter wait is none
-# a client waiting its turn looks again this often: an estimate given back meanwhile (a
-# body read, of no Content-Length and so counted at the body limit) lets it on at once
-RECHECK_S = 0.02
 # how long a thread holding the GIL runs on while another waits for it (``omni serve``
 # sets it; Python's default is 5 ms): each time the event loop wakes while a body is
 # parsed or a header read in a worker thread it waits that long, several times a request
@@ -57,9 +54,8 @@ def client_name(request: Request) -> str:
 class WorkShares:
     """Each client's heavy work, held to ``share`` of the server's time: the time when
     its work so far is paid off (``s`` seconds of work take ``s / share`` to pay); a
-    client owing more than ``burst_s`` seconds of work waits its :meth:`turn`, looking
-    again every ``recheck_s``. Used on the event loop only (``clock`` and ``sleep``: the
-    time it reads and waits by)."""
+    client owing more than ``burst_s`` seconds of work waits its :meth:`turn`. Used on
+    the event loop only (``clock`` and ``sleep``: the time it reads and waits by)."""
 
     def __init__(
         self,
@@ -67,15 +63,16 @@ class WorkShares:
         burst_s: float = BURST_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        recheck_s: float = RECHECK_S,
     ) -> None:
         self.share = share
         self.burst_s = burst_s
-        self.recheck_s = recheck_s
         self.clock = clock
         self.sleep = sleep
         self.paid_at: dict[str, float] = {}  # client -> when its work so far is paid off
         self.sweep_at = 64  # clients held: past it, those who owe nothing go
+        # client -> set (and dropped) when an estimate of its is given back: its requests
+        # waiting their turn look again at once; with how many wait on it
+        self.gave_back: dict[str, tuple[asyncio.Event, int]] = {}
 
     def owed_s(self, client: str, now: float) -> float:
         """The seconds of ``client``'s work not yet paid off at ``now``."""
@@ -88,9 +85,26 @@ class WorkShares:
         return wait if wait > WAIT_TOLERANCE_S else 0.0  # (not a float's rounding)
 
     async def turn(self, client: str) -> None:
-        """Return once ``client`` is within its share (at once when it is)."""
+        """Return once ``client`` is within its share (at once when it is): it waits out
+        what it owes past ``burst_s``, or until an estimate of its is given back
+        (:meth:`refund`), then looks again. No polling: a flood of waiting requests costs
+        a wake-up each when it may go on, not one every few milliseconds."""
         while (wait := self.wait_s(client)) > 0:
-            await self.sleep(min(wait, self.recheck_s))
+            event, waiters = self.gave_back.get(client, (asyncio.Event(), 0))
+            self.gave_back[client] = (event, waiters + 1)
+            timer = asyncio.ensure_future(self.sleep(wait))
+            woken = asyncio.ensure_future(event.wait())
+            try:
+                await asyncio.wait((timer, woken), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                timer.cancel()
+                woken.cancel()
+                held = self.gave_back.get(client)
+                if held is not None and held[0] is event:
+                    if held[1] > 1:
+                        self.gave_back[client] = (event, held[1] - 1)
+                    else:
+                        del self.gave_back[client]
 
     def add(self, client: str, seconds: float) -> None:
         """Count ``seconds`` of ``client``'s work, ending now."""
@@ -108,6 +122,9 @@ class WorkShares:
         at = self.paid_at.get(client)
         if at is not None:
             self.paid_at[client] = max(self.clock(), at - seconds / self.share)
+        held = self.gave_back.pop(client, None)
+        if held is not None:
+            held[0].set()
 
 
 class FairSlot:
