@@ -240,10 +240,10 @@ async def json_body(request: Request, limit: int) -> AsyncIterator[bytearray]:
     server = request.app.state.server
     length = declared_length(request)
     big = length is None or length > INLINE_BYTES
-    turn = body_turn(request, server.work, min(limit, length or limit))
+    turn = body_turn(request, server.work, min(limit, length or limit)) if big else None
     lease = _Lease(server.bodies)
     try:
-        async with turn if big else contextlib.nullcontext():
+        async with turn or contextlib.nullcontext():
             raw = await read_body(request, limit, lease)
         yield raw
     finally:
