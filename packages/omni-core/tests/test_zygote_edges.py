@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -122,8 +123,48 @@ def test_stopping_blas_threads_asks_each_build_that_can(monkeypatch):
     can = types.SimpleNamespace(blas_thread_shutdown_=lambda: calls.append("can"))
     cannot = types.SimpleNamespace()  # an old build: no such function
     monkeypatch.setattr(zygote, "openblas_libs", lambda: [cannot, can, can])
+    monkeypatch.setattr(zygote, "thread_count", lambda: 1)
     zygote.stop_blas_threads()
     assert calls == ["can", "can"]
+
+
+def test_stopped_blas_threads_are_waited_for_until_they_leave_the_list(monkeypatch):
+    """A joined thread is still listed a moment after its join: the count is looked at
+    again until it is one, and a thread that stays (a live one) only for the bound."""
+    can = types.SimpleNamespace(blas_thread_shutdown_=lambda: None)
+    monkeypatch.setattr(zygote, "openblas_libs", lambda: [can])
+    listed = [3, 2, 2, 1, 1]
+    monkeypatch.setattr(zygote, "thread_count", lambda: listed.pop(0))
+    zygote.stop_blas_threads()
+    assert listed == [1]  # looked at until it was one, then no more
+
+    monkeypatch.setattr(zygote, "thread_count", lambda: 2)  # a live thread
+    monkeypatch.setattr(zygote, "EXITING_THREADS_WAIT_S", 0.05)
+    t0 = time.monotonic()
+    zygote.stop_blas_threads()
+    assert 0.05 <= time.monotonic() - t0 < 1.0
+
+    # no pool stopped (no OpenBLAS, or an old build): nothing to wait for
+    monkeypatch.setattr(zygote, "openblas_libs", lambda: [types.SimpleNamespace()])
+    monkeypatch.setattr(zygote, "EXITING_THREADS_WAIT_S", 5.0)
+    t0 = time.monotonic()
+    zygote.stop_blas_threads()
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_zygote_that_loaded_numpy_is_single_threaded_at_once_after_the_stop():
+    """The real race: numpy's pool is stopped and the count taken at once, in fresh
+    interpreters (it showed 2 in about 1 start in 20 before the wait)."""
+    script = (
+        "import numpy\n"
+        "from omni_core.control.zygote import stop_blas_threads, thread_count\n"
+        "stop_blas_threads()\n"
+        "print(thread_count())\n"
+    )
+    for _ in range(10):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == "1"
 
 
 class Blas:

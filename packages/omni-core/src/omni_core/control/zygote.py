@@ -145,6 +145,11 @@ def clone_unsupported() -> str:
     return ""
 
 
+# How long threads just joined may still be listed (see stop_blas_threads). One still
+# listed after that is alive (a preloaded module started it): the zygote does not fork.
+EXITING_THREADS_WAIT_S = 0.5
+
+
 def thread_count() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -155,10 +160,22 @@ def thread_count() -> int:
 def stop_blas_threads() -> None:
     """OpenBLAS (numpy's) starts its thread pool when it loads; stop it, as its own
     pre-fork handler does (that handler does not run around a raw clone). The pool
-    starts again, in the zygote and in each child, at its next parallel call."""
+    starts again, in the zygote and in each child, at its next parallel call.
+
+    A joined thread leaves ``/proc/self/task`` a moment after its join returns (the
+    kernel wakes the joiner before it unlists the thread), and nothing signals that
+    moment: once a pool was stopped, the thread list is looked at again until it is
+    one, for up to :data:`EXITING_THREADS_WAIT_S`. Counted at once, a loaded machine
+    saw the pool's last thread and the zygote refused to fork (1 start in 20 here)."""
+    stopped = False
     for lib in openblas_libs():
         with contextlib.suppress(AttributeError):
             lib.blas_thread_shutdown_()
+            stopped = True
+    if stopped:
+        deadline = time.monotonic() + EXITING_THREADS_WAIT_S
+        while thread_count() > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 def fork_unsafe() -> str:
