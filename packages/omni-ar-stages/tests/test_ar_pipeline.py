@@ -6,6 +6,7 @@ import pytest
 import torch
 from omni_core import Pipeline
 from omni_core.client.collector import collect
+from omni_testing.events import events_of
 from omni_testing.faults import kill_stage, wait_ready
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -368,7 +369,7 @@ def test_decode_fails_a_malformed_handoff_alone_naming_the_edge_and_field(tiny_m
 
     def run(payload):
         window = Window("prefill", 0, 0, 0, [Piece(0, [1], {}, payload)], True)
-        return list(stage.process([StageInput("r", {}, {"prefill": window}, True, True)]))
+        return events_of(stage.process([StageInput("r", {}, {"prefill": window}, True, True)]))
 
     for payload, field in (
         (

@@ -2,6 +2,8 @@
 step (left-padded cache, attention mask, position ids), with the tokens each request
 gets alone: ``model.generate``'s when greedy, its own seeded stream when sampling."""
 
+import threading
+
 import pytest
 import torch
 from omni_ar.params import SamplingParams
@@ -124,8 +126,8 @@ def test_seeded_sampling_in_a_batch_is_the_same_as_alone(engine):
     assert outs[0] == alone_out[0] and len(set(outs[0])) > 3
 
 
-def pipeline_config(model, kind, max_inflight):
-    opts = {"model": model, "threads": 1, "max_segment_tokens": 4}
+def pipeline_config(model, kind, max_inflight, **options):
+    opts = {"model": model, "threads": 1, "max_segment_tokens": 4, **options}
     return {
         "heartbeat_interval_s": 0.1,
         "ready_timeout_s": 300,
@@ -161,3 +163,28 @@ def test_batched_stage_equals_the_model_and_a_cancel_leaves_the_others_right(
         assert pipe.cancel(h.request_id)
         outs = [collect(o) for o in others]
         assert [[t for e in o.by_stage("postprocess") for t in e.tokens] for o in outs] == expected
+
+
+def test_a_request_arriving_mid_decode_joins_the_batch_at_the_next_step(tiny_model):
+    """The decode stage's generators give each other a turn after every step, not only
+    when one sends a segment: a request that arrives while a long one decodes joins its
+    batch at once (here, with segments of 64 tokens, the long one's first send after its
+    first token is its last: a turn only then would hold the new one till it ends)."""
+    cfg = pipeline_config(
+        tiny_model, "ar.decode", max_inflight=8, max_segment_tokens=64, min_flush_interval_ms=60000
+    )
+    long = {"prompt": "the quick brown fox", "max_tokens": 60, "ignore_eos": True}
+    short = {"prompt": "héllo", "max_tokens": 6, "ignore_eos": True}
+    with Pipeline(cfg) as pipe:
+        h = pipe.submit(long)
+        it = iter(h)
+        next(it)  # its first token: it decodes now
+        ended = []
+        other = pipe.submit(short)
+        done = threading.Thread(target=lambda: (collect(other), ended.append("short")))
+        done.start()
+        for _ in it:
+            pass
+        ended.append("long")
+        done.join(60)
+        assert ended == ["short", "long"]

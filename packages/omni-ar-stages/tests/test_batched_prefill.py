@@ -13,6 +13,7 @@ from omni_core import Pipeline, StageInput
 from omni_core.client.collector import collect
 from omni_core.dataplane.windows import Piece, Window
 from omni_core.stage import StageContext
+from omni_testing.events import events_of
 
 TOL = 1e-4  # float32: a padded batch's sums round differently, ~1e-6 here
 TEXTS = [  # 8 prompts of different lengths, the longest 30x the shortest
@@ -151,7 +152,7 @@ def stage_input(i, ids, params):
 
 
 def run(stage, inputs):
-    return [e for ev in stage.process(inputs) for e in (ev if isinstance(ev, list) else [ev])]
+    return events_of(stage.process(inputs))
 
 
 def test_the_prefill_stage_batch_equals_its_prompts_one_by_one(tiny_model):

@@ -19,6 +19,7 @@ from omni_ar.params import RequestError, parse_request
 from omni_core import Pipeline, StageInput
 from omni_core.dataplane.windows import Piece, Window
 from omni_core.stage import StageContext
+from omni_testing.events import events_of
 from omni_testing.faults import kill_stage, wait_ready
 from PIL import Image
 
@@ -198,7 +199,7 @@ def _feed(stage, request, ev=None, edge="up"):
     if ev is not None:
         piece = Piece(0, ev.tokens, getattr(ev, "arrays", {}), ev.payload)
         windows[edge] = Window(edge, 0, 0, 0, [piece], True)
-    return list(stage.process([StageInput("r", request, windows, True, True)])), request
+    return events_of(stage.process([StageInput("r", request, windows, True, True)])), request
 
 
 def _handoff(stages, request):

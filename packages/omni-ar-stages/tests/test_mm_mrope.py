@@ -18,6 +18,7 @@ from omni_ar.params import SamplingParams
 from omni_core import Pipeline, StageInput
 from omni_core.dataplane.windows import Piece, Window
 from omni_core.stage import StageContext
+from omni_testing.events import events_of
 
 VERSIONS = ["2", "2.5"]
 # (width, height): landscape, portrait, a long strip, a square; each its own grid
@@ -200,7 +201,7 @@ def test_decode_gets_no_image_data_only_ids_hashes_spans_kv_and_positions(stages
     assert len({tuple(g) for g in mrope["grids"]}) == 4
     assert [grid_tokens(g, 2) for g in mrope["grids"]] == [it["length"] for it in h["mm_items"]]
     assert mrope["position_delta"] < 0  # positions advance less than the placeholders
-    evs = list(stages[2].process([_input(forwarded, ev)]))
+    evs = events_of(stages[2].process([_input(forwarded, ev)]))
     assert [t for e in evs for t in e.tokens] == reference[2]
 
 
@@ -307,7 +308,8 @@ def test_each_altered_position_field_fails_only_its_request(stages, reference):
         cases["mrope.position_delta: prefill sent"] = _with_mrope(ev, grids=[swapped, g1])
     decode = stages[2]
     for expected, bad in cases.items():
-        evs = list(decode.process([_input(forwarded, bad, "bad"), _input(forwarded, ev, "good")]))
+        inputs = [_input(forwarded, bad, "bad"), _input(forwarded, ev, "good")]
+        evs = events_of(decode.process(inputs))
         errors = [e for e in evs if e.event_type == "error"]
         assert [e.request_id for e in errors] == ["bad"], (expected, errors)
         assert errors[0].message.startswith("requires_kv admission: "), errors[0].message

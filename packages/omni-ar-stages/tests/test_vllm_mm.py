@@ -19,6 +19,7 @@ require_vllm()
 
 from omni_ar.engines import vllm_requires_kv as plugin  # noqa: E402
 from omni_ar.params import SamplingParams  # noqa: E402
+from omni_testing.events import events_of  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process engines below
 
@@ -475,7 +476,7 @@ def _feed(stage, request, ev=None):
     if ev is not None:
         piece = Piece(0, ev.tokens, getattr(ev, "arrays", {}), ev.payload, logprobs=ev.logprobs)
         windows["up"] = Window("up", 0, 0, 0, [piece], True)
-    return list(stage.process([StageInput("r", request, windows, True, True)])), request
+    return events_of(stage.process([StageInput("r", request, windows, True, True)])), request
 
 
 def test_decode_stage_fails_an_altered_handoff_alone(mm_stages, chats, chat_reference):

@@ -21,6 +21,7 @@ from omni_ar.errors import EngineRequestError  # noqa: E402
 from omni_ar.handoff import MRope  # noqa: E402
 from omni_ar.multimodal.mrope import grid_tokens, position_delta  # noqa: E402
 from omni_ar.params import RequestError, SamplingParams  # noqa: E402
+from omni_testing.events import events_of  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process engines below
 
@@ -380,7 +381,8 @@ def test_decode_stage_fails_an_altered_position_field_alone(intake, decode_stage
         "at `$.mrope.position_delta`": altered(position_delta="3"),
     }
     for needle, bad in cases.items():
-        evs = list(decode.process([_input(forwarded, bad, "bad"), _input(forwarded, sent, "good")]))
+        inputs = [_input(forwarded, bad, "bad"), _input(forwarded, sent, "good")]
+        evs = events_of(decode.process(inputs))
         errors = [e for e in evs if e.event_type == "error"]
         assert [e.request_id for e in errors] == ["bad"], (needle, errors)
         assert errors[0].message.startswith("requires_kv admission: "), errors[0].message

@@ -11,6 +11,7 @@ from omni_core import Pipeline
 from omni_core.stage import StageContext
 from omni_speech.testing import png_part, wav_part
 from omni_speech.thinker import Thinker
+from omni_testing.events import events_of
 
 MAX_TOKENS = 10
 MAX_CODES = 48
@@ -242,7 +243,7 @@ def test_mel2wav_refuses_bad_mel_for_its_request_alone(tiny_omni):
     }
     batch = [mel_input(rid, m, off) for rid, (m, off, _) in bad.items()]
     batch += [mel_input("ok", mel[:, :, :24], 0), mel_input("ok2", mel, 0, last=True)]
-    events = [e for e in stage.process(batch) if e is not None]
+    events = events_of(stage.process(batch))
     errors = {e.request_id: e.message for e in events if hasattr(e, "message")}
     assert set(errors) == set(bad)
     for rid, (_, _, words) in bad.items():

@@ -30,6 +30,7 @@ from omni_core import Pipeline, StageInput  # noqa: E402
 from omni_core.stage import StageContext  # noqa: E402
 from omni_speech.testing import png_part, wav_part  # noqa: E402
 from omni_speech.thinker import Thinker  # noqa: E402
+from omni_testing.events import events_of
 
 ROW_ATOL = 1e-4  # rows up to ~4.4 in size; measured at most 2.6e-5 apart (tiny model, fp32 CPU)
 MAX_TOKENS = 10
@@ -109,7 +110,7 @@ def _input(request: dict, rid: str = "r") -> StageInput:
 
 
 def run_one(stage: Thinker, request: dict) -> list:
-    return [e for e in stage.process([_input(request)]) if e is not None]
+    return events_of(stage.process([_input(request)]))
 
 
 def run_at_once(stage: Thinker, requests: list[dict]) -> list[list]:

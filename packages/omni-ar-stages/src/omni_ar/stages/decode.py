@@ -236,7 +236,8 @@ class Decode(ModelStage):
                 if detok is not None and detok.stopped is not None:
                     return
                 tokens, logprobs, tops, last_flush = [], [], [], now
-            elif s is None:
+            else:  # the stage's other requests take their turn: those of a batched
+                # engine take this step's tokens and the ones that arrived join the next
                 yield None
         last = self._finish(params, total, last_tok)
         yield self._emit(inp, tokens, logprobs, tops, params, detok, counted, last)
