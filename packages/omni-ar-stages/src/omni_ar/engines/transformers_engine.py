@@ -309,41 +309,37 @@ class TransformersEngine(TokenizedEngine):
         as :meth:`continue_from`. The first pick uses the generator a request picking its
         first token alone would, the rest :meth:`continue_from`'s: a seed gives the same
         tokens either way."""
-        req = BatchRequest(
-            params,
-            self.generator(params),
-            last,
-            params.max_tokens,
-            position_offset=position_offset,
-            gen_after=self.generator(params, offset=1),
-        )
-        req.matcher = self.matcher(params)
-        req.logits = self.logits(params, prompt)
         layers = [(ly.keys[0], ly.values[0]) for ly in cache.layers]
-        return BatchSteps(self.batch, self.batch.add(req, layers))
+        return self._join(last, layers, params, prompt, position_offset, picked=False)
 
     def _join(
         self,
-        first: int,
+        tok: int,
         layers: list[tuple[Any, Any]],
         params: SamplingParams,
         prompt: list[int] | None,
         position_offset: int = 0,
         queued: Sampled | None = None,
+        picked: bool = True,
     ) -> BatchSteps:
-        """A request into the decode batch: ``first`` is its next step's input, its KV
-        ``layers`` everything before it; ``queued``: a token it gives before any step."""
+        """A request into the decode batch: ``tok`` is its next step's input, its KV
+        ``layers`` everything before it; ``queued``: a token it gives before any step.
+        ``picked``: ``tok`` is its first token, else its prompt's last, and the batch's
+        first step picks the first token with the generator a request picking it alone
+        would use (the rest with the next one): a seed gives the same tokens either way."""
+        out = [tok] if picked else []
         req = BatchRequest(
             params,
-            self.generator(params, offset=1),
-            first,
-            params.max_tokens - 1,
+            self.generator(params, offset=len(out)),
+            tok,
+            params.max_tokens - len(out),
             position_offset=position_offset,
+            gen_after=None if picked else self.generator(params, offset=1),
         )
         if queued is not None:
             req.queue.append(queued)
-        req.matcher = self.matcher(params, [first])
-        req.logits = self.logits(params, prompt, [first])
+        req.matcher = self.matcher(params, out)
+        req.logits = self.logits(params, prompt, out)
         return BatchSteps(self.batch, self.batch.add(req, layers))
 
     def cache_from(self, keys: Any, values: Any) -> Any:
