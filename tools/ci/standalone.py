@@ -26,6 +26,9 @@ gets one of its own: itself with its ``test`` extra, if it has one):
    source folder comes first on ``sys.path``, and the ``standalone_guard`` plug-in, which
    fails the run if any module was imported from a ``src`` folder after all.
 
+Steps 1-3 of the next combinations run in a thread ahead of the tests (one install at a
+time, beside this combination's tests), so the installs cost the run little time.
+
 Prints each step's time, a final table, and exits 1 naming what failed. Logs of every step
 are kept in the work directory's ``logs/`` (``--work DIR`` to choose it, ``--keep`` to keep
 the environments too).
@@ -44,6 +47,7 @@ import tarfile
 import tempfile
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,9 +236,9 @@ def build(dists: list[Dist], out: Path, logs: Path) -> dict[str, Path]:
     return wheels
 
 
-def run_combination(
-    c: Combination, dists: dict[str, Dist], constraints: Path, work: Path, args
-) -> Result:
+def install_combination(c: Combination, constraints: Path, work: Path) -> Result:
+    """Steps 1-3 for ``c``: its environment made, installed, checked and probed (``failed``
+    set if one of them failed)."""
     r = Result(c)
     logs = work / "logs"
     venv = work / f"venv-{c.name}"
@@ -274,18 +278,25 @@ def run_combination(
     if rc:
         return fail(f"{c.package}'s modules do not import, or import undeclared distributions", log)
     print(f"  [{c.name}] pip check and imports ({r.times['check']:.0f}s)", flush=True)
+    return r
 
+
+def test_combination(r: Result, dists: dict[str, Dist], work: Path, args) -> Result:
+    """Step 4 for an installed combination: its package's tests in its environment."""
+    c = r.combo
+    venv = work / f"venv-{c.name}"
     tests = dists[normalize(c.package)].tests
     if tests is None or args.no_tests:
         r.summary = "no tests" if tests is None else "tests not run (--no-tests)"
         return r
-    log = logs / f"{c.name}-tests.log"
+    log = work / "logs" / f"{c.name}-tests.log"
     # Without ``CI``: a test that CI insists on (vLLM, the packaged model) and that this
     # family alone cannot run skips here, so it is not deselected and runs in the workspace.
-    test_env = {k: v for k, v in env.items() if k != "CI"}
+    test_env = {k: v for k, v in clean_env(venv).items() if k != "CI"}
     test_env |= {"PYTHONPATH": str(HERE), "OMNI_STANDALONE_REPO": str(REPO)}
     if args.passed:
         test_env["OMNI_STANDALONE_PASSED"] = str(args.passed.resolve())
+    py = str(venv / "bin" / "python")
     argv = [py, "-P", "-m", "pytest", "-p", "no:cacheprovider", "-p", "standalone_guard"]
     argv += [str(tests.relative_to(REPO)), *args.pytest_args]
     rc, r.times["tests"] = step(log, argv, env=test_env, cwd=REPO)
@@ -294,10 +305,9 @@ def run_combination(
     )
     r.summary = found[-1] if found else f"pytest exited {rc}"
     if rc:
-        return fail(f"{c.package}'s tests failed ({r.summary})", log)
+        r.failed = f"{c.package}'s tests failed ({r.summary}); its log ({log}) ends:\n{tail(log)}"
+        return r
     print(f"  [{c.name}] tests: {r.summary} ({r.times['tests']:.0f}s)", flush=True)
-    if not args.keep:
-        shutil.rmtree(venv, ignore_errors=True)
     return r
 
 
@@ -359,14 +369,20 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     by_name = {d.name: d for d in dists}
-    for c in rows:
-        print(f"standalone: [{c.name}] {' '.join(c.requirements)}", flush=True)
-        r = run_combination(c, by_name, constraints, work, args)
-        if r.failed:
-            print(f"  [{c.name}] FAILED: {r.failed}", flush=True)
-        results.append(r)
-        if not args.keep:
-            shutil.rmtree(work / f"venv-{c.name}", ignore_errors=True)
+    # One installer runs ahead of the tests: the next combinations install (pip: the
+    # network, the disk and one core) while this one's tests run, one install at a time.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="install") as installer:
+        installs = [installer.submit(install_combination, c, constraints, work) for c in rows]
+        for c, install in zip(rows, installs, strict=True):
+            print(f"standalone: [{c.name}] {' '.join(c.requirements)}", flush=True)
+            r = install.result()
+            if not r.failed:
+                r = test_combination(r, by_name, work, args)
+            if r.failed:
+                print(f"  [{c.name}] FAILED: {r.failed}", flush=True)
+            results.append(r)
+            if not args.keep:
+                shutil.rmtree(work / f"venv-{c.name}", ignore_errors=True)
 
     total = time.monotonic() - t_all
     print(f"\nstandalone: build {t_build:.0f}s, total {total:.0f}s ({total / 60:.1f} min)")
