@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 from omni_bench.serve import OMNI
 
 
+@pytest.mark.timeout(460)  # the bench's own 400 s
 def test_attack_bench_holds_what_must_hold():
     out = subprocess.run(
         [
@@ -63,6 +65,7 @@ ATTACKER_ANSWERS = {
 }
 
 
+@pytest.mark.timeout(660)  # the bench's own 600 s
 def test_attack_bench_per_client_and_ray_arms_refuse_the_attacker_and_lose_nothing():
     arms = [*ATTACKER_ANSWERS, "ray"]
     out = subprocess.run(

@@ -19,6 +19,7 @@ from omni_bench.mm_handoff import LARGE, SMALL, parse_shapes, vllm_hit_rate
 SHAPES = ["pair", "1S", "4S"]
 
 
+@pytest.mark.timeout(960)  # the bench's own 900 s (a few minutes alone, more beside other work)
 @pytest.mark.parametrize("engine", ["transformers", "vllm"])
 def test_mm_handoff_bench(bench_json, engine):
     from omni_ar.multimodal.testing import vllm_llava_missing
@@ -102,6 +103,7 @@ def test_vllm_hit_rate(tmp_path: Path):
     assert vllm_hit_rate(log) == 0.375
 
 
+@pytest.mark.timeout(960)  # the bench's own 900 s
 @pytest.mark.parametrize("engine", ["transformers", "vllm"])
 def test_mm_handoff_bench_on_qwen2_5_vl(bench_json, engine):
     """``--model qwen2_5_vl`` (M-RoPE, a tiny Qwen2.5-VL built on the spot), one small
