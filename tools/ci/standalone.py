@@ -174,9 +174,10 @@ class Result:
 def clean_env(venv: Path | None = None) -> dict[str, str]:
     """The environment for commands in ``venv``: no other virtual environment's ``bin`` on
     ``PATH`` (``hatch run`` puts the workspace's there), no ``PYTHONPATH``, no user site."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")
-    }
+    # PYTHONDONTWRITEBYTECODE too: the environments' modules are compiled where they are first
+    # imported (see install_combination), so they must be allowed to write their bytecode
+    drop = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     keep = [
         p
         for p in env.get("PATH", "").split(os.pathsep)
@@ -257,9 +258,13 @@ def install_combination(c: Combination, constraints: Path, work: Path) -> Result
     rc, _ = step(log, [sys.executable, "-m", "venv", "--upgrade-deps", str(venv)], env=clean_env())
     if rc:
         return fail("python -m venv failed", log)
-    # (not --no-compile: it makes the install much faster, but then the tests' workers, four
-    # at a time, compile what they import, and some missed their 120 s ready timeout)
-    pip = [py, "-m", "pip", "install", "-c", str(constraints)]
+    # --no-compile: pip would byte-compile every module of torch, transformers, diffusers and
+    # Ray, about three quarters of an install's time. The probe below imports every module of
+    # the package, which compiles (and, with bytecode writing allowed, saves) what it and
+    # its dependencies import, once, before any test. (Without the probe's bytecode saved,
+    # the tests' workers, four at a time, each compiled what they import, and some missed
+    # their 120 s ready timeout.)
+    pip = [py, "-m", "pip", "install", "--no-compile", "-c", str(constraints)]
     rc, _ = step(log, [*pip, *c.requirements, "pytest-timeout>=2.3"], env=env, cwd=work)
     if rc:
         return fail(f"pip install {' '.join(c.requirements)} failed", log)

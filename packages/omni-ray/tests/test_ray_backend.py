@@ -181,6 +181,23 @@ def test_a_placement_no_node_offers_fails_the_start_and_says_why(cluster):
         Pipeline(cfg, backend="ray").start()
 
 
+def test_a_gateway_that_does_not_start_in_time_fails_the_start_and_says_why(cluster, monkeypatch):
+    """The head node's gateway gets at least ``GATEWAY_START_S`` (a Ray worker process has
+    to start for it: far more than a stage's few-second ready timeout on a loaded node);
+    past its bound, the start fails with an error that names it, not Ray's bare timeout,
+    and the cluster serves the next pipeline."""
+    from omni_core.errors import StageStartError
+    from omni_ray import launcher
+
+    monkeypatch.setattr(launcher, "GATEWAY_START_S", 0.0)
+    cfg = chain(("src", "synthetic.source", {}), ready_timeout_s=0.001)
+    with pytest.raises(StageStartError, match=r"head node's gateway .* within 0.001 s"):
+        Pipeline(cfg, backend="ray")
+    monkeypatch.undo()
+    with Pipeline(chain(("src", "synthetic.source", {})), backend="ray") as pipe:
+        assert pipe.generate([{}])[0].ok
+
+
 def test_a_node_label_selector_places_a_stage(cluster):
     labelled = cluster.add_node(num_cpus=2, labels={"omni-zone": "b"})
     cluster.wait_for_nodes()

@@ -28,6 +28,7 @@ from omni_core.control.launcher import Launcher, WorkerHandle
 from omni_core.control.worker_env import inherited_env
 from omni_core.dataplane.serial import encode_json
 from omni_core.dataplane.shm import SHM_DIR
+from omni_core.errors import StageStartError
 from omni_core.worker import WorkerSpec
 
 from omni_ray.channel_auth import ChannelKeys, curve_available
@@ -39,6 +40,10 @@ from omni_ray.segments import unlink_pipeline_segments
 from omni_ray.stage_actor import StageActor
 
 log = logging.getLogger("omni.ray")
+# how long the head node's gateway actor may take to start, at least: a Ray worker process
+# that imports omni, seconds alone and far more on a loaded node (a stage's ready_timeout_s,
+# a few seconds in some configs, bounds the stage's own start, not this)
+GATEWAY_START_S = 60.0
 NODE_SCAN_S = 1.0  # how often to look for nodes that joined (they get a gateway)
 # a delivery blocks while its consumer pushes back, holding one of the gateway's threads:
 # at most one per (other node, endpoint) at once, plus control calls
@@ -158,9 +163,19 @@ class RayLauncher(Launcher):
         self.next_scan = 0.0
         self.health_refs: dict[Any, str] = {}  # gateways' failure() calls in flight -> node
         self._failure: dict[str, str] | None = None
+        from ray.exceptions import GetTimeoutError
+
+        wait_s = max(cfg.ready_timeout_s, GATEWAY_START_S)
         try:
             head = self._add_gateway(self.head_node)
-            info = ray.get(head.info.remote(), timeout=cfg.ready_timeout_s)
+            info = ray.get(head.info.remote(), timeout=wait_s)
+        except GetTimeoutError as e:
+            self._shutdown_ray()
+            raise StageStartError(
+                f"the head node's gateway (the Ray actor that carries this pipeline's frames) "
+                f"did not start within {wait_s:g} s: Ray had no worker process for it in time "
+                "(a node short of CPU or memory?)"
+            ) from e
         except BaseException:
             self._shutdown_ray()
             raise
