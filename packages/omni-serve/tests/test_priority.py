@@ -7,6 +7,7 @@ priority scheduling); the requests in flight meanwhile are untouched."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +24,9 @@ pytest.importorskip("transformers")
 
 CHAT, COMPLETIONS, IMAGES = "/v1/chat/completions", "/v1/completions", "/v1/images/generations"
 PRIORITY = {"mrs": {"defaults": {"scheduler_policy": "priority"}}, "heartbeat_interval_s": 0.05}
-HOLD_S = 1.5  # the priority text server's stage holds each request this long
+# the priority text server's stage holds each request until its gate file exists, then
+# this long (the requests are answered one at a time, in the order they were served)
+HOLD_S = 0.3
 # not 64-bit integers: each a 400 naming the field, whatever the pipeline's policy
 NOT_INT64 = [2**63, -(2**63) - 1, True, 1.5, "1", None]
 FCFS_REFUSES = "this pipeline schedules first come, first served"
@@ -40,10 +43,14 @@ def body(path: str, **fields: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def text_priority(tiny_llama, tmp_path_factory):
-    """intake -> a stage holding each request HOLD_S, every stage under priority."""
-    config = intake_then("text_priority", tiny_llama, slow(HOLD_S))
-    s = start_server({**config, **PRIORITY}, tmp_path_factory.mktemp("text-priority"))
-    yield s
+    """intake -> a stage holding each request until the gate file exists, then HOLD_S,
+    every stage under priority; the server and the gate."""
+    where = tmp_path_factory.mktemp("text-priority")
+    stage = slow(HOLD_S)
+    gate = where / "release"
+    stage["options"]["until_file"] = str(gate)
+    s = start_server({**intake_then("text_priority", tiny_llama, stage), **PRIORITY}, where)
+    yield s, gate
     stop_server(s)
 
 
@@ -112,12 +119,17 @@ def refused(server: Server, path: str, priority: Any, why: str = "") -> None:
 
 
 def served_order(
-    server: Server, stage: str, blocker: tuple[str, dict[str, Any]], waiting: dict[str, Any]
+    server: Server,
+    stage: str,
+    blocker: tuple[str, dict[str, Any]],
+    waiting: dict[str, Any],
+    gate: Path | None = None,
 ) -> tuple[list[str], dict[str, httpx.Response]]:
     """Post ``blocker``; once ``stage`` holds it, post each of ``waiting`` (name -> (path,
     body)) once the one before waits in ``stage``'s queue, then the bodies that are not
-    64-bit priorities (400s, with these requests in flight); the order the waiting ones
-    were answered in, and every answer."""
+    64-bit priorities (400s, with these requests in flight), then create ``gate`` (the
+    file a stage holding its requests until it exists waits for); the order the waiting
+    ones were answered in, and every answer."""
     posts = Posts(server)
     posts.post("blocker", *blocker)
     wait_for(lambda: stage_stats(server, stage)["inflight"] >= 1, 60, "the blocker held")
@@ -130,6 +142,8 @@ def served_order(
     for path in server_paths(blocker[0]):
         for bad in NOT_INT64:
             refused(server, path, bad)
+    if gate is not None:
+        gate.touch()
     answers = posts.join()
     for name, r in answers.items():
         assert r.status_code == 200, (name, r.text)
@@ -149,7 +163,8 @@ def test_text_requests_wait_by_priority_then_arrival_the_bounds_pass(text_priori
         "completion-1": (COMPLETIONS, body(COMPLETIONS, priority=-1)),
     }
     blocker = (COMPLETIONS, body(COMPLETIONS))
-    order, _ = served_order(text_priority, "slow", blocker, waiting)
+    server, gate = text_priority
+    order, _ = served_order(server, "slow", blocker, waiting, gate)
     assert order == ["min", "chat-1", "completion-1", "zero", "max"]
 
 
