@@ -205,6 +205,11 @@ def tail(log: Path, n: int = 40) -> str:
     return "\n".join("    " + line for line in lines[-n:])
 
 
+def failure(what: str, log: Path) -> str:
+    """What failed, with the end of its log."""
+    return f"{what}; its log ({log}) ends:\n{tail(log)}"
+
+
 def hatch() -> list[str]:
     exe = shutil.which("hatch")
     return [exe] if exe else [sys.executable, "-m", "hatch"]
@@ -248,7 +253,7 @@ def install_combination(c: Combination, constraints: Path, work: Path) -> Result
     py = str(venv / "bin" / "python")
 
     def fail(what: str, log: Path) -> Result:
-        r.failed = f"{what}; its log ({log}) ends:\n{tail(log)}"
+        r.failed = failure(what, log)
         return r
 
     log = logs / f"{c.name}-install.log"
@@ -259,11 +264,11 @@ def install_combination(c: Combination, constraints: Path, work: Path) -> Result
     if rc:
         return fail("python -m venv failed", log)
     # --no-compile: pip would byte-compile every module of torch, transformers, diffusers and
-    # Ray, about three quarters of an install's time. The probe below imports every module of
-    # the package, which compiles (and, with bytecode writing allowed, saves) what it and
-    # its dependencies import, once, before any test. (Without the probe's bytecode saved,
-    # the tests' workers, four at a time, each compiled what they import, and some missed
-    # their 120 s ready timeout.)
+    # Ray, most of an install's time (ar here: 89 s without, 161 s with, on a loaded
+    # machine). The probe below imports every module of the package, which compiles (and,
+    # with bytecode writing allowed, saves) what it and its dependencies import, once,
+    # before any test. (Without the bytecode saved, the tests' workers, four at a time,
+    # each compiled what they import, and some missed their 120 s ready timeout.)
     pip = [py, "-m", "pip", "install", "--no-compile", "-c", str(constraints)]
     rc, _ = step(log, [*pip, *c.requirements, "pytest-timeout>=2.3"], env=env, cwd=work)
     if rc:
@@ -310,7 +315,7 @@ def test_combination(r: Result, dists: dict[str, Dist], work: Path, args) -> Res
     )
     r.summary = found[-1] if found else f"pytest exited {rc}"
     if rc:
-        r.failed = f"{c.package}'s tests failed ({r.summary}); its log ({log}) ends:\n{tail(log)}"
+        r.failed = failure(f"{c.package}'s tests failed ({r.summary})", log)
         return r
     print(f"  [{c.name}] tests: {r.summary} ({r.times['tests']:.0f}s)", flush=True)
     return r
