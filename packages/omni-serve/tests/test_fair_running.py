@@ -222,6 +222,73 @@ def test_a_key_running_with_none_waiting_is_active_however_long_ago_it_last_ende
     asyncio.run(main())
 
 
+HEAVY = ApiKey("heavy", "h" * 40, weight=3)
+
+
+def test_a_heavier_key_gets_its_weights_part_of_the_places_and_one_past_it_waits():
+    """heavy (weight 3) and flood (weight 1) at a gate of 4: shares of 3 and 1; freed
+    places go to heavy until it runs 3, then to flood until it runs 1; neither goes past."""
+
+    async def main() -> None:
+        r = Runner(Shares([FLOOD, HEAVY], None, ServerMetrics(None), 4))
+        for i in range(6):  # alone: all 4 places, 2 wait
+            r.start(f"f{i}", FLOOD)
+        await settle()
+        for i in range(4):
+            r.start(f"h{i}", HEAVY)
+        await settle()
+        assert r.use(FLOOD) == (4, 2) and r.use(HEAVY) == (0, 4)
+        for i in range(3):  # flood is past its share of 1: each place is heavy's
+            await r.end(f"f{i}")
+            await settle()
+        assert r.started[-3:] == ["h0", "h1", "h2"] and r.use(HEAVY) == (3, 1)
+        await r.end("f3")  # heavy at its share of 3 (ceil(4 * 3 / 4)): flood's oldest
+        await settle()
+        assert r.started[-1] == "f4" and r.use(FLOOD) == (1, 1) and r.use(HEAVY) == (3, 1)
+        await r.end("h0")  # heavy under its share again, flood at its share of 1
+        await settle()
+        assert r.started[-1] == "h3" and r.use(FLOOD) == (1, 1)
+        await r.end("h1")  # a place free, but both keys at their share: f5 waits
+        await settle()
+        assert r.use(FLOOD) == (1, 1) and r.shares.running_total == 3
+        for n in ("h2", "h3", "f4", "f5"):
+            await r.end(n)
+            await settle()
+        assert r.shares.running_total == 0
+
+    asyncio.run(main())
+
+
+def test_equal_running_for_their_weight_the_older_request_goes_first():
+    """heavy running 6 (2 for each of its weight 3) and flood running 2 (weight 1) weigh
+    the same: the freed place goes to the older waiting request, heavy's, though flood
+    runs fewer."""
+
+    async def main() -> None:
+        r = Runner(Shares([FLOOD, HEAVY, THIRD], None, ServerMetrics(None), 11))
+        for i in range(6):
+            r.start(f"h{i}", HEAVY)
+        for i in range(2):
+            r.start(f"f{i}", FLOOD)
+        for i in range(3):  # shares while all three are active: 7, 3, 3 (of 11)
+            r.start(f"t{i}", THIRD)
+        await settle()
+        assert r.shares.running_total == 11
+        r.start("h6", HEAVY)  # waits first
+        await settle()
+        r.start("f2", FLOOD)  # waits second
+        await settle()
+        await r.end("t0")
+        await settle()
+        assert r.started[-1] == "h6" and r.use(FLOOD) == (2, 1)
+        for n in [f"h{i}" for i in range(7)] + ["f0", "f1", "f2", "t1", "t2"]:
+            await r.end(n)
+            await settle()
+        assert r.shares.running_total == 0
+
+    asyncio.run(main())
+
+
 def test_every_keys_request_counter_is_there_before_its_first_request():
     """A scrape shows each key's counter from the start (at 0), so a rate over it is
     defined before the key's first request."""

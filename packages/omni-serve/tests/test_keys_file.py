@@ -11,6 +11,7 @@ import sys
 import pytest
 from omni_serve.keys import (
     DEFAULTS,
+    MAX_WEIGHT,
     MIN_KEY_CHARS,
     SINGLE_KEY_NAME,
     ApiKey,
@@ -82,6 +83,11 @@ def test_a_json_file(tmp_path):
         ({"name": "a", "key": KEY_A, "refusal_delay_s": True}, "('a').refusal_delay_s"),
         ({"name": "a", "key": KEY_A, "refusal_delay_s": float("nan")}, "refusal_delay_s"),
         ({"name": "a", "key": KEY_A, "refusal_delay_s": float("inf")}, "refusal_delay_s"),
+        ({"name": "a", "key": KEY_A, "weight": 0}, "keys[0] ('a').weight: expected an integer"),
+        ({"name": "a", "key": KEY_A, "weight": MAX_WEIGHT + 1}, "('a').weight"),
+        ({"name": "a", "key": KEY_A, "weight": 1.5}, "('a').weight"),
+        ({"name": "a", "key": KEY_A, "weight": True}, "('a').weight"),
+        ({"name": "a", "key": KEY_A, "weight": "2"}, "('a').weight"),
     ],
 )
 def test_a_bad_entry_is_refused_naming_its_field(entry, names):
@@ -101,6 +107,12 @@ def test_limits_at_their_edge_pass():
         assert key.refusal_delay_s == float(edge) and isinstance(key.refusal_delay_s, float)
     (key,) = parse_keys({"defaults": {"refusal_delay_s": 0}, "keys": [{"name": "a", "key": KEY_A}]})
     assert key.refusal_delay_s == 0.0
+    assert key.weight == DEFAULTS["weight"] == 1
+    for edge in (1, MAX_WEIGHT):
+        (key,) = parse_keys({"keys": [{"name": "a", "key": KEY_A, "weight": edge}]})
+        assert key.weight == edge
+    (key,) = parse_keys({"defaults": {"weight": 7}, "keys": [{"name": "a", "key": KEY_A}]})
+    assert key.weight == 7
 
 
 def test_names_and_keys_are_unique_and_the_file_well_formed():

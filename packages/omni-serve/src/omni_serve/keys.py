@@ -1,8 +1,8 @@
 """API keys: one (``--api-key``, ``--api-key-file``, ``$OMNI_API_KEY``: named
 ``default``, no limits of its own) or several from a keys file (``--api-keys-file``), each
 named and with its own share of the server: open connections, requests in flight,
-queued pipeline requests, the best priority it may ask for, and how long its refusals
-are held before they are answered.
+queued pipeline requests, the best priority it may ask for, how long its refusals
+are held before they are answered, and its weight at ``--max-running-requests``' fair gate.
 
 The file is TOML (``.toml``) or JSON (``.json``)::
 
@@ -12,6 +12,7 @@ The file is TOML (``.toml``) or JSON (``.json``)::
     max_queued = 64
     best_priority = 0
     refusal_delay_s = 1.0
+    weight = 1
 
     [[keys]]
     name = "alice"      # in logs and metrics labels (the key never is)
@@ -20,8 +21,9 @@ The file is TOML (``.toml``) or JSON (``.json``)::
 
 It is read strictly: a file that group or others may read, an unknown field, a name twice,
 a key twice or too short, a limit that is not a positive integer, a ``best_priority``
-above 0, a ``refusal_delay_s`` outside 0..10 is a :class:`KeysFileError` naming the file
-and the field (and the line, for a file that does not parse)."""
+above 0, a ``refusal_delay_s`` outside 0..10, a ``weight`` outside 1..1000 is a
+:class:`KeysFileError` naming the file and the field (and the line, for a file that
+does not parse)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ MIN_KEY_CHARS = 32
 MAX_FILE_BYTES = 1 << 20
 INT64_MIN = -(2**63)
 MAX_REFUSAL_DELAY_S = 10.0
+MAX_WEIGHT = 1000
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 KEY = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no space: a bearer token
 LIMITS = ("max_connections", "max_inflight", "max_queued")
@@ -54,6 +57,7 @@ DEFAULTS: dict[str, float] = {
     "max_queued": 64,
     "best_priority": 0,
     "refusal_delay_s": 1.0,
+    "weight": 1,
 }
 
 
@@ -80,6 +84,10 @@ class ApiKey:
     before it is sent: a client that floods past its share waits instead of costing the
     server an answer at once each time. Bounded: every held refusal sits on a connection
     its key's (or its address's) connection cap already counts."""
+    weight: int = 1
+    """Its weight at the fair gate (``--max-running-requests``): with other keys active,
+    its share of the running places is N times its weight over the active keys' weights
+    (rounded up). Keys of one weight share equally."""
 
 
 def identify(keys: Sequence[ApiKey], authorization: str) -> ApiKey | None:
@@ -191,8 +199,9 @@ def _no_unknown(table: dict[str, Any], known: set[str], where: str, prefix: str)
 
 
 def _share(value: Any, name: str, where: str, at: str) -> float:
-    """A limit (a positive integer), ``best_priority`` (an integer in -2^63..0) or
-    ``refusal_delay_s`` (seconds in 0..MAX_REFUSAL_DELAY_S)."""
+    """A limit (a positive integer), ``best_priority`` (an integer in -2^63..0),
+    ``refusal_delay_s`` (seconds in 0..MAX_REFUSAL_DELAY_S) or ``weight`` (an integer in
+    1..MAX_WEIGHT)."""
     if name == "refusal_delay_s":
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if number and math.isfinite(value) and 0 <= value <= MAX_REFUSAL_DELAY_S:
@@ -201,13 +210,16 @@ def _share(value: Any, name: str, where: str, at: str) -> float:
             f"{where}: {at}: expected seconds in 0..{MAX_REFUSAL_DELAY_S:g}, got {value!r}"
         )
     if isinstance(value, int) and not isinstance(value, bool):
+        if name == "weight" and 1 <= value <= MAX_WEIGHT:
+            return value
         if name == "best_priority" and INT64_MIN <= value <= 0:
             return value
         if name in LIMITS and value >= 1:
             return value
-    want = (
-        f"an integer in {INT64_MIN}..0 (lower runs first; every key may ask for 0)"
-        if name == "best_priority"
-        else "a positive integer"
-    )
+    if name == "best_priority":
+        want = f"an integer in {INT64_MIN}..0 (lower runs first; every key may ask for 0)"
+    elif name == "weight":
+        want = f"an integer in 1..{MAX_WEIGHT}"
+    else:
+        want = "a positive integer"
     raise KeysFileError(f"{where}: {at}: expected {want}, got {value!r}")

@@ -12,10 +12,11 @@ hold of the server, so that no client can starve the others.
   its ``max_queued`` (a share of ``--max-queued-requests``).
 - Running requests: with ``--max-running-requests N``, at most N pipeline requests run at
   once, shared between the active keys (running, waiting, or between two requests: see
-  :data:`ANTICIPATE_S`): a key alone may run N, with others its fair share (N over the
-  active keys, rounded up). Past it a request waits (counted in its key's
-  ``max_queued``); each time one ends, the oldest waiting request of the key with the
-  fewest running that may run goes next. A key that floods cannot take the places of
+  :data:`ANTICIPATE_S`): a key alone may run N, with others its fair share (N times its
+  ``weight`` over the active keys' weights, rounded up: N over the active keys where
+  all weigh the same). Past it a request waits (counted in its key's ``max_queued``);
+  each time one ends, the oldest waiting request of the key running fewest for its
+  weight that may run goes next. A key that floods cannot take the places of
   another that asks, even while that one's client is between two requests.
 - Priority: a request asking a ``priority`` better (lower) than its key's
   ``best_priority`` is a 400 naming ``priority`` (:meth:`omni_serve.server.Server.check_priority`).
@@ -96,6 +97,7 @@ class KeyUse:
     inflight: int = 0
     queued: int = 0
     held: int = 0  # refusals being held (Shares.hold_refusal)
+    weight: int = 1  # its key's weight at the fair gate
     running: int = 0  # pipeline requests past the fair gate (Shares.running)
     ended_at: float = float("-inf")  # when its last running request ended (monotonic)
     # its requests waiting at the gate, oldest first: (arrival number, the turn's future)
@@ -116,7 +118,7 @@ class Shares:
     arrivals: int = 0  # requests that waited at the gate (their order)
 
     def __post_init__(self) -> None:
-        self.use = {k.name: KeyUse() for k in self.keys}
+        self.use = {k.name: KeyUse(weight=k.weight) for k in self.keys}
         for k in self.keys:
             self.metrics.key_requests.labels(k.name)
 
@@ -257,13 +259,16 @@ class Shares:
 
     def _may_run(self, use: KeyUse) -> bool:
         """A request of ``use``'s key may run now: a place is free, and its key runs fewer
-        than its fair share (``max_running`` over the keys that are active, itself
-        included, rounded up) or no other key is active."""
+        than its fair share (``max_running`` times its weight over the weights of the keys
+        that are active, itself included, rounded up) or no other key is active."""
         assert self.max_running is not None
         if self.running_total >= self.max_running:
             return False
-        active = sum(1 for u in self.use.values() if u is use or self._active(u))
-        return active == 1 or use.running < -(-self.max_running // active)
+        active = [u for u in self.use.values() if u is use or self._active(u)]
+        if len(active) == 1:
+            return True
+        weights = sum(u.weight for u in active)
+        return use.running < -(-self.max_running * use.weight // weights)
 
     def _active(self, use: KeyUse) -> bool:
         """``use``'s key runs or waits, or ended a request within :data:`ANTICIPATE_S`
@@ -283,13 +288,13 @@ class Shares:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Turns to waiting requests while one may run: of the keys that may, the one with
-        the fewest running first, then the oldest request."""
+        """Turns to waiting requests while one may run: of the keys that may, the one
+        running fewest for its weight first, then the oldest request."""
         while True:
             ready = [u for u in self.use.values() if u.waiting and self._may_run(u)]
             if not ready:
                 return
-            nxt = min(ready, key=lambda u: (u.running, u.waiting[0][0]))
+            nxt = min(ready, key=lambda u: (u.running / u.weight, u.waiting[0][0]))
             _, turn = nxt.waiting.popleft()
             if turn.done():  # cancelled while it waited
                 continue

@@ -6,11 +6,13 @@ Arms, each against a live runtime:
   a process of its own, attacked over HTTP (:mod:`omni_bench.attack_server`): a body at
   the size limit while ``/health`` is sampled, slow-loris connections (headers and
   bodies a byte at a time) while normal clients are served.
-* ``prompts``, ``connections``, ``image_headers``, ``keys``: one client attacks
-  ``omni serve configs/mm_chat.yaml`` (a keys file: ``normal`` and ``attacker``) while a
+* ``prompts``, ``connections``, ``image_headers``, ``keys``, ``keys_weighted``: one
+  client attacks ``omni serve configs/mm_chat.yaml`` (a keys file: ``normal``,
+  ``tiered`` and ``attacker``) while a
   normal client uses it (:mod:`omni_bench.attack_shares`): prompt bodies of several MB,
   hundreds of idle and half-sent connections from one address, PNGs of hundreds of
-  thousands of empty chunks, a flood of requests with the attacker's key. Each: the
+  thousands of empty chunks, a flood of requests with the attacker's key (against a key
+  of the same weight, and against one weighing 3 times as much). Each: the
   normal client's p99 latency under the attack over its idle p99 (``ratio``).
 * ``dataplane``: the shared-memory data plane and the cross-node channels
   (:mod:`omni_bench.attack_dataplane`): forged and replayed frames on a cross-node channel
@@ -23,7 +25,7 @@ Arms, each against a live runtime:
 Targets (``passed`` says whether every one held): ``health_p99_ms_during_big_body <= 50``,
 every slow-loris connection closed by the server within its deadline, ``served_ratio >=
 0.9``, ``ratio <= 2`` in each per-client arm and the ``ray`` arm, the attacker never
-answered a 5xx but 503 (nor a 2xx but in ``keys``), ``forged_accepted == 0``,
+answered a 5xx but 503 (nor a 2xx but in the ``keys`` arms), ``forged_accepted == 0``,
 ``slots_freed_early == 0``, the stages keep serving, and ``lost == 0`` throughout.
 """
 
@@ -40,7 +42,7 @@ from typing import Any
 from omni_bench.report import emit, run_arms
 from omni_bench.serve import OMNI, Server, free_port
 
-SHARES = ("prompts", "connections", "image_headers", "keys")
+SHARES = ("prompts", "connections", "image_headers", "keys", "keys_weighted")
 ARMS = ("server", *SHARES, "dataplane", "ray")
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -94,13 +96,14 @@ def dataplane_arm(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def shares_arm(args: argparse.Namespace, server: Any, kind: str) -> dict[str, Any]:
-    from omni_bench.attack_shares import run_arm
+    from omni_bench.attack_shares import TIERED_WEIGHT, run_arm
 
     specs: dict[str, dict[str, Any]] = {
         "prompts": {"prompt_mb": args.prompt_mb},
         "connections": {"held": args.held_connections, "dribble_s": 1.0},
         "image_headers": {"png_chunks": args.png_chunks},
         "keys": {},
+        "keys_weighted": {"normal_weight": TIERED_WEIGHT, "attacker_weight": 1},
     }
     try:
         url, keys = server.get()
@@ -127,7 +130,7 @@ def verdict(res: dict[str, Any]) -> list[str]:
             ("attacker_5xx", lambda v: v == 0),
             ("lost", lambda v: v == 0),
         ]
-        if name != "keys":  # (the flood's attacker is served within its share)
+        if name not in ("keys", "keys_weighted"):  # (a flood is served within its share)
             checks_of.append(("attacker_2xx", lambda v: v == 0))
         for key, ok in checks_of:
             if part and "error" not in part and (key not in part or not ok(part[key])):

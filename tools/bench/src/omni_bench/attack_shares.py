@@ -2,7 +2,8 @@
 client uses it, each attack measured as a ratio in one run.
 
 The server is ``omni serve configs/mm_chat.yaml`` (the tiny Llava: it takes images) with a
-keys file of two keys, ``normal`` and ``attacker`` (:data:`ATTACKER_LIMITS`), and
+keys file of three keys, ``normal``, ``tiered`` (``normal``'s limits, weight
+:data:`TIERED_WEIGHT`) and ``attacker`` (:data:`ATTACKER_LIMITS`), and
 ``--max-running-requests`` :data:`MAX_RUNNING` (the fair gate between keys), shared by the
 arms (:class:`SharesServer`). Each arm (:func:`run_arm`) measures the normal client's
 latency (``CLIENTS`` threads sending requests one after another) for ``measure_s`` idle,
@@ -19,11 +20,15 @@ GIL), waits until it says its attack is under way, and measures again for ``meas
   empty chunks (Pillow parses chunks in Python; the header budget refuses it), while the
   normal client sends chats with a small image;
 * ``keys``: ``FLOOD_THREADS`` threads send short chats as fast as they are answered with
-  the attacker's key (past its share: 429).
+  the attacker's key (past its share: 429); both keys weigh the same at the fair gate,
+  so the flood runs as many as the normal client;
+* ``keys_weighted``: the same flood, the normal client with the ``tiered`` key, which
+  weighs :data:`TIERED_WEIGHT` times the attacker's (an interactive tier beside a batch
+  one): the flood runs a quarter of the places.
 
 Each arm reports ``p99_ms_idle``, ``p99_ms_attack`` and ``ratio`` (target <= 2), the
 attacker's answers by status (``attacker_statuses``; ``none``: closed without an answer,
-``error``: no connection), ``attacker_2xx`` (target 0 but in ``keys``, whose attacker
+``error``: no connection), ``attacker_2xx`` (target 0 but in the ``keys`` arms, whose attacker
 is served within its share) and ``attacker_5xx`` (answers of 500 or more but 503: target
 0), ``normal_refused`` (the normal client's answers other than 200) and ``lost`` (its
 requests with no answer: target 0).
@@ -60,6 +65,10 @@ ATTACKER_LIMITS = {"max_inflight": 4, "max_queued": 8, "max_connections": 16}
 # (the normal client's 2 chats alone keep 1.7 of them busy); with two keys active, each
 # runs at most 2 (its share), so the flood cannot outnumber the normal client in the pipeline
 MAX_RUNNING = 4
+# the tiered key's weight: its share of the MAX_RUNNING places is 3 with the attacker
+# active (the attacker's 1), so the normal client's 2 never wait and the flood runs 1
+TIERED_WEIGHT = 3
+FLOODS = ("keys", "keys_weighted")  # the arms whose attacker floods with chats
 PNG_1X1 = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
 )
@@ -95,7 +104,7 @@ def image_chat(png: bytes) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- the server
 class SharesServer:
-    """``omni serve CONFIG`` with a keys file of ``normal`` and ``attacker``, started at
+    """``omni serve CONFIG`` with a keys file of ``normal``, ``tiered`` and ``attacker``, started at
     the first :meth:`get`, stopped by :meth:`stop`."""
 
     def __init__(self, config: str, ready_timeout: float, extra: list[str]) -> None:
@@ -110,10 +119,12 @@ class SharesServer:
             import secrets
 
             self.tmp = tempfile.TemporaryDirectory(prefix="omni-bench-shares-")
-            self.keys = {n: secrets.token_urlsafe(32) for n in ("normal", "attacker")}
+            names = ("normal", "tiered", "attacker")
+            self.keys = {n: secrets.token_urlsafe(32) for n in names}
             keys_file = Path(self.tmp.name) / "keys.json"
             entries = [
                 {"name": "normal", "key": self.keys["normal"]},
+                {"name": "tiered", "key": self.keys["tiered"], "weight": TIERED_WEIGHT},
                 {"name": "attacker", "key": self.keys["attacker"], **ATTACKER_LIMITS},
             ]
             keys_file.write_text(json.dumps({"keys": entries}))
@@ -198,7 +209,7 @@ def run_arm(
     """One attack (``kind``, the attacker's ``spec``) against the normal client: see the
     module."""
     body = image_chat(PNG_1X1) if kind == "image_headers" else CHAT
-    probe = Probe(url, keys["normal"], body)
+    probe = Probe(url, keys["tiered" if kind == "keys_weighted" else "normal"], body)
     probe.run_for(min(2.0, measure_s))  # warm: the first requests load what they need
     idle = probe.run_for(measure_s)
     full = {"url": url, "key": keys["attacker"], "kind": kind, **spec}
@@ -263,7 +274,7 @@ def attacker_main() -> None:
         "prompts": _prompts,
         "connections": _connections,
         "image_headers": _image_headers,
-        "keys": _flood,
+        **dict.fromkeys(FLOODS, _flood),
     }
     threads = kinds[spec["kind"]](spec, stop, count, started)
     for t in threads:

@@ -50,9 +50,8 @@ from typing import Any
 import msgspec
 from omni_core import Pipeline, load_config
 
-from omni_bench.prefill_burst import cpu_model
 from omni_bench.prompts import PROMPTS
-from omni_bench.report import emit, run_arms
+from omni_bench.report import cpu_model, emit, run_arms
 from omni_bench.serve import session_cpu
 from omni_bench.serve_load import percentile
 

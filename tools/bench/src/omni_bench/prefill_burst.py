@@ -18,25 +18,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from omni_core import Pipeline
 from omni_core.client.collector import collect
 
 from omni_bench.prompts import PROMPTS
-from omni_bench.report import emit, run_arms
-
-
-def cpu_model() -> str:
-    """The CPU's model name, from ``/proc/cpuinfo`` ("" where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+from omni_bench.report import cpu_model, emit, run_arms
 
 
 def texts(n: int, repeat: int) -> list[str]:

@@ -6,11 +6,13 @@ import json
 import platform
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:
-    result = {**result, "machine": {"cpus": _cpus(), "python": platform.python_version()}}
+    machine = {"cpus": _cpus(), "cpu": cpu_model(), "python": platform.python_version()}
+    result = {**result, "machine": machine}
     if as_json:
         print(json.dumps(result))
         return
@@ -23,6 +25,17 @@ def _cpus() -> int:
     import os
 
     return len(os.sched_getaffinity(0))
+
+
+def cpu_model() -> str:
+    """The CPU's model name, from ``/proc/cpuinfo`` ("" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def run_arms(
