@@ -85,3 +85,46 @@ def test_health_reads_the_same_strings():
         "dead",
     ]
     assert set(Life) >= SERVING and set(Life) >= GONE and Life.READY in SERVING - GONE
+
+
+def test_only_the_supervisor_writes_a_worker_records_fields():
+    """The record's fields (its state and the flags beside it) are assigned in
+    supervisor.py alone, and only it moves a life (lifecycle.move): the orchestrator and
+    the rest of the control plane ask it."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    import omni_core
+    from omni_core.control.supervisor import WorkerRecord
+
+    fields = {f.name for f in dataclasses.fields(WorkerRecord)}
+    root = Path(omni_core.__file__).parent
+    found: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "supervisor.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            call = node.func if isinstance(node, ast.Call) else None
+            if isinstance(call, ast.Name) and call.id == "move" and path.name != "lifecycle.py":
+                found.append(f"{where} move()")
+            if path.parent.name != "control" or path.name == "lifecycle.py":
+                continue  # (a record lives in the control plane)
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
+            for t in targets:
+                owner = t.value if isinstance(t, ast.Attribute) else None
+                # p.dead = ...: a record's field (self.x = ...: the object's own)
+                if (
+                    owner is not None
+                    and t.attr in fields
+                    and not (isinstance(owner, ast.Name) and owner.id == "self")
+                ):
+                    found.append(f"{where} .{t.attr} =")
+    assert found == [], found

@@ -220,12 +220,11 @@ class ControlLoop(PollLoop):
 
     def add_replica(self, name: str) -> None:
         try:
-            p = self.sup.spawn(name)
+            p = self.sup.spawn(name, scaled=True)
         except Exception as e:  # cannot be placed here (devices, resources): reported
             stage = name.partition("#")[0]
             self.o.autoscaler.cannot_place(stage, f"{type(e).__name__}: {e}")
             return
-        p.scaled = True
         self.o.autoscaler.record("start", p.stage, worker=name)
         log.info("stage %s: starting replica %s", p.stage, name, extra={"stage": p.stage})
         self._watch_exit(p)
@@ -234,8 +233,7 @@ class ControlLoop(PollLoop):
     def on_death(self, p: WorkerRecord) -> None:
         """A worker exited: end or replay its requests, reclaim its slots, restart it."""
         if self.o.closing or self.o.shutting_down:  # told to stop: not a crash
-            p.worker.reap()
-            p.dead = True
+            self.sup.reaped(p)
             return
         never_up = p.scaled and p.state == Life.STARTING  # an added replica that failed
         self.sup.on_death(p, restart=not never_up)
@@ -393,8 +391,7 @@ class Orchestrator(Backend):
                         f"stage {p.name!r} (kind {p.kind!r}) failed to load: {p.load_error}"
                     )
                 if not p.ready and p in ended:
-                    reason = p.worker.reap()
-                    p.dead = True
+                    reason = self.supervisor.reaped(p)
                     self.drain_status()
                     detail = p.load_error or reason
                     raise StageStartError(
@@ -586,8 +583,7 @@ class Orchestrator(Backend):
         t_end = time.monotonic() + (timeout_s if graceful else 0)
         for p in self.procs.values():
             if not p.dead:
-                p.worker.stop(max(0.0, t_end - time.monotonic()))
-                p.dead = True
+                self.supervisor.stop_now(p, max(0.0, t_end - time.monotonic()))
         self.requests.fail_all("pipeline closed before the request finished", "pipeline_closed")
         for s in [self.status, self.results, *self.sockets.values()]:
             s.close(linger=0)

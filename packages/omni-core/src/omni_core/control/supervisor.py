@@ -36,7 +36,8 @@ MIN_LATE_S = 1.0
 
 @dataclass
 class WorkerRecord:
-    """One stage's worker: the current process, and the stage's life across restarts."""
+    """One stage's worker: the current process, and the stage's life across restarts.
+    Written by the :class:`Supervisor` alone (others read it)."""
 
     name: str  # the worker's: the stage's, or STAGE#i for a replica
     kind: str
@@ -83,14 +84,23 @@ class Supervisor:
         }
         """The status messages the supervisor reads, by type, and what each does."""
 
-    def spawn(self, name: str) -> WorkerRecord:
+    def spawn(self, name: str, scaled: bool = False) -> WorkerRecord:
         """Start (or restart) worker ``name`` (a stage's, or ``STAGE#i``); the restart
-        history carries over."""
+        history carries over. ``scaled``: an added replica (the autoscaler's)."""
         stage, replica = split_worker(name)
         st = self.cfg.stage(stage)
         worker = self.launcher.spawn(name)
         idempotent = bool(getattr(load_stage_class(st.kind), "idempotent", False))
-        p = WorkerRecord(name, st.kind, worker, idempotent, stage, replica, spawned_at=self.clock())
+        p = WorkerRecord(
+            name,
+            st.kind,
+            worker,
+            idempotent,
+            stage,
+            replica,
+            spawned_at=self.clock(),
+            scaled=scaled,
+        )
         old = self.procs.get(name)
         if old is not None:
             p.restarts, p.recent = old.restarts, old.recent
@@ -165,6 +175,20 @@ class Supervisor:
             p.restart_at = now + backoff
         else:
             move(p, Life.DEAD)
+
+    def reaped(self, p: WorkerRecord) -> str:
+        """An ended worker whose end decides nothing (the pipeline is closing, or failed
+        to start): reaped and marked dead, never restarted; why it ended."""
+        p.exit_reason = p.worker.reap()
+        p.dead = True
+        p.ready = False
+        return p.exit_reason
+
+    def stop_now(self, p: WorkerRecord, timeout_s: float) -> None:
+        """The pipeline closing: ``p``'s worker told to stop, killed past ``timeout_s``."""
+        p.worker.stop(timeout_s)
+        p.dead = True
+        p.ready = False
 
     def why(self, p: WorkerRecord) -> tuple[str, str]:
         """(message, code) for the requests an ended worker takes down."""
