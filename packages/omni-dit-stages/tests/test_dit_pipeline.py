@@ -116,6 +116,33 @@ def test_previews_every_k_steps_in_order_then_final_image(pipe):
     assert Image.open(io.BytesIO(final.arrays["image"])).size == (64, 64)
 
 
+def test_previews_of_a_shared_batch_go_each_to_its_request_at_its_own_steps(pipe):
+    """Three alike requests in flight together, previews every 2 steps, every 3 and none:
+    each gets its own steps' previews, and each preview is the one its request makes
+    alone (within one level: a batch's floats may differ in the last bit)."""
+    reqs = [
+        {
+            "prompt": p,
+            "image": {"width": 64, "height": 64, "steps": 7, "preview_every": k, "seed": s},
+        }
+        for p, k, s in (("a fox", 2, 1), ("a lighthouse at night", 3, 5), ("a cat", 0, 9))
+    ]
+    # a request of another size ahead holds sample while the three queue behind it, so
+    # they are taken as one batch
+    blocker = {"prompt": "a tree", "image": {"width": 96, "height": 64, "steps": 40}}
+    together = pipe.generate([blocker, *reqs])[1:]
+    alone = [pipe.generate([r])[0] for r in reqs]
+    for out, solo, want in zip(together, alone, ([2, 4, 6], [3, 6], []), strict=True):
+        assert out.ok and solo.ok, (out.error, solo.error)
+        previews = out.by_stage("sample")
+        assert [e.step for e in previews] == want
+        for got, ref in zip(previews, solo.by_stage("sample"), strict=True):
+            diff = got.arrays["preview"].astype(int) - ref.arrays["preview"].astype(int)
+            assert np.abs(diff).max() <= 1, got.step
+    first = [o.by_stage("sample")[0].arrays["preview"] for o in together[:2]]
+    assert np.abs(first[0].astype(int) - first[1].astype(int)).max() > 1  # two pictures
+
+
 def test_cancel_mid_sampling_stops_the_loop(pipe):
     slow = {"prompt": "fox", "image": {"width": 64, "height": 64, "steps": 100, "preview_every": 1}}
     h = pipe.submit(slow)

@@ -73,12 +73,14 @@ def test_dit_keys(tmp_path, monkeypatch):
         "staged_unbatched_img_per_s_c2",
         "stock_img_per_s",
         "preview_every_step_img_per_s",
+        "preview_every_4_img_per_s",
         "no_preview_img_per_s",
         "full_layout_vs_stock",
         "second_arch_vs_stock",
     ):
         assert r[key] > 0, key
     assert r["full_layout"]["staged_img_per_s_c2"] > 0 and r["second_arch"]["stock_img_per_s"] > 0
+    assert all(isinstance(r[k], float) for k in ("preview_cost_pct", "preview_every_4_cost_pct"))
 
 
 def test_ipc_through_ray_keys():

@@ -238,6 +238,12 @@ class _ModelStage(Stage):
         self.arch = load_architecture(self.options)
 
 
+def _preview_due(p: ImageParams, step: int) -> bool:
+    """A preview after ``step`` (1-based) of ``p.steps``: every ``preview_every`` steps,
+    the last step aside (the final image follows it)."""
+    return bool(p.preview_every) and step < p.steps and step % p.preview_every == 0
+
+
 class Sample(_ModelStage):
     """The denoising loop; previews every ``image.preview_every`` steps."""
 
@@ -302,22 +308,20 @@ class Sample(_ModelStage):
                 jobs, latents = [jobs[k] for k in live], latents[live]
                 embeds, pooled = self._conditioning(jobs, guided)
             noise = arch.predict(self.transformer, latents, t, embeds, pooled, p)
-            previews = []
             step = i + 1
-            if step < p.steps:
-                sigma = sigmas[i]
-                for k, j in enumerate(jobs):
-                    every = j.params.preview_every
-                    if every and step % every == 0:
-                        x0 = latents[k : k + 1] - sigma * noise[k : k + 1]  # clean estimate
-                        x0 = arch.spatial(x0, j.params)[0].float().cpu().numpy()
-                        previews.append(
-                            j.inp.image(
-                                step,
-                                arrays={"preview": project(x0, self.projection)},
-                                payload={"steps": p.steps},
-                            )
+            due = [k for k, j in enumerate(jobs) if _preview_due(j.params, step)]
+            previews = []
+            if due:  # the clean estimates of every request due, to the host in one copy
+                x0 = latents[due] - sigmas[i] * noise[due]
+                x0s = arch.spatial(x0, p).float().cpu().numpy()  # (one size per group)
+                for x0, k in zip(x0s, due, strict=True):
+                    previews.append(
+                        jobs[k].inp.image(
+                            step,
+                            arrays={"preview": project(x0, self.projection)},
+                            payload={"steps": p.steps},
                         )
+                    )
             latents = schedule.step(noise, t, latents, return_dict=False)[0]
             yield previews  # also the point where a cancel takes effect
         final = latents.float().cpu().numpy()  # to the host once, for the whole batch
