@@ -307,13 +307,16 @@ def test_settle_leaves_a_future_already_done():
 
 
 class Answer:
-    def __init__(self, status=200, headers=(), chunks=(), hang=False, error=None) -> None:
+    def __init__(
+        self, status=200, headers=(), chunks=(), hang=False, error=None, cleanup_steps=0
+    ) -> None:
         self.status = status
         self.headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         self.chunks = list(chunks)
         self.read = 0
         self.hang = hang
         self.error = error
+        self.cleanup_steps = cleanup_steps  # loop turns a hung answer takes to close
 
     async def aiter_stream(self):
         for c in self.chunks:
@@ -345,6 +348,8 @@ class Pool:
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
+                for _ in range(a.cleanup_steps):  # (its connection closing)
+                    await asyncio.sleep(0)
                 self.cancelled.append(url)
                 raise
         yield a
@@ -549,6 +554,48 @@ def test_one_failed_fetch_cancels_the_others(connection_pool):
         asyncio.run(fetch_remote(req, fetcher(), 1000))
     assert connection_pool.pool.cancelled == ["http://h/slow"]
     assert req["messages"][0]["content"][1]["image_url"]["url"] == "http://h/slow"  # untouched
+
+
+def test_the_others_are_cancelled_and_ended_before_the_400_is_raised(connection_pool):
+    """The fetches left when one fails are cancelled at once (not left to their 30 s
+    deadline) and have ended by the time the 400 reaches the caller: nothing of the
+    request still runs behind its answer."""
+    import time
+
+    slow = Answer(hang=True, cleanup_steps=3)
+    connection_pool.pool = Pool({"http://h/bad": Answer(404), "http://h/slow": slow})
+
+    async def main() -> tuple[list[str], float]:
+        t0 = time.monotonic()
+        with pytest.raises(APIError, match="HTTP 4xx"):
+            await fetch_remote(chat("http://h/bad", "http://h/slow"), fetcher(30.0), 1000)
+        return list(connection_pool.pool.cancelled), time.monotonic() - t0
+
+    seen, took = asyncio.run(main())
+    assert seen == ["http://h/slow"]  # seen as the 400 came, not at the loop's close
+    assert took < 10, took  # the deadline is 30 s
+
+
+def test_a_hung_lookup_does_not_hold_the_interpreters_exit():
+    """A name server that never answers holds its lookup's thread, never the process:
+    the server exits on time with a lookup still hanging."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, threading\n"
+        "from omni_serve import media\n"
+        "media.socket.getaddrinfo = lambda *a, **k: threading.Event().wait()\n"
+        "async def main():\n"
+        "    r = media.Resolver(4)\n"
+        "    try:\n"
+        "        await asyncio.wait_for(r.resolve('hangs.example', 80), 0.2)\n"
+        "    except TimeoutError:\n"
+        "        print('gave up', flush=True)\n"
+        "asyncio.run(main())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout == "gave up\n", out.stderr[-2000:]
 
 
 def test_the_url_checks_refuse_what_httpcore_cannot_request():
