@@ -472,20 +472,28 @@ KEYS_FILE = "".join(f'[[keys]]\nname = "{n}"\nkey = "{k}"\n\n' for n, k in KEYS.
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
+    """The server, and the gate file its stage holds every request on until it exists."""
     where = tmp_path_factory.mktemp("fair-running")
     keys = where / "keys.toml"
     keys.write_text(KEYS_FILE)
     keys.chmod(0o600)
+    gate = where / "gate"
+    stage = slow(HOLD_S)
+    stage["options"]["until_file"] = str(gate)
     s = start_server(
-        intake_then("running", tiny_llama, slow(HOLD_S)),
+        intake_then("running", tiny_llama, stage),
         where,
         *("--api-keys-file", str(keys), "--max-running-requests", "2"),
     )
-    yield s
+    yield s, gate
+    gate.touch()
     stop_server(s)
 
 
 def test_a_keys_request_passes_the_floods_older_ones_and_the_gauges_say_so(server):
+    """The stage holds every request until the test opens its gate, so calm's request
+    waits however long posting it takes on a busy machine."""
+    server, gate = server
     url = f"{server.url}/v1/completions"
     auth = {n: {"Authorization": f"Bearer {k}"} for n, k in KEYS.items()}
     done: list[str] = []
@@ -513,6 +521,8 @@ def test_a_keys_request_passes_the_floods_older_ones_and_the_gauges_say_so(serve
     assert scrape("omni_http_key_running", "flood") == 2
     post("c0", "calm")
     wait_for(lambda: scrape("omni_http_key_waiting", "calm") == 1, "calm waits at the cap")
+    assert scrape("omni_http_key_waiting", "flood") == 2
+    gate.touch()  # the stage goes on: each place freed from now on is given to a waiter
     for t in threads:
         t.join(60)
     assert statuses == dict.fromkeys(("f0", "f1", "f2", "f3", "c0"), 200), statuses
